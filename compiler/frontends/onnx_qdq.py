@@ -1,0 +1,288 @@
+"""ONNX QDQ frontend: a model as onnxruntime's ``quantize_static`` (QuantFormat.QDQ) or ``qmodel`` writes it.
+
+Accepted: per-channel or per-tensor weights (int8, or INT4 at opset 21), int8 or uint8 activations
+(4-bit INT4/UINT4 activations at opset 21), int32 biases through DequantizeLinear, float biases,
+BatchNormalization left unfolded, and the ResNet op set (Conv, Gemm/MatMul, Add, Relu, Clip, MaxPool,
+GlobalAveragePool, AveragePool as a global pool, Flatten, Reshape, Identity). Anything else is an
+:class:`UnsupportedOpError` naming the node.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..errors import QCompileError, UnsupportedOpError
+from ..qdq import QDQBuilder, QType, QTYPES
+
+# ONNX element type -> our quantized type (zero-point dtype decides the quantized type).
+_ONNX_QTYPES = {
+    onnx.TensorProto.INT8: QTYPES["int8"],
+    onnx.TensorProto.UINT8: QTYPES["uint8"],
+    onnx.TensorProto.INT4: QTYPES["int4"],
+    onnx.TensorProto.UINT4: QTYPES["uint4"],
+}
+
+
+def load_onnx(path: str) -> onnx.ModelProto:
+    """Read and check an ONNX file; a missing, truncated or corrupt file is a QCompileError."""
+    if not os.path.isfile(path):
+        raise QCompileError(f"model file '{path}' does not exist")
+    try:
+        model = onnx.load(path)
+        onnx.checker.check_model(model)
+    except Exception as e:  # protobuf DecodeError, checker ValidationError, ...
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise QCompileError(f"cannot read ONNX model '{path}': file is corrupt or truncated ({msg})") from None
+    if not model.graph.node:
+        raise QCompileError(f"ONNX model '{path}' has an empty graph")
+    return model
+
+
+def _attrs(node) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _to_array(t: onnx.TensorProto) -> np.ndarray:
+    arr = numpy_helper.to_array(t)
+    if t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        # ml_dtypes int4/uint4 -> plain int8/uint8 values
+        arr = arr.astype(np.int8 if t.data_type == onnx.TensorProto.INT4 else np.uint8)
+    return arr
+
+
+class _Importer:
+    def __init__(self, model: onnx.ModelProto, batch: Optional[int], log):
+        self.model = model
+        self.batch = batch
+        self.log = log
+        self.b = QDQBuilder()
+        self.consts: dict[str, np.ndarray] = {}
+        self.const_types: dict[str, int] = {}
+        self.vals: dict = {}          # ONNX tensor name -> relax expr
+        self.qdq_consts: dict = {}    # name -> (q array, QType, scale, zp, axis) for DQ of an initializer
+        for t in model.graph.initializer:
+            self.consts[t.name] = _to_array(t)
+            self.const_types[t.name] = t.data_type
+
+    # -- helpers --------------------------------------------------------------------------------
+    def const(self, name: str, node) -> np.ndarray:
+        if name not in self.consts:
+            raise QCompileError(f"node '{node.name}' ({node.op_type}): input '{name}' must be a constant initializer")
+        return self.consts[name]
+
+    def val(self, name: str, node):
+        if name in self.vals:
+            return self.vals[name]
+        if name in self.consts:
+            raise UnsupportedOpError(node.op_type, node.name, f"constant float input '{name}' is not quantized")
+        raise QCompileError(f"node '{node.name}' ({node.op_type}): input '{name}' is not produced by any node")
+
+    def _input_shape(self, vi) -> list[int]:
+        dims = []
+        for i, d in enumerate(vi.type.tensor_type.shape.dim):
+            if d.HasField("dim_value") and d.dim_value > 0 and not (i == 0 and self.batch):
+                dims.append(d.dim_value)
+            elif i == 0:
+                if not self.batch:
+                    self.log(f"note: input '{vi.name}' has a dynamic batch dimension; compiling for batch 1 (use --batch N)")
+                dims.append(self.batch or 1)
+            else:
+                raise QCompileError(f"input '{vi.name}' has a dynamic dimension {i} ('{d.dim_param}'); only the batch may be dynamic")
+        return dims
+
+    # -- main -----------------------------------------------------------------------------------
+    def run(self):
+        g = self.model.graph
+        inputs = [vi for vi in g.input if vi.name not in self.consts]
+        if len(inputs) != 1:
+            raise QCompileError(f"expected one graph input (an image batch), found {len(inputs)}: {[i.name for i in inputs]}")
+        vi = inputs[0]
+        if vi.type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
+            raise QCompileError(f"input '{vi.name}' has dtype {onnx.TensorProto.DataType.Name(vi.type.tensor_type.elem_type)}; expected FLOAT")
+        self.input_name = vi.name
+        self.input_shape = self._input_shape(vi)
+        self.vals[vi.name] = self.b.input(vi.name, self.input_shape)
+        for node in g.node:
+            fn = getattr(self, "op_" + node.op_type, None)
+            if fn is None or node.domain not in ("", "ai.onnx"):
+                raise UnsupportedOpError(node.op_type, node.name)
+            fn(node)
+        outs = [self.val(o.name, g.node[-1]) for o in g.output]
+        return self.b.finish(outs)
+
+    # -- quantization ---------------------------------------------------------------------------
+    def _qparams(self, node):
+        scale = self.const(node.input[1], node).astype("float32")
+        if len(node.input) > 2 and node.input[2]:
+            zp = self.const(node.input[2], node)
+            qt = _ONNX_QTYPES.get(self.const_types[node.input[2]])
+            if qt is None and self.const_types[node.input[2]] == onnx.TensorProto.INT32 and node.op_type == "DequantizeLinear":
+                qt = None  # an int32 bias; handled by the caller
+            elif qt is None:
+                raise QCompileError(
+                    f"node '{node.name}' ({node.op_type}): zero point dtype "
+                    f"{onnx.TensorProto.DataType.Name(self.const_types[node.input[2]])} is not INT8/UINT8/INT4/UINT4"
+                )
+        else:
+            zp, qt = np.zeros(scale.shape, "uint8"), QTYPES["uint8"]
+        a = _attrs(node)
+        if a.get("block_size", 0):
+            raise UnsupportedOpError(node.op_type, node.name, "blocked quantization (block_size) is not supported")
+        return scale, zp, qt, int(a.get("axis", 1))
+
+    def op_QuantizeLinear(self, node):
+        scale, zp, qt, axis = self._qparams(node)
+        if node.input[0] in self.consts:  # float weight quantized at import time
+            x = self.consts[node.input[0]].astype("float64")
+            shp = [1] * x.ndim
+            if scale.ndim:
+                shp[axis] = -1
+            q = np.clip(np.round(x / scale.reshape(shp)) + zp.astype("int64").reshape(shp), qt.qmin, qt.qmax)
+            self.consts[node.output[0]] = q.astype(qt.storage)
+            self.const_types[node.output[0]] = {8: onnx.TensorProto.INT8, 4: onnx.TensorProto.INT4}[qt.bits] if qt.signed else onnx.TensorProto.UINT8
+            return
+        self.vals[node.output[0]] = self.b.quantize(self.val(node.input[0], node), scale, zp, qt, axis, node.name or node.output[0])
+
+    def op_DequantizeLinear(self, node):
+        scale, zp, _, axis = self._qparams(node)
+        src = node.input[0]
+        name = node.name or node.output[0]
+        if src in self.consts:
+            q = self.consts[src]
+            dt = self.const_types[src]
+            if dt == onnx.TensorProto.INT32:
+                if np.any(zp != 0):
+                    raise QCompileError(f"node '{name}': int32 bias with a non-zero zero point")
+                self.vals[node.output[0]] = self.b.qbias(q, scale, name)
+                return
+            qt = _ONNX_QTYPES.get(dt)
+            if qt is None:
+                raise QCompileError(f"node '{name}': quantized initializer '{src}' has unsupported dtype {onnx.TensorProto.DataType.Name(dt)}")
+            if np.any(zp != 0):
+                raise UnsupportedOpError("DequantizeLinear", name, "asymmetric weights (non-zero weight zero point) are not supported")
+            self.vals[node.output[0]] = self.b.qweight(q, scale, qt, axis=axis if scale.ndim else 0, name=name)
+            return
+        self.vals[node.output[0]] = self.b.dequantize(self.val(src, node), scale, zp, axis, name)
+
+    # -- compute ops ----------------------------------------------------------------------------
+    def op_Conv(self, node):
+        a = _attrs(node)
+        x, w = self.val(node.input[0], node), self.val(node.input[1], node)
+        kshape = [int(s) for s in w.ty.shape]
+        if len(kshape) != 4:
+            raise UnsupportedOpError("Conv", node.name, f"only 2-D convolution is supported (weight rank {len(kshape)})")
+        if a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            raise UnsupportedOpError("Conv", node.name, f"auto_pad={a['auto_pad']} is not supported; use explicit pads")
+        pads = list(a.get("pads", [0, 0, 0, 0]))
+        pad = [pads[0], pads[1], pads[2], pads[3]]  # ONNX: (top, left, bottom, right)
+        bias = None
+        if len(node.input) > 2 and node.input[2]:
+            bias = self.vals.get(node.input[2])
+            if bias is None:
+                bias = self.b.const(self.const(node.input[2], node).astype("float32"))
+        self.vals[node.output[0]] = self.b.conv2d(
+            x, w, bias, a.get("strides", [1, 1]), pad, a.get("dilations", [1, 1]), a.get("group", 1), node.name or node.output[0]
+        )
+
+    def op_Gemm(self, node):
+        a = _attrs(node)
+        if a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0 or a.get("transA", 0):
+            raise UnsupportedOpError("Gemm", node.name, "only alpha=1, beta=1, transA=0 is supported")
+        x, w = self.val(node.input[0], node), self.val(node.input[1], node)
+        if not a.get("transB", 0):
+            w = self.b.emit(__import__("tvm").relax.op.permute_dims(w, [1, 0]), (node.name or "gemm") + "_wT")
+        bias = None
+        if len(node.input) > 2 and node.input[2]:
+            bias = self.vals.get(node.input[2])
+            if bias is None:
+                bias = self.b.const(self.const(node.input[2], node).astype("float32"))
+        self.vals[node.output[0]] = self.b.dense(x, w, bias, node.name or node.output[0])
+
+    def op_MatMul(self, node):
+        from tvm import relax
+
+        x, w = self.val(node.input[0], node), self.val(node.input[1], node)
+        wT = self.b.emit(relax.op.permute_dims(w, [1, 0]), (node.name or "matmul") + "_wT")
+        self.vals[node.output[0]] = self.b.dense(x, wT, None, node.name or node.output[0])
+
+    def op_Add(self, node):
+        if node.input[1] in self.consts and node.input[1] not in self.vals:  # bias add after MatMul
+            self.vals[node.output[0]] = self.b.add(self.val(node.input[0], node), self.b.const(self.consts[node.input[1]]), node.name)
+            return
+        self.vals[node.output[0]] = self.b.add(self.val(node.input[0], node), self.val(node.input[1], node), node.name or node.output[0])
+
+    def op_Relu(self, node):
+        self.vals[node.output[0]] = self.b.relu(self.val(node.input[0], node), node.name or node.output[0])
+
+    def op_Clip(self, node):
+        lo = float(self.const(node.input[1], node)) if len(node.input) > 1 and node.input[1] else -np.inf
+        hi = float(self.const(node.input[2], node)) if len(node.input) > 2 and node.input[2] else np.inf
+        x = self.val(node.input[0], node)
+        if lo == 0 and hi == np.inf:
+            self.vals[node.output[0]] = self.b.relu(x, node.name)
+        else:
+            self.vals[node.output[0]] = self.b.clip(x, lo, hi, node.name)
+
+    def op_MaxPool(self, node):
+        a = _attrs(node)
+        if a.get("storage_order", 0) or len(node.output) > 1 and node.output[1]:
+            raise UnsupportedOpError("MaxPool", node.name, "indices output / storage_order are not supported")
+        k = a["kernel_shape"]
+        pads = list(a.get("pads", [0, 0, 0, 0]))
+        self.vals[node.output[0]] = self.b.max_pool2d(
+            self.val(node.input[0], node), k, a.get("strides", [1, 1]), pads, a.get("dilations", [1, 1]),
+            bool(a.get("ceil_mode", 0)), node.name or node.output[0],
+        )
+
+    def op_GlobalAveragePool(self, node):
+        self.vals[node.output[0]] = self.b.global_avg_pool(self.val(node.input[0], node), node.name or node.output[0])
+
+    def op_AveragePool(self, node):
+        a = _attrs(node)
+        x = self.val(node.input[0], node)
+        h, w = int(x.ty.shape[2]), int(x.ty.shape[3])
+        if list(a["kernel_shape"]) != [h, w] or any(a.get("pads", [0])):
+            raise UnsupportedOpError("AveragePool", node.name, "only a global average pool (kernel = input size, no padding) is supported")
+        self.vals[node.output[0]] = self.b.global_avg_pool(x, node.name)
+
+    def op_Flatten(self, node):
+        if _attrs(node).get("axis", 1) != 1:
+            raise UnsupportedOpError("Flatten", node.name, "only axis=1 is supported")
+        self.vals[node.output[0]] = self.b.flatten(self.val(node.input[0], node), node.name or node.output[0])
+
+    def op_Reshape(self, node):
+        x = self.val(node.input[0], node)
+        shape = [int(s) for s in self.const(node.input[1], node)]
+        shape = [int(x.ty.shape[i]) if s == 0 else s for i, s in enumerate(shape)]
+        if -1 in shape:
+            total = int(np.prod([int(s) for s in x.ty.shape]))
+            known = int(np.prod([s for s in shape if s != -1]))
+            shape[shape.index(-1)] = total // known
+        self.vals[node.output[0]] = self.b.reshape(x, shape, node.name or node.output[0])
+
+    def op_Identity(self, node):
+        if node.input[0] in self.consts:
+            self.consts[node.output[0]] = self.consts[node.input[0]]
+            self.const_types[node.output[0]] = self.const_types[node.input[0]]
+        else:
+            self.vals[node.output[0]] = self.val(node.input[0], node)
+
+    def op_BatchNormalization(self, node):
+        a = _attrs(node)
+        g, beta, mean, var = (self.const(n, node) for n in node.input[1:5])
+        self.vals[node.output[0]] = self.b.batch_norm(self.val(node.input[0], node), g, beta, mean, var, a.get("epsilon", 1e-5), node.name)
+
+
+def from_onnx(path_or_model, batch: Optional[int] = None, log=print):
+    """Import an ONNX QDQ model into the QDQ-form Relax module (see :mod:`qcompile.qdq`).
+
+    Returns ``(mod, info)`` where ``info`` has the input name and shape.
+    """
+    model = load_onnx(path_or_model) if isinstance(path_or_model, str) else path_or_model
+    imp = _Importer(model, batch, log)
+    mod = imp.run()
+    return mod, {"input_name": imp.input_name, "input_shape": imp.input_shape, "format": "onnx"}
