@@ -15,3 +15,35 @@ class UnsupportedOpError(QCompileError):
         where = f" (node '{node}')" if node else ""
         super().__init__(f"unsupported op {op}{where}" + (f": {detail}" if detail else ""))
         self.op, self.node = op, node
+
+
+# A QCompileError raised inside a TVM pass comes back through TVM's FFI as a RuntimeError; passes
+# decorated with ``keeps_user_errors`` stash it so that ``run_pass`` can raise the original.
+import functools
+import threading
+
+_pending = threading.local()
+
+
+def keeps_user_errors(transform_module):
+    @functools.wraps(transform_module)
+    def wrapped(self, mod, ctx):
+        try:
+            return transform_module(self, mod, ctx)
+        except QCompileError as e:
+            _pending.err = e
+            raise
+
+    return wrapped
+
+
+def run_pass(p, mod):
+    """Apply pass ``p`` to ``mod``; a QCompileError inside it is re-raised as itself."""
+    _pending.err = None
+    try:
+        return p(mod)
+    except Exception:
+        err, _pending.err = getattr(_pending, "err", None), None
+        if err is not None:
+            raise err from None
+        raise

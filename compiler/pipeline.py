@@ -16,6 +16,7 @@ from typing import Optional
 import tvm
 from tvm import relax
 
+from qcompile.errors import run_pass
 from qcompile.relay_passes import LowerQDQToInteger, PackInt4
 
 
@@ -43,10 +44,10 @@ def lower_to_integer(mod_qdq: tvm.IRModule, layout: str = "NCHW", pack_int4: boo
     dump_dir = dump_dir or os.environ.get("QCOMPILE_DUMP_IR")
     _dump(mod_qdq, dump_dir, "1_qdq")
     with tvm.transform.PassContext(opt_level=3):
-        mod = LowerQDQToInteger(layout)(mod_qdq)
+        mod = run_pass(LowerQDQToInteger(layout), mod_qdq)
         _dump(mod, dump_dir, "2_integer")
         if pack_int4:
-            mod = PackInt4()(mod)
+            mod = run_pass(PackInt4(), mod)
             _dump(mod, dump_dir, "3_packed")
     return mod
 

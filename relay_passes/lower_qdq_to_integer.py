@@ -43,7 +43,7 @@ import tvm
 from tvm import relax
 from tvm.ir.expr import Constant
 
-from qcompile.errors import QCompileError, UnsupportedOpError
+from qcompile.errors import QCompileError, UnsupportedOpError, keeps_user_errors
 from qcompile.fixed_point import quantize_multipliers
 from qcompile.qdq import QType, QTYPES, const_value, qtype_of, strip_clip
 
@@ -461,6 +461,7 @@ class LowerQDQToInteger:
     def __init__(self, layout: str = "NCHW"):
         self.layout = layout
 
+    @keeps_user_errors
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         func = _Lowering(mod["main"], self.layout).run()
         out = tvm.IRModule({"main": func}, attrs=mod.attrs)

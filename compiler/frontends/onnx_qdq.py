@@ -13,6 +13,7 @@ from typing import Optional
 
 import numpy as np
 import onnx
+import onnx.version_converter
 from onnx import numpy_helper
 
 from ..errors import QCompileError, UnsupportedOpError
@@ -108,7 +109,9 @@ class _Importer:
         self.vals[vi.name] = self.b.input(vi.name, self.input_shape)
         for node in g.node:
             fn = getattr(self, "op_" + node.op_type, None)
-            if fn is None or node.domain not in ("", "ai.onnx"):
+            ok_domain = node.domain in ("", "ai.onnx") or (
+                node.domain == "com.microsoft" and node.op_type in ("QuantizeLinear", "DequantizeLinear"))
+            if fn is None or not ok_domain:
                 raise UnsupportedOpError(node.op_type, node.name)
             fn(node)
         outs = [self.val(o.name, g.node[-1]) for o in g.output]
@@ -286,3 +289,80 @@ def from_onnx(path_or_model, batch: Optional[int] = None, log=print):
     imp = _Importer(model, batch, log)
     mod = imp.run()
     return mod, {"input_name": imp.input_name, "input_shape": imp.input_shape, "format": "onnx"}
+
+
+def is_float_model(model: onnx.ModelProto) -> bool:
+    """A model with no QuantizeLinear/DequantizeLinear at all is a float model."""
+    return not any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
+
+
+def quantize_float_onnx(model: onnx.ModelProto, bits: Optional[str], calibrate: Optional[str], batch: Optional[int], log=print):
+    """Post-training quantization of a float ONNX model with onnxruntime's ``quantize_static`` (QDQ).
+
+    Per-channel symmetric weights, per-tensor activations calibrated (min/max) on ``calibrate``
+    (a .npy of float32 NCHW images). ``bits`` "8": int8 weights, uint8 activations; "4": int4
+    weights and uint4 activations (opset 21), the first conv and the last Gemm kept at 8 bits.
+    """
+    import tempfile
+
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    if bits is None:
+        raise QCompileError("the model is a float model (no QuantizeLinear/DequantizeLinear); "
+                            "pass --bits 8|4 and --calibrate data.npy to quantize it")
+    if bits == "mixed":
+        raise QCompileError("--bits mixed needs a per-layer configuration; quantize the model with "
+                            "`qmodel ... --bits mixed` (or HAWQ) and compile the result")
+    if not calibrate:
+        raise QCompileError(f"the model is a float model: --bits {bits} needs calibration data (--calibrate data.npy, float32 NCHW images)")
+    if not os.path.isfile(calibrate):
+        raise QCompileError(f"calibration file '{calibrate}' does not exist")
+    try:
+        data = np.load(calibrate, allow_pickle=False)
+    except Exception as e:
+        raise QCompileError(f"cannot read calibration data '{calibrate}' ({type(e).__name__})") from None
+    inp = [vi for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}][0]
+    dims = [d.dim_value for d in inp.type.tensor_type.shape.dim]
+    if data.ndim != len(dims) or any(d and d != s for d, s in zip(dims[1:], data.shape[1:])):
+        raise QCompileError(f"calibration data '{calibrate}' has shape {data.shape}; the model input '{inp.name}' is {dims}")
+    if not np.issubdtype(data.dtype, np.floating):
+        raise QCompileError(f"calibration data '{calibrate}' has dtype {data.dtype}; expected float32 images")
+    data = data.astype(np.float32)
+    fixed_b = dims[0] or 0
+
+    class _Reader(CalibrationDataReader):
+        def __init__(self):
+            n = fixed_b or 1
+            self.batches = iter([{inp.name: data[i:i + n]} for i in range(0, len(data) - n + 1, n)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    log(f"      post-training quantization ({bits}-bit) with onnxruntime quantize_static on {len(data)} images")
+    wt, at = (QuantType.QInt8, QuantType.QUInt8) if bits == "8" else (QuantType.QInt4, QuantType.QUInt4)
+    extra = {}
+    if bits == "4":
+        # the input quantize, the first conv's weights and the last layer's weights and output stay 8-bit
+        mm = [n for n in model.graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
+        over = {inp.name: [{"quant_type": QuantType.QInt8}]}
+        for n in (mm[0], mm[-1]):
+            over[n.input[1]] = [{"quant_type": QuantType.QInt8, "axis": 0}]
+        over[mm[-1].output[0]] = [{"quant_type": QuantType.QInt8}]
+        extra["TensorQuantOverrides"] = over
+        if model.opset_import[0].version < 21:
+            model = onnx.version_converter.convert_version(model, 21)
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = os.path.join(d, "float.onnx"), os.path.join(d, "q.onnx")
+        onnx.save(model, src)
+        import logging
+
+        root = logging.getLogger()
+        level, root.level = root.level, logging.ERROR  # onnxruntime's quantizer warns on the root logger
+        try:
+            quantize_static(src, dst, _Reader(), quant_format=QuantFormat.QDQ, per_channel=True, weight_type=wt,
+                            activation_type=at, extra_options=extra)
+        except Exception as e:
+            raise QCompileError(f"post-training quantization failed in onnxruntime: {type(e).__name__}: {e}") from None
+        finally:
+            root.level = level
+        return onnx.load(dst)

@@ -1,0 +1,233 @@
+"""The interface function behind the ``qcompile`` command: model file in, deployable ``.so`` out."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.ir.expr import Constant
+
+from .errors import QCompileError
+from .registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, LAYOUTS, TARGETS, format_of
+
+META_FUNC = "qcompile_meta"
+
+
+@dataclass
+class CompileOptions:
+    bits: Optional[str] = None          # "8" | "4" | "mixed"; None: as the model says
+    layout: Optional[str] = None        # NCHW | NHWC | HWNC; None: the target's default
+    target: str = "llvm"
+    arch: Optional[str] = None          # sm_XX for cuda
+    batch: Optional[int] = None
+    calibrate: Optional[str] = None     # .npy of float NCHW images, for float models
+    net: Optional[str] = None           # network of a HAWQ checkpoint
+    pack_int4: bool = True
+    dump_ir: Optional[str] = None
+
+
+@dataclass
+class LayerInfo:
+    name: str
+    op: str
+    in_shape: tuple
+    w_shape: tuple
+    out_shape: tuple
+    w_bits: int
+    a_bits: int
+    layout: str
+
+
+@dataclass
+class CompileResult:
+    executable: object
+    integer_mod: tvm.IRModule
+    meta: dict
+    layers: list = field(default_factory=list)
+
+    def export(self, path: str):
+        self.executable.export_library(path)
+        return path
+
+
+class _Progress:
+    def __init__(self, log, total):
+        self.log, self.total, self.i = log, total, 0
+
+    def step(self, what):
+        self.i += 1
+        self.t0 = time.time()
+        self.log(f"[{self.i}/{self.total}] {what} ...")
+
+    def done(self, extra=""):
+        self.log(f"      done in {time.time() - self.t0:.1f} s{(' — ' + extra) if extra else ''}")
+
+
+# ------------------------------------------------------------------------------------------------
+def import_model(path: str, opts: CompileOptions, log=print):
+    """Phase 1: any supported model file -> (QDQ-form module, info)."""
+    if not os.path.exists(path):
+        raise QCompileError(f"model file '{path}' does not exist")
+    try:
+        fmt = format_of(path)
+    except ValueError:
+        known = ", ".join(s for f in FORMATS.values() for s in f.suffixes)
+        raise QCompileError(f"cannot tell the format of '{path}' from its suffix (known: {known})") from None
+    if fmt == "onnx":
+        from .frontends.onnx_qdq import from_onnx, is_float_model, load_onnx, quantize_float_onnx
+
+        model = load_onnx(path)
+        if is_float_model(model):
+            model = quantize_float_onnx(model, opts.bits, opts.calibrate, opts.batch, log)
+        elif opts.calibrate:
+            log("note: the model is already quantized; --calibrate is ignored")
+        return from_onnx(model, opts.batch, log)
+    if fmt == "pt2":
+        from .frontends.pt2e import from_pt2
+
+        return from_pt2(path, opts.batch, log)
+    from .frontends.hawq import from_hawq
+
+    return from_hawq(path, opts.net, opts.batch, log)
+
+
+def model_bits(mod_qdq: tvm.IRModule) -> str:
+    """Classify a QDQ module's weight bit widths as "8", "4" or "mixed" (see BIT_SCHEMES)."""
+    from .qdq import qtype_of
+
+    func = mod_qdq["main"]
+    var2val = relax.analysis.get_var2val(func)
+    wbits = []
+    for block in func.body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if isinstance(v, relax.Call) and v.op.name in ("relax.nn.conv2d", "relax.matmul"):
+                w = v.args[1]
+                w = var2val.get(w, w)
+                while isinstance(w, relax.Call) and w.op.name == "relax.permute_dims":
+                    w = var2val.get(w.args[0], w.args[0])
+                if isinstance(w, relax.Call) and w.op.name == "relax.dequantize":
+                    wbits.append(qtype_of(w.args[0], var2val).bits)
+    if not wbits:
+        raise QCompileError("the model has no quantized convolution or dense layer")
+    if all(b == 8 for b in wbits):
+        return "8"
+    inner = wbits[1:-1]
+    if inner and all(b == 4 for b in inner):
+        return "4"
+    return "mixed"
+
+
+def _layers(mod_int: tvm.IRModule, layout: str) -> list:
+    func = mod_int["main"]
+    var2val = relax.analysis.get_var2val(func)
+
+    def bits_of(e):
+        v = var2val.get(e, e)
+        while isinstance(v, relax.Call) and v.op.name in ("relax.nn.max_pool2d", "relax.reshape", "relax.nn.pad"):
+            v = var2val.get(v.args[0], v.args[0])
+        if isinstance(v, relax.Call) and v.op.name == "relax.astype":
+            v = var2val.get(v.args[0], v.args[0])
+        if isinstance(v, relax.Call) and v.op.name == "relax.clip":
+            lo, hi = int(v.args[1].value), int(v.args[2].value)
+            return 4 if (hi - lo) < 16 and (lo >= -8) else 8
+        return 8
+
+    out = []
+    for block in func.body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if isinstance(v, relax.Call) and v.op.name in ("relax.nn.conv2d", "relax.matmul"):
+                shp = lambda e: tuple(int(s) for s in e.ty.shape)
+                out.append(LayerInfo(b.var.name, "conv2d" if "conv" in v.op.name else "dense", shp(v.args[0]),
+                                     shp(v.args[1]), shp(b.var), bits_of(v.args[1]), bits_of(v.args[0]),
+                                     layout if "conv" in v.op.name else "NC"))
+    return out
+
+
+def format_summary(layers: list) -> str:
+    rows = [("layer", "op", "input", "weight", "output", "w", "a", "layout")]
+    for l in layers:
+        rows.append((l.name, l.op, "x".join(map(str, l.in_shape)), "x".join(map(str, l.w_shape)),
+                     "x".join(map(str, l.out_shape)), str(l.w_bits), str(l.a_bits), l.layout))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _add_meta(mod: tvm.IRModule, meta: dict) -> tvm.IRModule:
+    bb = relax.BlockBuilder(mod)
+    with bb.function(META_FUNC, []):
+        bb.emit_func_output(relax.const(np.frombuffer(json.dumps(meta).encode(), np.uint8).copy(), "uint8"))
+    return bb.get()
+
+
+def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callable = print) -> CompileResult:
+    """Import, lower to integer, pack, build. ``log`` receives progress lines."""
+    from .pipeline import build, lower_to_integer
+
+    opts = opts or CompileOptions()
+    if opts.target not in TARGETS:
+        raise QCompileError(f"unknown target '{opts.target}' (choose from {', '.join(TARGETS)})")
+    if opts.bits is not None and opts.bits not in BIT_SCHEMES:
+        raise QCompileError(f"unsupported bit width '{opts.bits}' (choose from {', '.join(BIT_SCHEMES)})")
+    layout = opts.layout or TARGETS[opts.target].default_layout
+    if layout not in LAYOUTS:
+        raise QCompileError(f"unknown layout '{layout}' (choose from {', '.join(LAYOUTS)})")
+    if opts.target == "cuda":
+        opts.arch = opts.arch or "sm_90"
+        if opts.arch not in CUDA_ARCHS:
+            raise QCompileError(f"unknown CUDA arch '{opts.arch}' (choose from {', '.join(CUDA_ARCHS)})")
+    if opts.batch is not None and opts.batch < 1:
+        raise QCompileError(f"--batch must be a positive integer, got {opts.batch}")
+
+    prog = _Progress(log, 4)
+    prog.step(f"importing {path}")
+    mod_qdq, info = import_model(path, opts, log)
+    found = model_bits(mod_qdq)
+    if opts.bits is not None and opts.bits != found and info.get("format") != "float":
+        raise QCompileError(f"--bits {opts.bits} conflicts with the model, which is quantized as '{found}' "
+                            f"(omit --bits for an already-quantized model)")
+    prog.done(f"{info['format']}, input {info['input_name']} {'x'.join(map(str, info['input_shape']))}, bits {found}")
+
+    prog.step(f"lowering to integer compute ({layout})")
+    mod_int = lower_to_integer(mod_qdq, layout, pack_int4=False, dump_dir=opts.dump_ir)
+    layers = _layers(mod_int, layout)
+    if opts.pack_int4:
+        from .errors import run_pass
+        from qcompile.relay_passes import PackInt4
+
+        mod_int = run_pass(PackInt4(), mod_int)
+    prog.done(f"{len(layers)} conv/dense layers")
+
+    out_ty = mod_int["main"].ret_ty if hasattr(mod_int["main"], "ret_ty") else None
+    meta = {
+        "qcompile": __import__("qcompile").__version__,
+        "input_name": info["input_name"],
+        "input_shape": list(info["input_shape"]),
+        "input_dtype": "float32",
+        "output_shape": [int(s) for s in out_ty.shape] if out_ty is not None and hasattr(out_ty, "shape") else None,
+        "layout": layout,
+        "bits": found,
+        "target": opts.target,
+        "arch": opts.arch,
+        "source": os.path.basename(path),
+        "format": info["format"],
+    }
+    prog.step(f"building for {opts.target}{(' ' + opts.arch) if opts.arch else ''}")
+    target = opts.target
+    if opts.target == "cuda":
+        target = f"cuda -arch={opts.arch}"
+    ex = build(_add_meta(mod_int, meta), target)
+    prog.done()
+    prog.step("summary")
+    log(format_summary(layers))
+    prog.done()
+    return CompileResult(ex, mod_int, meta, layers)

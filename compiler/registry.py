@@ -1,0 +1,68 @@
+"""Registries of what qcompile supports, as plain dicts of frozen dataclasses (they feed the CLI's choices)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BitScheme:
+    name: str
+    doc: str
+
+
+BIT_SCHEMES = {
+    "8": BitScheme("8", "INT8 weights and activations"),
+    "4": BitScheme("4", "INT4 weights and activations; the input quantize, the first conv and the final dense stay INT8"),
+    "mixed": BitScheme("mixed", "per-layer 4/8 bits (HAWQ-style); the model says which layer has which"),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    kernel: str
+    doc: str
+
+
+LAYOUTS = {
+    "NCHW": Layout("NCHW", "OIHW", "PyTorch/ONNX order; reference layout on CPU"),
+    "NHWC": Layout("NHWC", "OHWI", "channels last; implicit-GEMM tensor-core convolutions"),
+    "HWNC": Layout("HWNC", "HWOI", "batch next to channels; direct tensor-core convolutions over N and C"),
+}
+
+
+@dataclass(frozen=True)
+class ModelFormat:
+    name: str
+    suffixes: tuple
+    doc: str
+
+
+FORMATS = {
+    "onnx": ModelFormat("onnx", (".onnx",), "ONNX QDQ (onnxruntime quantize_static, qmodel), or a float ONNX model for PTQ"),
+    "pt2": ModelFormat("pt2", (".pt2",), "torch.export program in PT2E form (quantized_decomposed ops)"),
+    "hawq": ModelFormat("hawq", (".pth", ".pt", ".ckpt", ".tar"), "HAWQ-V3 integer checkpoint (needs --net)"),
+}
+
+
+@dataclass(frozen=True)
+class TargetKind:
+    name: str
+    default_layout: str
+    doc: str
+
+
+TARGETS = {
+    "llvm": TargetKind("llvm", "NCHW", "CPU through LLVM (reference and tests)"),
+    "cuda": TargetKind("cuda", "NHWC", "NVIDIA GPU; --arch sm_75|sm_80|sm_86|sm_89|sm_90"),
+}
+
+CUDA_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
+
+
+def format_of(path: str) -> str:
+    low = path.lower()
+    for f in FORMATS.values():
+        if low.endswith(f.suffixes):
+            return f.name
+    raise ValueError(path)
