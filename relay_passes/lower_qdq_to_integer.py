@@ -231,7 +231,8 @@ class _Lowering:
     def quantize_input(self, x, s, zp, qt, name):
         """``q = clip(floor(x / s + 0.5) + zp, qmin, qmax)`` on the float NCHW input, then to the layout."""
         f = relax.op.floor(relax.op.add(relax.op.divide(x, relax.const(float(s), "float32")), relax.const(0.5, "float32")))
-        f = relax.op.add(f, relax.const(float(zp), "float32"))
+        if zp:
+            f = relax.op.add(f, relax.const(float(zp), "float32"))
         q = self.emit(relax.op.astype(relax.op.clip(f, qt.qmin, qt.qmax), qt.storage), name or "input_q")
         if self.layout != "NCHW" and len(x.ty.shape) == 4:
             q = self.emit(relax.op.permute_dims(q, list(self.perm)), "input_layout")
