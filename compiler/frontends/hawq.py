@@ -1,0 +1,182 @@
+"""HAWQ-V3 frontend: an integer checkpoint (five dicts) plus the network it belongs to (``--net``).
+
+The checkpoint holds ``weight_integer``, ``bias_integer``, ``act_scaling_factor``,
+``convbn_scaling_factor`` and ``fc_scaling_factor`` keyed by HAWQ's ``q_resnet`` names
+(``quant_init_block_convbn``, ``stageS.unitU.quant_convbnK``, ``quant_output`` ...); the topology is
+that of the torchvision-shaped network named by ``--net``. Key scheme, scales and integer math:
+``models/HAWQ_FORMAT.md``. Real values are ``x = q * s`` (zero points 0); ReLU outputs are unsigned.
+
+Packed INT4 weights (``uint8`` ``weight_integer`` of a 4-bit layer) are in HAWQ's order, FIRST
+element in the TOP nibble; they are converted here to plain values (and repacked later by
+``PackInt4`` in qcompile's low-nibble-first order).
+
+Where the qcompile extensions ``qc_act_residual`` / ``qc_act_identity`` / ``qc_act_logits`` are
+absent (a checkpoint written by HAWQ itself), those tensors stay at their accumulator scale: the
+residual add and the logits are computed from the int32 accumulators.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+
+from ..errors import QCompileError
+from ..qdq import QDQBuilder, qtype
+
+HAWQ_KEYS = ("weight_integer", "bias_integer", "act_scaling_factor", "convbn_scaling_factor", "fc_scaling_factor")
+NETS = ("resnet18", "resnet50", "resnet_tiny")
+
+
+def unpack_top_nibble_first(p: np.ndarray, n: int, axis: int = 1) -> np.ndarray:
+    """HAWQ's packed int4 (``byte = q[2k] << 4 | q[2k+1] & 0xF``) -> ``n`` int8 values along ``axis``."""
+    p = np.moveaxis(np.asarray(p, np.uint8).astype(np.int16), axis, -1)
+    v = np.stack([p >> 4, p & 0xF], axis=-1).reshape(*p.shape[:-1], -1)[..., :n]
+    v = v - ((v & 8) << 1)
+    return np.moveaxis(v, -1, axis).astype(np.int8)
+
+
+def _load(path: str) -> dict:
+    import torch
+
+    if not os.path.isfile(path):
+        raise QCompileError(f"model file '{path}' does not exist")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise QCompileError(f"cannot read HAWQ checkpoint '{path}': file is corrupt or truncated ({type(e).__name__})") from None
+    if not isinstance(ck, dict) or not all(k in ck for k in HAWQ_KEYS):
+        missing = [k for k in HAWQ_KEYS if not isinstance(ck, dict) or k not in ck]
+        raise QCompileError(f"'{path}' is not a HAWQ checkpoint: missing {', '.join(missing)}")
+    return ck
+
+
+class _Hawq:
+    def __init__(self, ck: dict, net: str, batch: Optional[int], log):
+        from qcompile.models.resnet import build_model
+
+        self.ck, self.log = ck, log
+        self.meta = ck.get("meta", {}) or {}
+        self.bits = ck.get("bits", {}) or {}
+        self.signed = ck.get("signed", {}) or {}
+        self.prefix = "module." if any(k.startswith("module.") for k in ck["weight_integer"]) else ""
+        stem = self.prefix + ("quant_init_convbn" if net == "resnet50" else "quant_init_block_convbn")
+        if stem + ".weight_integer" not in ck["weight_integer"]:
+            raise QCompileError(f"checkpoint has no '{stem}.weight_integer': does it belong to --net {net}?")
+        self.stem = stem[len(self.prefix):]
+        shapes = self.meta.get("weight_shapes", {})
+        w0 = self.weight_shape(self.stem, shapes)
+        fc = self.weight_shape("quant_output", shapes)
+        self.model = build_model(net, num_classes=fc[0], in_ch=w0[1])
+        size = self.meta.get("input_size")
+        if size is None:
+            from qcompile.models.resnet import get_spec
+
+            size = get_spec(net).input_shape[-1]
+            log(f"note: the checkpoint does not record the input size; using {size}x{size}")
+        self.shape = [batch or 1, w0[1], int(size), int(size)]
+        self.b = QDQBuilder()
+
+    # -- checkpoint access -------------------------------------------------------------------------
+    def weight_shape(self, layer, shapes):
+        if layer in shapes:
+            return list(shapes[layer])
+        return list(self._get("weight_integer", layer + ".weight_integer").shape)
+
+    def _get(self, d, key):
+        full = self.prefix + key
+        if full not in self.ck[d]:
+            raise QCompileError(f"HAWQ checkpoint: '{full}' missing from {d}")
+        v = self.ck[d][full]
+        return v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+
+    def act(self, name, default_signed):
+        key = self.prefix + name + ".act_scaling_factor"
+        if key not in self.ck["act_scaling_factor"]:
+            return None
+        s = float(np.asarray(self._get("act_scaling_factor", name + ".act_scaling_factor")).reshape(-1)[0])
+        bits = int(self.bits.get(name, 8))
+        if bits not in (4, 8):
+            raise QCompileError(f"HAWQ activation '{name}': unsupported bit width {bits} (qcompile supports 4 and 8)")
+        return s, qtype(bits, bool(self.signed.get(name, default_signed)), f"HAWQ activation '{name}'")
+
+    def layer(self, name, x, s_in, conv=None):
+        """Emit a quantized conv (``conv`` module for stride/padding) or fc; returns the float output."""
+        q = self._get("weight_integer", name + ".weight_integer")
+        bits = int(self.bits.get(name, 8))
+        wq = qtype(bits, True, f"HAWQ layer '{name}'")
+        shape = self.weight_shape(name, self.meta.get("weight_shapes", {}))
+        if q.dtype == np.uint8 and bits == 4:  # HAWQ packing: first element in the top nibble
+            q = unpack_top_nibble_first(q, shape[1], axis=1)
+        q = np.rint(q.astype(np.float64)).astype(np.int64)  # HAWQ stores integers as float tensors
+        sd = "fc_scaling_factor" if conv is None else "convbn_scaling_factor"
+        s_w = self._get(sd, f"{name}.{sd}").astype(np.float32).reshape(-1)
+        w = self.b.qweight(q, s_w, wq, name=name + "_w")
+        bias = None
+        bkey = self.prefix + name + ".bias_integer"
+        if bkey in self.ck["bias_integer"]:
+            bias = self.b.qbias(np.rint(self._get("bias_integer", name + ".bias_integer").astype(np.float64)).astype(np.int32).reshape(-1),
+                                np.float32(s_in) * s_w, name + "_b")
+        if conv is None:
+            return self.b.dense(x, w, bias, name)
+        return self.b.conv2d(x, w, bias, conv.stride, (conv.padding[0], conv.padding[1]) * 2, conv.dilation, 1, name)
+
+    def qdq(self, f, act, name):
+        s, qt = act
+        return self.b.dequantize(self.b.quantize(f, s, 0, qt, name=name), s, 0), s
+
+    # -- network ------------------------------------------------------------------------------------
+    def run(self):
+        from qcompile.models.resnet import Bottleneck
+
+        m, b = self.model, self.b
+        x = b.input("input", self.shape)
+        a_in = self.act("quant_input", True)
+        if a_in is None:
+            raise QCompileError("HAWQ checkpoint: no 'quant_input.act_scaling_factor' (the input scale)")
+        h, s = self.qdq(x, a_in, "quant_input")
+        h = b.relu(self.layer(self.stem, h, s, m.conv1))
+        h, s = self.qdq(h, self.act("quant_act_int32", False), "quant_act_int32")
+        if m.maxpool is not None:
+            h = b.max_pool2d(h, (3, 3), (2, 2), (1, 1, 1, 1), name="maxpool")
+            h, s = self.qdq(h, (s, self.act("quant_act_int32", False)[1]), "maxpool_q")
+        for si, stage in enumerate(m.stages(), start=1):
+            for ui, blk in enumerate(stage, start=1):
+                u = f"stage{si}.unit{ui}"
+                ain = self.act(u + ".quant_act", False)
+                if ain is not None and not np.isclose(ain[0], s, rtol=1e-6):
+                    h, s = self.qdq(h, ain, u + ".quant_act")
+                x_in, s_x = h, s
+                convs = ["conv1", "conv2", "conv3"] if isinstance(blk, Bottleneck) else ["conv1", "conv2"]
+                for k, cname in enumerate(convs, start=1):
+                    f = self.layer(f"{u}.quant_convbn{k}", h, s, getattr(blk, cname))
+                    if k < len(convs):
+                        h, s = self.qdq(b.relu(f), self.act(f"{u}.quant_act{k}", False), f"{u}.quant_act{k}")
+                res = self.act(u + ".qc_act_residual", True)
+                r = self.qdq(f, res, u + ".qc_act_residual")[0] if res else f
+                ident = x_in
+                if blk.downsample is not None:
+                    ident = self.layer(f"{u}.quant_identity_convbn", x_in, s_x, blk.downsample[0])
+                    ida = self.act(u + ".qc_act_identity", True)
+                    ident = self.qdq(ident, ida, u + ".qc_act_identity")[0] if ida else ident
+                out = b.relu(b.add(r, ident, name=u + "_add"))
+                h, s = self.qdq(out, self.act(u + ".quant_act_int32", False), u + ".quant_act_int32")
+        g = b.global_avg_pool(h, name="avgpool")
+        g, s = self.qdq(g, self.act("quant_act_output", False), "quant_act_output")
+        y = self.layer("quant_output", b.flatten(g, name="flatten"), s)
+        lg = self.act("qc_act_logits", True)
+        if lg:
+            y = self.qdq(y, lg, "qc_act_logits")[0]
+        return b.finish([y])
+
+
+def from_hawq(path: str, net: Optional[str], batch: Optional[int] = None, log=print):
+    """Import a HAWQ checkpoint for network ``net`` into the QDQ-form Relax module."""
+    if net is None:
+        raise QCompileError("a HAWQ checkpoint does not record its network: pass --net resnet18|resnet50")
+    if net not in NETS:
+        raise QCompileError(f"unknown --net '{net}' (choose from {', '.join(NETS)})")
+    ck = _load(path)
+    h = _Hawq(ck, net, batch, log)
+    mod = h.run()
+    return mod, {"input_name": "input", "input_shape": h.shape, "format": "hawq"}

@@ -1,0 +1,280 @@
+"""PT2E frontend: a saved ``torch.export`` program after ``convert_pt2e`` (``quantized_decomposed`` ops).
+
+The program's ``quantized_decomposed.quantize_per_tensor`` / ``dequantize_per_tensor`` /
+``dequantize_per_channel`` nodes map one to one onto the QDQ form (``qcompile.qdq``); their
+``quant_min``/``quant_max`` give the bit width (``-8, 7`` on int8 is INT4, ``0, 15`` on uint8 is
+UINT4); int32 ``dequantize_per_channel`` of a constant is a bias. Float ATen ops between them:
+conv2d, linear, relu, hardtanh, add, max_pool2d, adaptive_avg_pool2d / mean (global), flatten,
+view / reshape, batch norm (inference), dropout / clone (identity).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from typing import Optional
+
+import numpy as np
+
+from ..errors import QCompileError, UnsupportedOpError
+from ..qdq import QDQBuilder, qtype_from_range
+
+
+def _import_torch():
+    import torch
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:  # registers torch.ops.quantized_decomposed.*
+            import torchao.quantization.pt2e  # noqa: F401
+        except Exception:
+            pass
+    return torch
+
+
+def load_pt2(path: str):
+    torch = _import_torch()
+    if not os.path.isfile(path):
+        raise QCompileError(f"model file '{path}' does not exist")
+    try:
+        return torch.export.load(path)
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise QCompileError(f"cannot read PT2 program '{path}': file is corrupt or truncated ({type(e).__name__}: {msg[:200]})") from None
+
+
+def _target_name(t) -> str:
+    s = str(t)
+    return s.split(".default")[0] if s.endswith(".default") else s
+
+
+class _Importer:
+    def __init__(self, ep, batch: Optional[int], log):
+        self.ep, self.batch, self.log = ep, batch, log
+        self.b = QDQBuilder()
+        self.vals: dict = {}
+        self.consts: dict = {}
+
+    def const(self, n, node) -> np.ndarray:
+        if hasattr(n, "name") and n.name in self.consts:
+            return self.consts[n.name]
+        raise QCompileError(f"node '{node.name}' ({_target_name(node.target)}): argument '{n}' must be a constant")
+
+    def val(self, n, node):
+        if n.name in self.vals:
+            return self.vals[n.name]
+        if n.name in self.consts:
+            raise UnsupportedOpError(_target_name(node.target), node.name, f"constant float operand '{n.name}' is not quantized")
+        raise QCompileError(f"node '{node.name}': operand '{n.name}' was not produced")
+
+    def run(self):
+        torch = _import_torch()
+        ep = self.ep
+        sig = ep.graph_signature
+        kinds = {s.arg.name: s for s in sig.input_specs}
+        user = []
+        for node in ep.graph_module.graph.nodes:
+            if node.op == "placeholder":
+                spec = kinds.get(node.name)
+                if spec is not None and str(spec.kind).endswith("USER_INPUT"):
+                    user.append(node)
+                    continue
+                t = ep.state_dict.get(spec.target) if spec is not None else None
+                if t is None and spec is not None:
+                    t = ep.constants.get(spec.target)
+                if t is None:
+                    raise QCompileError(f"placeholder '{node.name}' has no value in the program")
+                self.consts[node.name] = t.detach().cpu().numpy()
+            elif node.op == "get_attr":
+                self.consts[node.name] = getattr(ep.graph_module, node.target).detach().cpu().numpy()
+        if len(user) != 1:
+            raise QCompileError(f"expected one user input (an image batch), found {len(user)}")
+        x = user[0]
+        shape = list(x.meta["val"].shape)
+        shape = [int(s) if isinstance(s, int) or str(s).isdigit() else None for s in shape]
+        if shape[0] is None or self.batch:
+            if shape[0] is None and not self.batch:
+                self.log(f"note: input '{x.name}' has a dynamic batch dimension; compiling for batch 1 (use --batch N)")
+            shape[0] = self.batch or 1
+        if any(s is None for s in shape):
+            raise QCompileError(f"input '{x.name}' has a dynamic non-batch dimension: {list(x.meta['val'].shape)}")
+        if x.meta["val"].dtype != torch.float32:
+            raise QCompileError(f"input '{x.name}' has dtype {x.meta['val'].dtype}; expected torch.float32")
+        self.input_name, self.input_shape = x.name, shape
+        self.vals[x.name] = self.b.input(x.name, shape)
+        outputs = None
+        for node in ep.graph_module.graph.nodes:
+            if node.op == "call_function":
+                self.call(node)
+            elif node.op == "output":
+                outputs = node.args[0]
+        outs = [self.val(o, o) for o in (outputs if isinstance(outputs, (list, tuple)) else [outputs])]
+        return self.b.finish(outs)
+
+    # ------------------------------------------------------------------------------------------
+    def call(self, node):
+        name = _target_name(node.target)
+        short = name.split("::")[-1].split(".")
+        ns, op = (short[0], short[1]) if len(short) > 1 else ("aten", short[0])
+        if "quantized_decomposed" in name:
+            op = name.split("quantized_decomposed.")[-1].split(".")[0]
+            fn = getattr(self, "q_" + op, None)
+        else:
+            op = name.split("aten.")[-1].split(".")[0] if "aten." in name else name
+            fn = getattr(self, "op_" + op, None)
+        if fn is None:
+            if name == "<built-in function getitem>" or "getitem" in name:
+                src = node.args[0]
+                if src.name in self.vals and isinstance(self.vals[src.name], tuple):
+                    self.vals[node.name] = self.vals[src.name][node.args[1]]
+                    return
+            raise UnsupportedOpError(name, node.name)
+        out = fn(node, *node.args, **node.kwargs)
+        if out is not None:
+            if isinstance(out, np.ndarray):
+                self.consts[node.name] = out
+            else:
+                self.vals[node.name] = out
+
+    # -- quantized_decomposed ------------------------------------------------------------------
+    def _qt(self, node, qmin, qmax, dtype):
+        dt = str(dtype).replace("torch.", "")
+        return qtype_from_range(dt, int(qmin), int(qmax), f"node '{node.name}'")
+
+    def q_quantize_per_tensor(self, node, x, scale, zp, qmin, qmax, dtype, **kw):
+        qt = self._qt(node, qmin, qmax, dtype)
+        s, z = float(self._scalar(scale, node)), int(self._scalar(zp, node))
+        if x.name in self.consts:
+            return np.clip(np.round(self.consts[x.name] / s) + z, qt.qmin, qt.qmax).astype(qt.storage)
+        return self.b.quantize(self.val(x, node), s, z, qt, name=node.name)
+
+    def q_dequantize_per_tensor(self, node, q, scale, zp, qmin, qmax, dtype, **kw):
+        s, z = float(self._scalar(scale, node)), int(self._scalar(zp, node))
+        if q.name in self.consts:  # a per-tensor quantized weight
+            qt = self._qt(node, qmin, qmax, dtype)
+            return self.b.qweight(self.consts[q.name], np.float32(s), qt, axis=0, name=node.name)
+        return self.b.dequantize(self.val(q, node), s, z, name=node.name)
+
+    def _scalar(self, v, node):
+        if hasattr(v, "name"):
+            return np.asarray(self.const(v, node)).reshape(())
+        return v
+
+    def q_quantize_per_channel(self, node, w, scales, zps, axis, qmin, qmax, dtype, **kw):
+        qt = self._qt(node, qmin, qmax, dtype)
+        wv, s = self.const(w, node).astype(np.float64), self.const(scales, node).astype(np.float64)
+        shp = [1] * wv.ndim
+        shp[axis] = -1
+        return np.clip(np.round(wv / s.reshape(shp)), qt.qmin, qt.qmax).astype(qt.storage)
+
+    def q_dequantize_per_channel(self, node, w, scales, zps, axis, qmin, qmax, dtype, **kw):
+        q = self.const(w, node)
+        s = self.const(scales, node).astype(np.float32)
+        z = self.const(zps, node) if hasattr(zps, "name") else np.zeros_like(s)
+        if np.any(z != 0):
+            raise UnsupportedOpError("dequantize_per_channel", node.name, "asymmetric weights are not supported")
+        if str(dtype).endswith("int32"):
+            return self.b.qbias(q.astype(np.int32), s, node.name)
+        if axis != 0:
+            raise UnsupportedOpError("dequantize_per_channel", node.name, f"per-channel axis {axis} (expected 0, output channels)")
+        return self.b.qweight(q, s, self._qt(node, qmin, qmax, dtype), axis=0, name=node.name)
+
+    # -- aten -----------------------------------------------------------------------------------
+    def op_conv2d(self, node, x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+        if isinstance(padding, str):
+            raise UnsupportedOpError("conv2d", node.name, f"padding='{padding}' is not supported")
+        stride, padding, dilation = [list(v) if isinstance(v, (list, tuple)) else [v, v] for v in (stride, padding, dilation)]
+        bias = None
+        if b is not None:
+            bias = self.vals.get(b.name)
+            if bias is None:
+                bias = self.b.const(self.const(b, node).astype(np.float32))
+        return self.b.conv2d(self.val(x, node), self.val(w, node), bias, stride,
+                             (padding[0], padding[1], padding[0], padding[1]), dilation, groups, node.name)
+
+    op_convolution = None
+
+    def op_linear(self, node, x, w, b=None):
+        bias = None
+        if b is not None:
+            bias = self.vals.get(b.name)
+            if bias is None:
+                bias = self.b.const(self.const(b, node).astype(np.float32))
+        return self.b.dense(self.val(x, node), self.val(w, node), bias, node.name)
+
+    def op_relu(self, node, x):
+        return self.b.relu(self.val(x, node), node.name)
+
+    op_relu_ = op_relu
+
+    def op_hardtanh(self, node, x, lo=-1.0, hi=1.0):
+        return self.b.clip(self.val(x, node), lo, hi, node.name)
+
+    def op_add(self, node, a, b, alpha=1):
+        if alpha != 1:
+            raise UnsupportedOpError("add", node.name, "alpha != 1")
+        return self.b.add(self.val(a, node), self.val(b, node), node.name)
+
+    op_add_ = op_add
+
+    def op_max_pool2d(self, node, x, k, stride=None, padding=(0, 0), dilation=(1, 1), ceil_mode=False):
+        k = list(k) if isinstance(k, (list, tuple)) else [k, k]
+        stride = list(stride) if stride else k
+        stride = stride if len(stride) == 2 else stride * 2
+        padding = list(padding) if isinstance(padding, (list, tuple)) else [padding, padding]
+        dilation = list(dilation) if isinstance(dilation, (list, tuple)) else [dilation, dilation]
+        return self.b.max_pool2d(self.val(x, node), k, stride, (padding[0], padding[1], padding[0], padding[1]),
+                                 dilation, ceil_mode, node.name)
+
+    def op_adaptive_avg_pool2d(self, node, x, size):
+        if list(size) != [1, 1]:
+            raise UnsupportedOpError("adaptive_avg_pool2d", node.name, f"output size {list(size)} (only 1x1)")
+        return self.b.global_avg_pool(self.val(x, node), node.name)
+
+    def op_mean(self, node, x, dims, keepdim=False, **kw):
+        v = self.val(x, node)
+        if sorted(d % 4 for d in dims) != [2, 3]:
+            raise UnsupportedOpError("mean", node.name, f"over dims {list(dims)} (only H and W)")
+        y = self.b.global_avg_pool(v, node.name)
+        return y if keepdim else self.b.flatten(y, node.name + "_squeeze")
+
+    def op_flatten(self, node, x, start=0, end=-1):
+        v = self.val(x, node)
+        if start != 1 or end not in (-1, 3):
+            raise UnsupportedOpError("flatten", node.name, f"start_dim={start}, end_dim={end} (only 1, -1)")
+        return self.b.flatten(v, node.name)
+
+    def op_view(self, node, x, shape):
+        v = self.val(x, node)
+        n = int(np.prod([int(s) for s in v.ty.shape]))
+        shape = [int(s) for s in shape]
+        if -1 in shape:
+            shape[shape.index(-1)] = n // int(np.prod([s for s in shape if s != -1]))
+        return self.b.reshape(v, shape, node.name)
+
+    op_reshape = op_view
+    op__unsafe_view = op_view
+
+    def op_clone(self, node, x, **kw):
+        return self.val(x, node)
+
+    def op_dropout(self, node, x, *a, **kw):
+        return self.val(x, node)
+
+    op_contiguous = op_clone
+
+    def op__native_batch_norm_legit_no_training(self, node, x, w, b, mean, var, momentum, eps):
+        y = self.b.batch_norm(self.val(x, node), self.const(w, node), self.const(b, node), self.const(mean, node),
+                              self.const(var, node), eps, node.name)
+        return (y, None, None)
+
+    def op_batch_norm(self, node, x, w, b, mean, var, training=False, momentum=0.1, eps=1e-5, *a):
+        return self.b.batch_norm(self.val(x, node), self.const(w, node), self.const(b, node), self.const(mean, node),
+                                 self.const(var, node), eps, node.name)
+
+
+def from_pt2(path: str, batch: Optional[int] = None, log=print):
+    """Import a saved PT2E program into the QDQ-form Relax module."""
+    ep = load_pt2(path)
+    imp = _Importer(ep, batch, log)
+    mod = imp.run()
+    return mod, {"input_name": imp.input_name, "input_shape": imp.input_shape, "format": "pt2"}
