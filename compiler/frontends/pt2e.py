@@ -9,8 +9,6 @@ view / reshape, batch norm (inference), dropout / clone (identity).
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 from typing import Optional
 
@@ -21,13 +19,23 @@ from ..qdq import QDQBuilder, qtype_from_range
 
 
 def _import_torch():
+    import logging
+    import warnings
+
     import torch
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        try:  # registers torch.ops.quantized_decomposed.*
-            import torchao.quantization.pt2e  # noqa: F401
-        except Exception:
-            pass
+    # torchao warns about its optional GPU kernels (not needed here) while importing
+    lg = logging.getLogger("torchao")
+    level, lg.level = lg.level, logging.ERROR
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # a deprecation note torchao triggers
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torchao.quantization.pt2e  # noqa: F401  registers torch.ops.quantized_decomposed.*
+    except Exception:
+        pass
+    finally:
+        lg.level = level
     return torch
 
 
@@ -35,11 +43,20 @@ def load_pt2(path: str):
     torch = _import_torch()
     if not os.path.isfile(path):
         raise QCompileError(f"model file '{path}' does not exist")
+    import logging
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        raise QCompileError(f"cannot read PT2 program '{path}': file is corrupt or truncated (not a zip archive)")
+    lg = logging.getLogger("torch.export")
+    level, lg.level = lg.level, logging.CRITICAL  # torch logs its own traceback before raising
     try:
         return torch.export.load(path)
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise QCompileError(f"cannot read PT2 program '{path}': file is corrupt or truncated ({type(e).__name__}: {msg[:200]})") from None
+    finally:
+        lg.level = level
 
 
 def _target_name(t) -> str:

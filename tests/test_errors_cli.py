@@ -1,0 +1,145 @@
+"""The CLIs end to end, and every class of bad input: one clear message, non-zero exit, no stack trace."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from qcompile.cli import qcompile_main
+from qcompile.runtime import qrun_main
+
+
+@pytest.fixture(scope="module")
+def tiny_q8(tmp_path_factory):
+    """A quantized resnet_tiny exported by `qmodel` (the CLI users type)."""
+    d = tmp_path_factory.mktemp("cli")
+    onnx_path, x_path = str(d / "t8.onnx"), str(d / "x.npy")
+    r = subprocess.run([sys.executable, "-m", "qcompile.models.cli", "resnet_tiny", "--bits", "8", "--format", "onnx",
+                        "--input-size", "16", "-o", onnx_path, "--save-input", x_path],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return d, onnx_path, x_path
+
+
+def _expect_error(capsys, fn, argv, *fragments):
+    rc = fn(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    for f in fragments:
+        assert f in err, f"expected {f!r} in: {err}"
+    return err
+
+
+def test_qcompile_then_qrun(tiny_q8, capsys):
+    d, model, x = tiny_q8
+    so, y = str(d / "t8.so"), str(d / "y.npy")
+    assert qcompile_main([model, "--layout", "NHWC", "-o", so]) == 0
+    out = capsys.readouterr().out
+    assert "[1/4] importing" in out and "conv2d" in out and "wrote" in out  # progress + per-layer summary
+    assert qrun_main([so, "--input", x, "--output", y]) == 0
+    assert np.load(y).shape == (1, 10)
+    # qrun needs only the runtime: TVM in runtime-only mode (libtvm_runtime, no compiler library)
+    code = ("import sys, qcompile.runtime as r; rc = r.qrun_main([sys.argv[1], '--input', sys.argv[2]]); "
+            "from tvm.base import _LOADED_LIBS; assert list(_LOADED_LIBS) == ['tvm_runtime'], _LOADED_LIBS; "
+            "assert 'tvm.relax' not in sys.modules and 'qcompile.driver' not in sys.modules; sys.exit(rc)")
+    env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")
+    p = subprocess.run([sys.executable, "-c", code, so, x], capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr
+
+
+def test_float_model_without_calibration(tmp_path, capsys):
+    f = str(tmp_path / "f.onnx")
+    import torch
+    from qcompile.models.resnet import build_model
+
+    torch.onnx.export(build_model("resnet_tiny"), (torch.randn(1, 3, 16, 16),), f, input_names=["input"], dynamo=False)
+    _expect_error(capsys, qcompile_main, [f, "--bits", "8", "-o", str(tmp_path / "m.so")], "float model", "--calibrate")
+    _expect_error(capsys, qcompile_main, [f, "-o", str(tmp_path / "m.so")], "float model", "--bits")
+
+
+def _qdq_model_with(op_type, path):
+    """input -> Q -> DQ -> <op_type> -> Q -> DQ -> output."""
+    s = helper.make_tensor("s", TensorProto.FLOAT, [], [0.1])
+    z = helper.make_tensor("z", TensorProto.INT8, [], [0])
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q_in"),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"], name="dq_in"),
+             helper.make_node(op_type, ["d"], ["t"], name="my_" + op_type.lower()),
+             helper.make_node("QuantizeLinear", ["t", "s", "z"], ["q2"], name="q_out"),
+             helper.make_node("DequantizeLinear", ["q2", "s", "z"], ["y"], name="dq_out")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], [s, z])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), path)
+
+
+def test_unsupported_op_is_named(tmp_path, capsys):
+    p = str(tmp_path / "sig.onnx")
+    _qdq_model_with("Sigmoid", p)
+    _expect_error(capsys, qcompile_main, [p, "-o", str(tmp_path / "m.so")], "Sigmoid", "my_sigmoid")
+
+
+def test_bad_bit_width(tiny_q8, tmp_path, capsys):
+    _, model, _ = tiny_q8
+    with pytest.raises(SystemExit) as e:  # argparse: not one of 8|4|mixed
+        qcompile_main([model, "--bits", "3", "-o", str(tmp_path / "m.so")])
+    assert e.value.code == 2 and "invalid choice: '3'" in capsys.readouterr().err
+    # a model whose tensor has a 2-bit range
+    from qcompile.errors import QCompileError
+    from qcompile.qdq import qtype, qtype_from_range
+
+    with pytest.raises(QCompileError, match="bit width 2"):
+        qtype(2, True, "layer conv1")
+    with pytest.raises(QCompileError, match=r"range \[-2, 1\]"):
+        qtype_from_range("int8", -2, 1, "node q")
+    # qmodel rejects it too
+    r = subprocess.run([sys.executable, "-m", "qcompile.models.cli", "resnet_tiny", "--bits", "6", "--format", "onnx",
+                        "-o", str(tmp_path / "x.onnx")], capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+
+
+def test_conflicting_bits(tiny_q8, tmp_path, capsys):
+    _, model, _ = tiny_q8
+    _expect_error(capsys, qcompile_main, [model, "--bits", "4", "-o", str(tmp_path / "m.so")], "--bits 4 conflicts", "'8'")
+
+
+def test_corrupt_and_truncated_files(tiny_q8, tmp_path, capsys):
+    _, model, _ = tiny_q8
+    data = open(model, "rb").read()
+    trunc = tmp_path / "trunc.onnx"
+    trunc.write_bytes(data[: len(data) // 3])
+    _expect_error(capsys, qcompile_main, [str(trunc), "-o", str(tmp_path / "m.so")], "trunc.onnx", "corrupt or truncated")
+    junk = tmp_path / "junk.pt2"
+    junk.write_bytes(b"not a zip file at all")
+    _expect_error(capsys, qcompile_main, [str(junk), "-o", str(tmp_path / "m.so")], "junk.pt2", "corrupt or truncated")
+    junk_h = tmp_path / "junk.pth"
+    junk_h.write_bytes(b"\x80\x02garbage")
+    _expect_error(capsys, qcompile_main, [str(junk_h), "--net", "resnet18", "-o", str(tmp_path / "m.so")], "junk.pth")
+    _expect_error(capsys, qcompile_main, [str(tmp_path / "missing.onnx"), "-o", str(tmp_path / "m.so")], "does not exist")
+    _expect_error(capsys, qcompile_main, [str(tmp_path / "model.xyz"), "-o", str(tmp_path / "m.so")], "does not exist")
+
+
+def test_hawq_needs_net(tiny_q8, tmp_path, capsys):
+    import torch
+
+    p = str(tmp_path / "h.pth")
+    torch.save({k: {} for k in ("weight_integer", "bias_integer", "act_scaling_factor", "convbn_scaling_factor",
+                                "fc_scaling_factor")}, p)
+    _expect_error(capsys, qcompile_main, [p, "-o", str(tmp_path / "m.so")], "--net")
+
+
+def test_qrun_wrong_input(tiny_q8, capsys):
+    d, model, x = tiny_q8
+    so = str(d / "t8_err.so")
+    assert qcompile_main([model, "-q", "-o", so]) == 0
+    bad_shape, bad_dtype = str(d / "bad_shape.npy"), str(d / "bad_dtype.npy")
+    np.save(bad_shape, np.random.randn(1, 3, 20, 20).astype("float32"))
+    np.save(bad_dtype, np.random.randint(0, 255, (1, 3, 16, 16)).astype("uint8"))
+    _expect_error(capsys, qrun_main, [so, "--input", bad_shape], "shape (1, 3, 20, 20)", "(1, 3, 16, 16)")
+    _expect_error(capsys, qrun_main, [so, "--input", bad_dtype], "dtype uint8")
+    trunc = str(d / "trunc.npy")
+    open(trunc, "wb").write(open(x, "rb").read()[:40])
+    _expect_error(capsys, qrun_main, [so, "--input", trunc], "cannot read input")
+    _expect_error(capsys, qrun_main, [str(d / "none.so"), "--input", x], "does not exist")
