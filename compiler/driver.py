@@ -222,12 +222,50 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
         "format": info["format"],
     }
     prog.step(f"building for {opts.target}{(' ' + opts.arch) if opts.arch else ''}")
-    target = opts.target
+    target = {"kind": "llvm"} if opts.target == "llvm" else {"kind": "cuda", "arch": opts.arch}
     if opts.target == "cuda":
-        target = f"cuda -arch={opts.arch}"
+        from qcompile.schedules.build import ensure_stub_libcuda
+
+        ensure_stub_libcuda()  # so that TVM embeds compiled GPU code (fatbin), not CUDA source, on a GPU-less host
     ex = build(_add_meta(mod_int, meta), target)
     prog.done()
     prog.step("summary")
     log(format_summary(layers))
     prog.done()
     return CompileResult(ex, mod_int, meta, layers)
+
+
+def emit_cuda(res: CompileResult, out_dir: str, log=print) -> list:
+    """Write each CUDA kernel's source (``NAME.cu``) and PTX (``NAME.ptx``) of a cuda build to ``out_dir``."""
+    import re
+    import subprocess
+    import tempfile
+
+    if res.meta.get("target") != "cuda":
+        raise QCompileError("--emit-cuda needs --target cuda")
+    mods = [m for top in res.executable.mod.imports for m in [top, *top.imports] if m.kind == "cuda"]
+    if not mods:
+        raise QCompileError("the build has no CUDA module")
+    src = mods[0].inspect_source("")
+    os.makedirs(out_dir, exist_ok=True)
+    parts = re.split(r'(?=extern "C" __global__)', src)
+    preamble, kernels = parts[0], parts[1:]
+    with tempfile.TemporaryDirectory() as d:
+        cu = os.path.join(d, "all.cu")
+        open(cu, "w").write(src)
+        ptx = os.path.join(d, "all.ptx")
+        arch = res.meta["arch"].replace("sm_", "")
+        r = subprocess.run(["nvcc", "-ptx", f"-arch=compute_{arch}", "-o", ptx, cu], capture_output=True, text=True)
+        if r.returncode:
+            raise QCompileError(f"nvcc -ptx failed: {r.stderr[-500:]}")
+        ptx_text = open(ptx).read()
+    head, *entries = re.split(r"(?=\n\t// \.globl\t)", ptx_text)
+    ptx_by_name = {re.search(r"\.globl\t(\S+)", e).group(1): e for e in entries}
+    written = []
+    for k in kernels:
+        name = re.search(r"__global__ void(?: __launch_bounds__\(\d+\))? (\w+)\(", k).group(1)
+        open(os.path.join(out_dir, name + ".cu"), "w").write(preamble + k)
+        open(os.path.join(out_dir, name + ".ptx"), "w").write(head + ptx_by_name.get(name, ""))
+        written.append(name)
+    log(f"wrote {len(written)} kernels (.cu and .ptx) to {out_dir}")
+    return written
