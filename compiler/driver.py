@@ -224,10 +224,13 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     prog.step(f"building for {opts.target}{(' ' + opts.arch) if opts.arch else ''}")
     target = {"kind": "llvm"} if opts.target == "llvm" else {"kind": "cuda", "arch": opts.arch}
     if opts.target == "cuda":
-        from qcompile.schedules.build import ensure_stub_libcuda
+        from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options
 
         ensure_stub_libcuda()  # so that TVM embeds compiled GPU code (fatbin), not CUDA source, on a GPU-less host
-    ex = build(_add_meta(mod_int, meta), target)
+        with nvcc_options(opts.arch, mode="both"):  # SASS for the arch + its PTX (newer GPUs JIT it)
+            ex = build(_add_meta(mod_int, meta), target)
+    else:
+        ex = build(_add_meta(mod_int, meta), target)
     prog.done()
     prog.step("summary")
     log(format_summary(layers))
@@ -236,7 +239,11 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
 
 
 def emit_cuda(res: CompileResult, out_dir: str, log=print) -> list:
-    """Write each CUDA kernel's source (``NAME.cu``) and PTX (``NAME.ptx``) of a cuda build to ``out_dir``."""
+    """Write each CUDA kernel's source (``NAME.cu``) and PTX (``NAME.ptx``) of a cuda build to ``out_dir``.
+
+    Returns ``(kernel name, file stem)`` pairs; a name over 120 characters is shortened with a hash.
+    """
+    import hashlib
     import re
     import subprocess
     import tempfile
@@ -264,8 +271,9 @@ def emit_cuda(res: CompileResult, out_dir: str, log=print) -> list:
     written = []
     for k in kernels:
         name = re.search(r"__global__ void(?: __launch_bounds__\(\d+\))? (\w+)\(", k).group(1)
-        open(os.path.join(out_dir, name + ".cu"), "w").write(preamble + k)
-        open(os.path.join(out_dir, name + ".ptx"), "w").write(head + ptx_by_name.get(name, ""))
-        written.append(name)
+        fname = name if len(name) <= 120 else f"{name[:100]}_{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+        open(os.path.join(out_dir, fname + ".cu"), "w").write(preamble + k)
+        open(os.path.join(out_dir, fname + ".ptx"), "w").write(head + ptx_by_name.get(name, ""))
+        written.append((name, fname))
     log(f"wrote {len(written)} kernels (.cu and .ptx) to {out_dir}")
     return written

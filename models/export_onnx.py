@@ -34,9 +34,15 @@ ORT loads and runs these opset-21 models, including ``QuantizeLinear`` /
 ``DequantizeLinear`` with ``int4``/``uint4`` activations and per-axis ``INT4`` weight
 initializers.  It has no 4-bit integer conv kernels, so it leaves the Q/DQ pairs
 in place and runs Conv/Gemm in float on dequantized values -- numerically this is
-the fake-quant forward itself.  8-bit models are fused into ``QLinearConv`` /
-integer kernels, which requantize with fixed-point multipliers and may differ
-from the float reference by one output step.
+the fake-quant forward itself.  One ORT bug: at optimization level EXTENDED/ALL
+its QDQ rules turn ``DQ -> MaxPool -> Q`` on a ``uint4`` tensor into a MaxPool on
+``uint4``, which is not a valid MaxPool type, so session creation fails with
+``INVALID_GRAPH`` (resnet18/50 under ``--bits 4``); ``ORT_ENABLE_BASIC`` runs them
+(:func:`run_onnx` picks it for any model with 4-bit initializers).  8-bit models are fused into ``QLinearConv`` /
+integer kernels; they (and plain float summation order) can flip a rounding by
+one step at any quantization point.  On a 3-block net that is at most one logit
+step; through deep nets a flip can compound (resnet50 int8 at 48x48 on random
+weights: up to 4 logit steps, mixed: 9, on a logit relative error of ~3%).
 """
 from __future__ import annotations
 
@@ -50,7 +56,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .quantize import ActQuant, QLayer, QuantizedModel
 
-__all__ = ["to_onnx", "export_onnx", "run_onnx", "ONNX_NP_DTYPES"]
+__all__ = ["to_onnx", "export_onnx", "run_onnx", "has_4bit", "ONNX_NP_DTYPES"]
 
 ONNX_NP_DTYPES = {"int8": np.int8, "uint8": np.uint8, "int4": ml_dtypes.int4, "uint4": ml_dtypes.uint4}
 
@@ -162,15 +168,26 @@ def export_onnx(qm: QuantizedModel, path: str, input_shape: tuple[int, ...], bat
     return model
 
 
+def has_4bit(model: onnx.ModelProto) -> bool:
+    return any(t.data_type in (TensorProto.INT4, TensorProto.UINT4) for t in model.graph.initializer)
+
+
 def run_onnx(path_or_model, x: np.ndarray, disable_optimizations: bool = False) -> np.ndarray:
-    """Run with onnxruntime (CPU); with ``batch=1`` models, ``x`` is fed one sample at a time."""
+    """Run with onnxruntime (CPU EP); a model with a static batch is fed ``x`` in slices of that batch.
+
+    Models with 4-bit tensors run at ``ORT_ENABLE_BASIC``: at the extended level ORT's QDQ
+    rules drop the DQ/Q around MaxPool without checking the type and fail with
+    ``INVALID_GRAPH ... tensor(uint4) ... MaxPool`` (onnxruntime 1.32).
+    """
     import onnxruntime as ort
+    model = path_or_model if isinstance(path_or_model, onnx.ModelProto) else onnx.load(path_or_model)
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if disable_optimizations:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    src = path_or_model.SerializeToString() if isinstance(path_or_model, onnx.ModelProto) else path_or_model
-    sess = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    elif has_4bit(model):
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     inp = sess.get_inputs()[0]
     x = np.asarray(x, np.float32)
     if isinstance(inp.shape[0], int) and inp.shape[0] != x.shape[0]:

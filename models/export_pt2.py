@@ -252,17 +252,32 @@ def export_pt2(qm: QuantizedModel, path: str, example_input: torch.Tensor,
     _, _, prepare_pt2e, convert_pt2e = _import_torchao()
     folded = FoldedResNet(qm).eval()
     ex = (example_input.float(),)
-    dyn = ({0: torch.export.Dim("N", min=1, max=4096)},) if dynamic_batch else None
-    gm = torch.export.export(folded, ex, dynamic_shapes=dyn).module()
+    dyn_n = ({0: torch.export.Dim("N", min=1, max=4096)},)
+    dyn = dyn_n if dynamic_batch else None
+    # capture with a dynamic batch so that calibration can use any batch size
+    ex2 = (torch.cat([ex[0]] * 2),) if ex[0].shape[0] == 1 else ex
+    gm = torch.export.export(folded, ex2, dynamic_shapes=dyn_n).module()
     gm = prepare_pt2e(gm, QcompileQuantizer(qm, observers))
     with torch.no_grad():
         data = calib if calib is not None else example_input
         for i in range(0, data.shape[0], 64):
             gm(data[i:i + 64].float())
     gm = convert_pt2e(gm)
-    ep = torch.export.export(gm, ex, dynamic_shapes=dyn)
+    _drop_unused_params(gm)
+    ep = torch.export.export(gm, ex2 if dynamic_batch else ex, dynamic_shapes=dyn)
     torch.export.save(ep, path)
     return ep
+
+
+def _drop_unused_params(gm: torch.fx.GraphModule) -> None:
+    """convert_pt2e leaves the float weights attached although only the folded int8 copies
+    are used; drop them so the .pt2 does not carry the float model too."""
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, _ in list(gm.named_parameters()):
+        if name not in used:
+            mod_name, _, attr = name.rpartition(".")
+            mod = gm.get_submodule(mod_name) if mod_name else gm
+            delattr(mod, attr)
 
 
 def load_pt2(path: str) -> "torch.export.ExportedProgram":

@@ -1,1 +1,80 @@
+"""Tensor-core INT8/INT4 conv2d kernels for qcompile (TIR, TVM 0.27).
 
+Public interface (see docs/SCHEDULES.md):
+    conv2d_int_kernel(spec, arch="sm_90", strategy=None, knobs=None) -> tvm.tirx.PrimFunc
+    select_strategy(spec, arch) -> "direct_hwnc" | "implicit_gemm" | "fallback"
+    MMA_SHAPES, ConvSpec, GemmKnobs, DEFAULT_KNOBS
+"""
+from __future__ import annotations
+
+from .spec import DEFAULT_KNOBS, MMA_SHAPES, ArchMMA, ConvSpec, GemmKnobs, MMAShape, arch_info
+
+STRATEGIES = ("direct_hwnc", "implicit_gemm", "fallback")
+
+
+# ---- dlight-style rules: each returns a PrimFunc, or None when it does not apply ----------------
+def rule_direct_hwnc(spec: ConvSpec, arch: str, knobs=None):
+    from .igemm import NotApplicable, gemm_constraints, make_gemm_conv
+
+    if spec.layout != "HWNC" or gemm_constraints(spec, arch, "HWNC"):
+        return None
+    try:
+        return make_gemm_conv(spec, arch, knobs, layout="HWNC")
+    except NotApplicable:
+        return None
+
+
+def rule_implicit_gemm(spec: ConvSpec, arch: str, knobs=None):
+    from .igemm import NotApplicable, gemm_constraints, make_gemm_conv
+
+    if spec.layout != "NHWC" or gemm_constraints(spec, arch, "NHWC"):
+        return None
+    try:
+        return make_gemm_conv(spec, arch, knobs, layout="NHWC")
+    except NotApplicable:
+        return None
+
+
+def rule_fallback(spec: ConvSpec, arch: str, knobs=None):
+    from .fallback import make_fallback
+
+    return make_fallback(spec, "cuda")
+
+
+RULES = {"direct_hwnc": rule_direct_hwnc, "implicit_gemm": rule_implicit_gemm, "fallback": rule_fallback}
+
+
+def select_strategy(spec: ConvSpec, arch: str = "sm_90") -> str:
+    """direct HWNC where the shape fits the MMA constraints, else implicit GEMM (NHWC), else fallback.
+    The layout is part of the spec (the caller decides it per layer); this only checks the rules."""
+    from .igemm import gemm_constraints
+
+    if spec.layout == "HWNC" and gemm_constraints(spec, arch, "HWNC") is None:
+        return "direct_hwnc"
+    if spec.layout == "NHWC" and gemm_constraints(spec, arch, "NHWC") is None:
+        return "implicit_gemm"
+    return "fallback"
+
+
+def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None):
+    """PrimFunc for one quantized conv layer. Params: x, w, bias, M, S, [res], out.
+    ``strategy`` forces a rule (ValueError when it cannot take the spec); ``knobs`` a GemmKnobs."""
+    if strategy is None:
+        strategy = select_strategy(spec, arch)
+    if strategy not in RULES:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
+    f = RULES[strategy](spec, arch, knobs)
+    if f is None:
+        raise ValueError(f"strategy {strategy} does not apply to {spec} on {arch}")
+    return f
+
+
+def dense_int_kernel(M: int, N: int, K: int, arch: str = "sm_90", strategy: str | None = None, knobs=None, **kw):
+    """Final dense layer y[M,N] = x[M,K] @ w[N,K]^T through the same GEMM path: a 1x1 conv with batch M,
+    H=W=1 (x viewed as [M,1,1,K], w as OHWI [N,1,1,K]); ``kw`` are the other ConvSpec fields."""
+    spec = ConvSpec(N=M, H=1, W=1, C=K, K=N, R=1, S=1, **kw)
+    return conv2d_int_kernel(spec, arch, strategy, knobs)
+
+
+__all__ = ["conv2d_int_kernel", "select_strategy", "dense_int_kernel", "MMA_SHAPES", "ConvSpec", "GemmKnobs",
+           "MMAShape", "ArchMMA", "DEFAULT_KNOBS", "arch_info", "STRATEGIES", "RULES"]

@@ -1,0 +1,400 @@
+"""Tensor-core integer conv2d as a TIR kernel generator (implicit GEMM NHWC and direct HWNC).
+
+Both strategies share one parametrised TIR template (written in TVMScript, all sizes are Python
+constants closed over by the script, so every knob specialises the kernel):
+
+  GEMM rows m   = output pixels x batch (NHWC: m = (n, p, q); HWNC direct: m = (p, q, n), so an MMA
+                  tile spans 16 batch elements of one output pixel)
+  GEMM cols     = output channels k
+  GEMM K (bytes)= (r, s, c) with c innermost; the im2col matrix is never materialised: each thread
+                  gathers 16-byte channel vectors straight from x into shared memory with cp.async
+                  (zero-filled outside the image) or plain loads (pad_value != 0, odd channel counts).
+
+Main loop: ``stages``-deep cp.async ring in dynamic shared memory, ldmatrix.x4 fragments from
+padded rows (row pitch BK+16 bytes: conflict-free ldmatrix), mma.sync from the per-arch table.
+
+INT4: operands stay packed (4-bit) in global and shared memory and in the ldmatrix fragments.
+  * native (sm_75/80/86/89): mma .s4/.u4 (m16n8k64, or m8n8k32 on Turing)
+  * Hopper (sm_90): each 32-bit fragment word (8 nibbles) becomes two s8 words with one AND and one
+    SHL+AND: ``hi = w & 0xF0F0F0F0`` holds the odd elements as 16*v, ``lo = (w << 4) & 0xF0F0F0F0`` the
+    even ones. A and B are split the same way, so every k slot still pairs matching elements; the
+    int32 accumulator holds 256 * sum (exact, |256 * 15 * 8 * Kred| < 2^31 for Kred < 69905) and the
+    epilogue shifts it back (arithmetic >> 8). Unsigned 4-bit activations use .u8.
+
+Epilogue (fused, per warp): accumulators -> padded shared tile (16 x warp-N int32 at a time) ->
+each lane takes ``ev`` consecutive channels of a row: + bias, int64 fixed-point requant with
+optional residual, zero point, clip, cast/pack -> one vector store per lane, rows written
+contiguously (coalesced), every output element written exactly once.
+"""
+from __future__ import annotations
+
+import math
+
+from tvm.script import tirx as T
+
+from .spec import ConvSpec, GemmKnobs, arch_info
+
+_MASK_HI = 0xF0F0F0F0
+
+
+class NotApplicable(Exception):
+    pass
+
+
+def _mma_dtype(dtype_bits: int, signed: bool) -> str:
+    return ("int" if signed else "uint") + str(dtype_bits)
+
+
+def gemm_constraints(spec: ConvSpec, arch: str, layout: str) -> str | None:
+    """Return None if the tensor-core template can take this spec, else the reason."""
+    if spec.x_bits != spec.w_bits:
+        return "activation and weight widths differ"
+    if spec.x_bits == 4 and spec.C % 2:
+        return "4-bit channels must be even (packed)"
+    if spec.out_bits == 4 and spec.K % 2:
+        return "4-bit output channels must be even"
+    if layout == "HWNC":
+        if spec.N % 8:
+            return "direct HWNC needs batch % 8 == 0 (MMA M tile over N)"
+        cb = spec.C * spec.x_bits // 8
+        if cb % 32:
+            return "direct HWNC needs channel bytes % 32 == 0 (MMA K tile over C)"
+        if spec.K % 8:
+            return "direct HWNC needs K % 8 == 0 (MMA N tile)"
+    if spec.x_bits == 4 and not arch_info(arch).s4_native:
+        kred = spec.R * spec.S * spec.C
+        if kred >= 69905:
+            return "Kred too large for the x256-scaled int4->s8 accumulation"
+    return None
+
+
+def _pick_vec(cb: int, want: int) -> int:
+    v = want
+    while v > 1 and cb % v:
+        v //= 2
+    return v
+
+
+def _pick_ev(spec: ConvSpec, want: int) -> int:
+    ev = want
+    while ev > 1 and spec.K % ev:
+        ev //= 2
+    if spec.out_bits == 4 and ev < 2:
+        raise NotApplicable("4-bit output needs even K")
+    return ev
+
+
+def _adapt_knobs(spec: ConvSpec, kn: GemmKnobs, layout: str) -> GemmKnobs:
+    """Shrink the block tile for small problems (keeps the grid busy), fix vector widths."""
+    Mtot = spec.N * spec.P * spec.Q
+    cb = spec.C * spec.x_bits // 8
+    vec = _pick_vec(cb, kn.vec)
+    if spec.pad_value != 0 and vec > 1:
+        pass  # plain-load path keeps vector width, pads with pad_value
+    BM, BN, WM, WN = kn.BM, kn.BN, kn.WM, kn.WN
+    while BN > 32 and BN // 2 >= spec.K:
+        BN //= 2
+    while BM > 32 and BM // 2 >= Mtot:
+        BM //= 2
+    WM = max(1, min(WM, BM // 32))
+    WN = max(1, min(WN, BN // 32))
+    nth = 32 * WM * WN
+    BK = kn.BK
+    kn = kn.replace(BM=BM, BN=BN, WM=WM, WN=WN, vec=vec, BK=BK)
+    # keep every thread busy with whole vectors
+    while (BM * BK) % (vec * nth) or (BN * BK) % (vec * nth):
+        BK *= 2
+    return kn.replace(BK=BK)
+
+
+def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None = None,
+                   layout: str | None = None, adapt: bool = True):
+    """Build the tensor-core PrimFunc. ``layout`` "NHWC" = implicit GEMM, "HWNC" = direct."""
+    from .spec import DEFAULT_KNOBS
+
+    layout = layout or spec.layout
+    if layout != spec.layout:
+        raise NotApplicable(f"spec layout {spec.layout} != strategy layout {layout}")
+    why = gemm_constraints(spec, arch, layout)
+    if why:
+        raise NotApplicable(why)
+    ai = arch_info(arch)
+    kn = knobs or DEFAULT_KNOBS.get(arch, DEFAULT_KNOBS["sm_90"])
+    if adapt:
+        kn = _adapt_knobs(spec, kn, layout)
+    if not kn.valid():
+        raise NotApplicable(f"invalid knobs {kn}")
+
+    # ---------------- constants ----------------
+    N, H, W, C, K, R, S = spec.N, spec.H, spec.W, spec.C, spec.K, spec.R, spec.S
+    P, Q = spec.P, spec.Q
+    sh, sw = spec.strides
+    dh, dw = spec.dilations
+    pt, pl, _, _ = spec.pads
+    xbits = spec.x_bits
+    CB = C * xbits // 8  # channel bytes
+    GKB = R * S * CB  # reduction length in bytes
+    Mtot = N * P * Q
+    BM, BN, BK, WM, WN, STG = kn.BM, kn.BN, kn.BK, kn.WM, kn.WN, kn.stages
+    NWARP = WM * WN
+    NTH = 32 * NWARP
+    WTM, WTN = BM // WM, BN // WN
+    MT, NT = WTM // 16, WTN // 8
+    KS = BK // 32  # 32-byte k-steps per chunk
+    BKP = BK + 16  # padded shared row pitch (bytes)
+    VEC = kn.vec
+    VPR = BK // VEC  # vectors per tile row
+    A_IT = BM * BK // VEC // NTH
+    B_IT = BN * BK // VEC // NTH
+    NK = (GKB + BK - 1) // BK
+    PAD = spec.pad_value
+    use_async = VEC >= 4 and PAD == 0 and ai.has_cp_async
+    if not use_async:
+        STG = max(2, min(STG, 2))
+    EV = _pick_ev(spec, kn.ev)
+    CSP = WTN + 8  # epilogue staging pitch (int32 words)
+    GRID_M = (Mtot + BM - 1) // BM
+    GRID_N = (K + BN - 1) // BN
+    HWNC = layout == "HWNC"
+    # MMA instruction(s) per 16x8x32-byte macro step
+    is4 = xbits == 4
+    unpack = is4 and not ai.s4_native
+    shp = ai.s4 if is4 else ai.s8
+    if unpack:
+        shp = ai.s8
+    a_ty = _mma_dtype(8 if (unpack or not is4) else 4, spec.x_signed)
+    b_ty = _mma_dtype(8 if (unpack or not is4) else 4, True)
+    SUB_M = 16 // shp.m  # 1 or 2
+    SUB_K = 32 // shp.k_bytes  # 1 or 2
+    MMA = shp.ptx
+    acc_shift = 8 if unpack else 0
+
+    x_st, w_st = ConvSpec.storage(spec.x_dtype), ("int8")
+    o_st = ConvSpec.storage(spec.out_dtype)
+    xs, ws, os_ = spec.shapes()
+    OB = spec.out_bits
+    OSIGNED = spec.out_signed
+    HAS_RES = spec.has_residual
+    r_st = ConvSpec.storage(spec.res_dtype)
+    RB = OB
+    zr, zo, lo, hi, Mr = spec.zr, spec.zo, spec.lo, spec.hi, spec.Mr
+    if OB == 32:
+        lo, hi = max(lo, -(1 << 31)), min(hi, (1 << 31) - 1)
+    X_SIZE = math.prod(xs)
+    W_SIZE = math.prod(ws)
+    O_SIZE = math.prod(os_)
+    SMEM_A = STG * BM * BKP
+    SMEM_B = STG * BN * BKP
+    SMEM_C = NWARP * 16 * CSP
+    CS_IT = 16 * WTN // (32 * EV)
+    LPR = WTN // EV  # lanes per staged row
+    assert CS_IT * 32 * EV == 16 * WTN, (WTN, EV)
+    OUT_VEC = EV * OB // 8 if OB < 32 else EV  # storage elements per lane store
+    MASK = T.uint32(_MASK_HI)
+
+    res_shape = os_
+
+    # ---------------- index helpers (build PrimExprs; called from the script) ----------------
+    def row_decode(m):
+        if HWNC:
+            return (m % N, (m // N) // Q, (m // N) % Q)
+        return (m // (P * Q), (m // Q) % P, m % Q)
+
+    def x_index(n, ih, iw, cb):
+        if HWNC:
+            return ((ih * W + iw) * N + n) * CB + cb
+        return ((n * H + ih) * W + iw) * CB + cb
+
+    def w_index(k, kb):
+        if HWNC:
+            return ((kb // CB) * K + k) * CB + kb % CB
+        return k * GKB + kb
+
+    def requant(a, bias_v, m_v, s_v, res_v):
+        t = (T.shift_right(a, acc_shift) if acc_shift else a) + bias_v
+        v = T.Cast("int64", t) * T.Cast("int64", m_v)
+        if HAS_RES:
+            v = v + T.Cast("int64", res_v - zr) * T.int64(Mr)
+        v = T.shift_right(v + T.shift_left(T.int64(1), T.Cast("int64", s_v - 1)), T.Cast("int64", s_v))
+        v = v + T.int64(zo)
+        return T.Cast("int32", T.max(T.min(v, T.int64(hi)), T.int64(lo)))
+
+    def res_value(rf, flat):
+        if not HAS_RES:
+            return T.int32(0)
+        if RB == 4:
+            nib = T.bitwise_and(T.shift_right(T.Cast("int32", rf[flat // 2]), (flat % 2) * 4), 15)
+            if OSIGNED:
+                return T.if_then_else(nib >= 8, nib - 16, nib)
+            return nib
+        return T.Cast("int32", rf[flat])
+
+    def a_cp(As, xf, soff, gidx, ok):
+        if VEC == 16:
+            return T.ptx.cp.async_.cg.shared.global_(
+                T.address_of(As[soff]), T.address_of(xf[T.if_then_else(ok, gidx, 0)]), 16,
+                T.if_then_else(ok, T.uint32(16), T.uint32(0)))
+        return T.ptx.cp.async_.ca.shared.global_(
+            T.address_of(As[soff]), T.address_of(xf[T.if_then_else(ok, gidx, 0)]), VEC,
+            T.if_then_else(ok, T.uint32(VEC), T.uint32(0)))
+
+    @T.macro
+    def body(x, w, bias, Mq, Sq, rf, of):
+        bxn = T.launch_thread("blockIdx.x", GRID_N)
+        bxm = T.launch_thread("blockIdx.y", GRID_M)
+        tid = T.launch_thread("threadIdx.x", NTH)
+        xf = T.decl_buffer((X_SIZE,), x_st, data=x.data)
+        wf = T.decl_buffer((W_SIZE,), w_st, data=w.data)
+        As = T.alloc_buffer((SMEM_A,), x_st, scope="shared.dyn")
+        Bs = T.alloc_buffer((SMEM_B,), w_st, scope="shared.dyn")
+        Cs = T.alloc_buffer((SMEM_C,), "int32", scope="shared.dyn")
+        af = T.alloc_buffer((MT * 4,), "uint32", scope="local")
+        bf = T.alloc_buffer((NT * 2,), "uint32", scope="local")
+        al = T.alloc_buffer((MT * 8,), "uint32", scope="local")
+        bl = T.alloc_buffer((NT * 4,), "uint32", scope="local")
+        acc = T.alloc_buffer((MT * NT * 4,), "int32", scope="local")
+        yb = T.alloc_buffer((EV,), "int32", scope="local")
+        ob = T.alloc_buffer((OUT_VEC,), o_st, scope="local")
+        warp = tid // 32
+        lane = tid % 32
+        wm = warp // WN
+        wn = warp % WN
+        m0 = bxm * BM
+        n0 = bxn * BN
+        for e in T.unroll(MT * NT * 4):
+            acc[e] = 0
+        # ---------------- main loop: STG-deep ring ----------------
+        for kc in T.serial(NK + STG - 1):
+            # issue the load of chunk kc into stage kc % STG
+            if kc < NK:
+                for it in T.unroll(A_IT):
+                    L = it * NTH + tid
+                    row = L // VPR
+                    kb = kc * BK + (L % VPR) * VEC
+                    m = m0 + row
+                    rs = kb // CB
+                    cb = kb % CB
+                    dec = T.meta_var(row_decode(m))
+                    ih = dec[1] * sh - pt + (rs // S) * dh
+                    iw = dec[2] * sw - pl + (rs % S) * dw
+                    inb = m < Mtot and kb < GKB
+                    ok = inb and ih >= 0 and ih < H and iw >= 0 and iw < W
+                    soff = (kc % STG) * (BM * BKP) + row * BKP + (L % VPR) * VEC
+                    gidx = T.meta_var(x_index(dec[0], ih, iw, cb))
+                    if use_async:
+                        T.evaluate(a_cp(As, xf, soff, gidx, ok))
+                    else:
+                        if ok:
+                            for v in T.unroll(VEC):
+                                As[soff + v] = xf[gidx + v]
+                        else:
+                            for v in T.unroll(VEC):
+                                As[soff + v] = T.if_then_else(inb, T.Cast(x_st, PAD), T.Cast(x_st, 0))
+                for it in T.unroll(B_IT):
+                    L = it * NTH + tid
+                    row = L // VPR
+                    kb = kc * BK + (L % VPR) * VEC
+                    k = n0 + row
+                    ok = k < K and kb < GKB
+                    soff = (kc % STG) * (BN * BKP) + row * BKP + (L % VPR) * VEC
+                    gidx = T.meta_var(w_index(k, kb))
+                    if use_async:
+                        T.evaluate(a_cp(Bs, wf, soff, gidx, ok))
+                    else:
+                        if ok:
+                            for v in T.unroll(VEC):
+                                Bs[soff + v] = wf[gidx + v]
+                        else:
+                            for v in T.unroll(VEC):
+                                Bs[soff + v] = T.int8(0)
+            if use_async:
+                T.ptx.cp.async_.commit_group()
+                T.ptx.cp.async_.wait_group(STG - 1)
+            T.tvm_storage_sync("shared")
+            # compute chunk kc - (STG - 1)
+            if kc >= STG - 1:
+                stage = (kc - (STG - 1)) % STG
+                for ks in T.unroll(KS):
+                    for i in T.unroll(MT):
+                        T.ptx_legacy.ldmatrix(
+                            False, 4, ".b16", af.data, i * 4, As.access_ptr("r"),
+                            stage * (BM * BKP) + (wm * WTM + i * 16 + lane % 16) * BKP + ks * 32
+                            + (lane // 16) * 16, dtype="int8")
+                    for j in T.unroll(NT // 2):
+                        T.ptx_legacy.ldmatrix(
+                            False, 4, ".b16", bf.data, j * 4, Bs.access_ptr("r"),
+                            stage * (BN * BKP) + (wn * WTN + j * 16 + (lane // 16) * 8 + lane % 8) * BKP
+                            + ks * 32 + ((lane // 8) % 2) * 16, dtype="int8")
+                    if unpack:
+                        for e in T.unroll(MT * 4):
+                            al[e] = T.bitwise_and(T.shift_left(af[e], T.uint32(4)), MASK)
+                            al[MT * 4 + e] = T.bitwise_and(af[e], MASK)
+                        for e in T.unroll(NT * 2):
+                            bl[e] = T.bitwise_and(T.shift_left(bf[e], T.uint32(4)), MASK)
+                            bl[NT * 2 + e] = T.bitwise_and(bf[e], MASK)
+                        for h in T.unroll(2):
+                            for i in T.unroll(MT):
+                                for j in T.unroll(NT):
+                                    T.ptx_legacy.mma(MMA, "row", "col", a_ty, b_ty, "int32",
+                                                     al.data, h * (MT * 4) + i * 4, bl.data,
+                                                     h * (NT * 2) + j * 2, acc.data, (i * NT + j) * 4,
+                                                     False, dtype="int32")
+                    else:
+                        for i in T.unroll(MT):
+                            for j in T.unroll(NT):
+                                for sm in T.unroll(SUB_M):
+                                    for sk in T.unroll(SUB_K):
+                                        T.ptx_legacy.mma(MMA, "row", "col", a_ty, b_ty, "int32",
+                                                         af.data, i * 4 + sm + 2 * sk, bf.data, j * 2 + sk,
+                                                         acc.data, (i * NT + j) * 4 + 2 * sm, False,
+                                                         dtype="int32")
+            T.tvm_storage_sync("shared")
+        # ---------------- fused epilogue, staged through shared memory ----------------
+        cbase = warp * (16 * CSP)
+        for i in T.serial(MT):
+            for j in T.unroll(NT):
+                for e in T.unroll(4):
+                    Cs[cbase + (lane // 4 + 8 * (e // 2)) * CSP + j * 8 + (lane % 4) * 2 + e % 2] = \
+                        acc[(i * NT + j) * 4 + e]
+            T.tvm_storage_sync("warp")
+            for it in T.serial(CS_IT):
+                L = it * 32 + lane
+                row = L // LPR
+                cc = (L % LPR) * EV
+                m = m0 + wm * WTM + i * 16 + row
+                k = n0 + wn * WTN + cc
+                if m < Mtot and k < K:
+                    for e in T.unroll(EV):
+                        yb[e] = requant(Cs[cbase + row * CSP + cc + e], bias[k + e], Mq[k + e], Sq[k + e],
+                                        res_value(rf, m * K + k + e))
+                    if OB == 4:
+                        for e in T.unroll(OUT_VEC):
+                            ob[e] = T.Cast(o_st, T.bitwise_or(T.bitwise_and(yb[2 * e], 15),
+                                                              T.shift_left(T.bitwise_and(yb[2 * e + 1], 15), 4)))
+                        for e in T.vectorized(OUT_VEC):
+                            of[(m * K + k) // 2 + e] = ob[e]
+                    else:
+                        for e in T.unroll(EV):
+                            ob[e] = T.Cast(o_st, yb[e])
+                        for e in T.vectorized(OUT_VEC):
+                            of[m * K + k + e] = ob[e]
+            T.tvm_storage_sync("warp")
+
+    if HAS_RES:
+        @T.prim_func
+        def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
+                 Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), res: T.Buffer(res_shape, r_st),
+                 out: T.Buffer(os_, o_st)):
+            T.func_attr({"tir.noalias": True})
+            rf = T.decl_buffer((O_SIZE * RB // OB if OB != 32 else O_SIZE,), r_st, data=res.data)
+            of = T.decl_buffer((O_SIZE,), o_st, data=out.data)
+            body(x, w, bias, Mq, Sq, rf, of)
+    else:
+        @T.prim_func
+        def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
+                 Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), out: T.Buffer(os_, o_st)):
+            T.func_attr({"tir.noalias": True})
+            of = T.decl_buffer((O_SIZE,), o_st, data=out.data)
+            body(x, w, bias, Mq, Sq, None, of)
+
+    return conv.with_attr("qcompile.knobs", str(kn)).with_attr("qcompile.strategy", "direct_hwnc" if HWNC else "implicit_gemm")

@@ -1,0 +1,128 @@
+"""NumPy integer reference for the project-wide quantized conv2d math, and 4-bit packing helpers."""
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    from .spec import ConvSpec
+except ImportError:  # loaded as a plain module on the GPU host (no TVM compiler there)
+    from spec import ConvSpec  # type: ignore
+
+
+def pack4(v: np.ndarray) -> np.ndarray:
+    """Pack int values (last axis even) two per byte: element 2i low nibble, 2i+1 high nibble."""
+    v = np.asarray(v).astype(np.int64)
+    if v.shape[-1] % 2:
+        v = np.concatenate([v, np.zeros(v.shape[:-1] + (1,), np.int64)], axis=-1)
+    lo = v[..., 0::2] & 15
+    hi = v[..., 1::2] & 15
+    return (lo | (hi << 4)).astype(np.uint8)
+
+
+def unpack4(b: np.ndarray, signed: bool) -> np.ndarray:
+    b = np.asarray(b).astype(np.uint8).astype(np.int64)
+    lo, hi = b & 15, (b >> 4) & 15
+    if signed:
+        lo = np.where(lo >= 8, lo - 16, lo)
+        hi = np.where(hi >= 8, hi - 16, hi)
+    out = np.empty(b.shape[:-1] + (b.shape[-1] * 2,), np.int64)
+    out[..., 0::2], out[..., 1::2] = lo, hi
+    return out
+
+
+def to_storage(vals: np.ndarray, dtype: str) -> np.ndarray:
+    """Logical integer values -> the buffer content the kernels take (packed for 4-bit)."""
+    if dtype in ("int4", "uint4"):
+        p = pack4(vals)
+        return p.view(np.int8) if dtype == "int4" else p
+    return np.asarray(vals).astype(dtype)
+
+
+def from_storage(buf: np.ndarray, dtype: str, n: int | None = None) -> np.ndarray:
+    if dtype in ("int4", "uint4"):
+        u = unpack4(buf.view(np.uint8), dtype == "int4")
+        return u if n is None else u[..., :n]
+    return np.asarray(buf).astype(np.int64)
+
+
+def value_range(dtype: str):
+    return {"int8": (-128, 127), "uint8": (0, 255), "int4": (-8, 7), "uint4": (0, 15),
+            "int32": (-(1 << 31), (1 << 31) - 1)}[dtype]
+
+
+def conv_acc_nhwc(x: np.ndarray, w: np.ndarray, spec: ConvSpec) -> np.ndarray:
+    """int64 accumulator of conv over logical values x[N,H,W,C], w[K,R,S,C] -> [N,P,Q,K]."""
+    sh, sw = spec.strides
+    dh, dw = spec.dilations
+    pt, pl, pb, pr = spec.pads
+    N, H, W, C = x.shape
+    xp = np.full((N, H + pt + pb, W + pl + pr, C), spec.pad_value, np.int64)
+    xp[:, pt:pt + H, pl:pl + W, :] = x
+    P, Q = spec.P, spec.Q
+    acc = np.zeros((N, P, Q, spec.K), np.int64)
+    wt = w.astype(np.int64)
+    for r in range(spec.R):
+        for s in range(spec.S):
+            patch = xp[:, r * dh: r * dh + sh * (P - 1) + 1: sh, s * dw: s * dw + sw * (Q - 1) + 1: sw, :]
+            acc += np.tensordot(patch, wt[:, r, s, :], axes=([3], [1]))
+    return acc
+
+
+def requant(acc, bias, M, S, spec: ConvSpec, res=None):
+    """acc int [.., K] (int32-range) -> output logical values per the project math."""
+    t = (acc.astype(np.int64) + bias.astype(np.int64))
+    t = ((t + (1 << 31)) % (1 << 32)) - (1 << 31)  # int32 wrap, as on the device
+    v = t * M.astype(np.int64)
+    if res is not None:
+        v = v + (res.astype(np.int64) - spec.zr) * spec.Mr
+    S64 = S.astype(np.int64)
+    v = (v + (np.int64(1) << (S64 - 1))) >> S64
+    if spec.out_dtype == "int32":
+        y = np.clip(v + spec.zo, max(spec.lo, -(1 << 31)), min(spec.hi, (1 << 31) - 1))
+    else:
+        y = np.clip(v + spec.zo, spec.lo, spec.hi)
+    return y
+
+
+def conv_reference(spec: ConvSpec, x_log, w_log, bias, M, S, res_log=None):
+    """Reference on LOGICAL values in the spec's layout. Returns logical output values in layout."""
+    if spec.layout == "HWNC":
+        x_n = np.transpose(x_log, (2, 0, 1, 3))
+        w_n = np.transpose(w_log, (2, 0, 1, 3))
+        r_n = None if res_log is None else np.transpose(res_log, (2, 0, 1, 3))
+    else:
+        x_n, w_n, r_n = x_log, w_log, res_log
+    acc = conv_acc_nhwc(x_n, w_n, spec)
+    y = requant(acc, bias, M, S, spec, r_n)
+    if spec.layout == "HWNC":
+        y = np.transpose(y, (1, 2, 0, 3))
+    return y
+
+
+def random_problem(spec: ConvSpec, rng: np.random.Generator):
+    """Fresh random logical inputs (never zeros) + per-channel requant params that keep outputs varied."""
+    xs = spec.shapes()[0][:-1] + (spec.C,)
+    ws = spec.shapes()[1][:-1] + (spec.C,)
+    xlo, xhi = value_range(spec.x_dtype)
+    wlo, whi = (-8, 7) if spec.w_bits == 4 else (-128, 127)
+    x = rng.integers(xlo, xhi + 1, xs)
+    w = rng.integers(wlo, whi + 1, ws)
+    K = spec.K
+    kred = spec.R * spec.S * spec.C
+    # scale so that outputs cover the output range: acc std ~ sqrt(kred)*sx*sw
+    sx = (xhi - xlo) / 3.5
+    sw_ = (whi - wlo) / 3.5
+    acc_std = max(1.0, np.sqrt(kred) * sx * sw_)
+    bias = rng.integers(-int(acc_std) - 1, int(acc_std) + 1, K).astype(np.int32)
+    olo, ohi = value_range(spec.out_dtype)
+    target = (min(ohi, 1 << 20) - max(olo, -(1 << 20))) / 4
+    S = rng.integers(20, 31, K).astype(np.int32)
+    M = np.round(target / acc_std * (2.0 ** S.astype(np.float64)) * rng.uniform(0.5, 1.5, K)).astype(np.int64)
+    M = np.clip(M, 1, (1 << 31) - 1) * rng.choice([1, -1], K, p=[0.8, 0.2])
+    M = M.astype(np.int32)
+    res = None
+    if spec.has_residual:
+        os_ = spec.shapes()[2][:-1] + (spec.K,)
+        rlo, rhi = value_range(spec.res_dtype)
+        res = rng.integers(max(rlo, -(1 << 15)), min(rhi, 1 << 15) + 1, os_)
+    return x, w, bias, M, S, res

@@ -1,0 +1,223 @@
+"""Conv2d problem description, per-architecture MMA table, and the tuning knobs."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+_BITS = {"int8": 8, "uint8": 8, "int4": 4, "uint4": 4, "int32": 32}
+_SIGNED = {"int8": True, "uint8": False, "int4": True, "uint4": False, "int32": True}
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """One quantized conv2d layer (see docs/SCHEDULES.md for the exact math).
+
+    Tensors (PrimFunc params, in this order): x, w, bias int32[K], M int32[K], S int32[K], [res], out.
+      NHWC: x[N,H,W,Cs], w OHWI [K,R,S,Cs], out/res [N,P,Q,Ks]
+      HWNC: x[H,W,N,Cs], w HWOI [R,S,K,Cs], out/res [P,Q,N,Ks]
+    4-bit tensors are packed two per byte along the innermost (channel) axis (Cs = C/2): element 2i in
+    the low nibble, 2i+1 in the high nibble; signed nibbles are sign-extended. Storage dtypes:
+    int8/int4 -> "int8" buffers, uint8/uint4 -> "uint8" buffers. res has out_dtype's storage (int32 if
+    out_dtype is int32). Padding positions read ``pad_value`` (the input zero point; the caller folds
+    -zp*sum(w) into bias)."""
+
+    N: int
+    H: int
+    W: int
+    C: int
+    K: int
+    R: int
+    S: int
+    stride: tuple[int, int] | int = 1
+    padding: tuple[int, int, int, int] | int = 0  # top, left, bottom, right
+    dilation: tuple[int, int] | int = 1
+    layout: str = "NHWC"  # or "HWNC"
+    x_dtype: str = "int8"  # int8 | uint8 | int4 | uint4
+    w_bits: int = 8  # 8 | 4 (weights are signed)
+    out_dtype: str = "int8"  # int8 | uint8 | int4 | uint4 | int32
+    has_residual: bool = False
+    zr: int = 0
+    zo: int = 0
+    lo: int = -128
+    hi: int = 127
+    Mr: int = 0
+    pad_value: int = 0
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def strides(self):
+        s = self.stride
+        return (s, s) if isinstance(s, int) else tuple(s)
+
+    @property
+    def pads(self):
+        p = self.padding
+        if isinstance(p, int):
+            return (p, p, p, p)
+        if len(p) == 2:
+            return (p[0], p[1], p[0], p[1])
+        return tuple(p)
+
+    @property
+    def dilations(self):
+        d = self.dilation
+        return (d, d) if isinstance(d, int) else tuple(d)
+
+    @property
+    def P(self):
+        pt, _, pb, _ = self.pads
+        return (self.H + pt + pb - self.dilations[0] * (self.R - 1) - 1) // self.strides[0] + 1
+
+    @property
+    def Q(self):
+        _, pl, _, pr = self.pads
+        return (self.W + pl + pr - self.dilations[1] * (self.S - 1) - 1) // self.strides[1] + 1
+
+    @property
+    def x_bits(self):
+        return _BITS[self.x_dtype]
+
+    @property
+    def x_signed(self):
+        return _SIGNED[self.x_dtype]
+
+    @property
+    def out_bits(self):
+        return _BITS[self.out_dtype]
+
+    @property
+    def out_signed(self):
+        return _SIGNED[self.out_dtype]
+
+    @staticmethod
+    def storage(dtype: str) -> str:
+        return {"int8": "int8", "int4": "int8", "uint8": "uint8", "uint4": "uint8", "int32": "int32"}[dtype]
+
+    @property
+    def res_dtype(self):
+        return self.out_dtype
+
+    def macs(self) -> int:
+        return self.N * self.P * self.Q * self.K * self.R * self.S * self.C
+
+    def gemm_shape(self):
+        """(M, N, K) of the equivalent GEMM."""
+        return self.N * self.P * self.Q, self.K, self.R * self.S * self.C
+
+    def shapes(self):
+        """Logical storage shapes of (x, w, out) for this spec's layout (packed for 4-bit)."""
+        cx = (self.C * self.x_bits + 7) // 8
+        cw = (self.C * self.w_bits + 7) // 8
+        ko = (self.K + 1) // 2 if self.out_bits == 4 else self.K  # elements of the storage dtype
+        if self.layout == "NHWC":
+            return (self.N, self.H, self.W, cx), (self.K, self.R, self.S, cw), (self.N, self.P, self.Q, ko)
+        return (self.H, self.W, self.N, cx), (self.R, self.S, self.K, cw), (self.P, self.Q, self.N, ko)
+
+    def replace(self, **kw) -> "ConvSpec":
+        return dataclasses.replace(self, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# MMA shapes per architecture (a table, not branches).
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MMAShape:
+    m: int
+    n: int
+    k: int
+    a_bits: int  # operand width of the instruction
+
+    @property
+    def k_bytes(self):
+        return self.k * self.a_bits // 8
+
+    @property
+    def ptx(self):
+        return f"m{self.m}n{self.n}k{self.k}"
+
+
+@dataclass(frozen=True)
+class ArchMMA:
+    arch: str
+    s8: MMAShape
+    s4: MMAShape  # the instruction 4-bit operands are fed to
+    s4_native: bool  # False: 4-bit stored/moved packed, unpacked to s8 in registers (Hopper)
+    smem_per_block: int = 48 * 1024
+    has_cp_async: bool = True
+
+
+MMA_SHAPES: dict[str, ArchMMA] = {
+    "sm_75": ArchMMA("sm_75", MMAShape(8, 8, 16, 8), MMAShape(8, 8, 32, 4), True, 64 * 1024, False),
+    "sm_80": ArchMMA("sm_80", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 64, 4), True, 163 * 1024),
+    "sm_86": ArchMMA("sm_86", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 64, 4), True, 99 * 1024),
+    "sm_89": ArchMMA("sm_89", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 64, 4), True, 99 * 1024),
+    # Hopper: s4 mma.sync is emulated (51 vs 1284 TOPS measured on our H100): unpack to s8.
+    "sm_90": ArchMMA("sm_90", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 32, 8), False, 227 * 1024),
+}
+
+
+def arch_info(arch: str) -> ArchMMA:
+    if arch in MMA_SHAPES:
+        return MMA_SHAPES[arch]
+    base = "sm_90" if arch.startswith("sm_9") else arch
+    if base not in MMA_SHAPES:
+        raise KeyError(f"no MMA table entry for {arch}")
+    return MMA_SHAPES[base]
+
+
+# ---------------------------------------------------------------------------------------------
+# Knobs: the search space a tuner samples; defaults per architecture.
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GemmKnobs:
+    BM: int = 128  # block tile rows (output pixels x batch)
+    BN: int = 128  # block tile cols (output channels)
+    BK: int = 64  # K-chunk in BYTES per pipeline stage (64 B = 64 int8 or 128 int4 elements)
+    WM: int = 2  # warps along M
+    WN: int = 2  # warps along N
+    stages: int = 3  # shared-memory pipeline depth (cp.async multi-buffering when >= 2)
+    vec: int = 16  # global load width in bytes (16/8/4 use cp.async; 2/1 use plain loads)
+    ev: int = 8  # epilogue elements per thread per store
+    swizzle_n: bool = True  # blockIdx.x walks output-channel tiles (A tile reused from L2)
+
+    SPACE = {
+        "BM": (32, 64, 128, 256),
+        "BN": (32, 64, 128, 256),
+        "BK": (32, 64, 128),
+        "WM": (1, 2, 4),
+        "WN": (1, 2, 4),
+        "stages": (2, 3, 4),
+        "vec": (16, 8, 4, 2, 1),
+        "ev": (4, 8, 16),
+    }
+
+    def replace(self, **kw) -> "GemmKnobs":
+        return dataclasses.replace(self, **kw)
+
+    def valid(self) -> bool:
+        wtm, wtn = self.BM // self.WM, self.BN // self.WN
+        nth = 32 * self.WM * self.WN
+        return (
+            self.BM % self.WM == 0 and self.BN % self.WN == 0 and wtm % 16 == 0 and wtn % 16 == 0
+            and self.BK % 32 == 0 and (self.BM * self.BK) % (self.vec * nth) == 0
+            and (self.BN * self.BK) % (self.vec * nth) == 0 and nth <= 1024
+        )
+
+    @classmethod
+    def sample(cls, rng, **fixed) -> "GemmKnobs":
+        """Draw a valid random point (for a tuner)."""
+        while True:
+            kw = {k: rng.choice(v) for k, v in cls.SPACE.items()}
+            kw.update(fixed)
+            k = cls(**kw)
+            if k.valid():
+                return k
+
+
+DEFAULT_KNOBS = {
+    "sm_75": GemmKnobs(BM=128, BN=128, BK=64, WM=2, WN=2, stages=2),
+    "sm_80": GemmKnobs(BM=128, BN=128, BK=64, WM=2, WN=2, stages=3),
+    "sm_86": GemmKnobs(BM=128, BN=128, BK=64, WM=2, WN=2, stages=3),
+    "sm_89": GemmKnobs(BM=128, BN=128, BK=64, WM=2, WN=2, stages=3),
+    "sm_90": GemmKnobs(BM=128, BN=128, BK=64, WM=2, WN=2, stages=4),
+}

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Build (here, no GPU) every kernel the device run checks and times; write .device/manifest.json.
+
+    python scripts/device_build.py [--quick] [--jobs 2]
+Outputs .device/*.so (TVM modules with embedded fatbins), .device/manifest.json, .device/sass/*.txt.
+Then: scripts/make_runtime_bundle.sh 3.12 and run scripts/device_run.sh on the GPU host
+(carry .device and .bundle)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OUT = ROOT / ".device"
+
+
+def spec_dict(s):
+    return dataclasses.asdict(s)
+
+
+def make_cases(quick=False):
+    from qcompile.schedules import ConvSpec
+    from qcompile.schedules.layers import ALL_RESNET, ODD, RESNET50, distinct
+
+    cases = []
+
+    def add(kind, name, spec, strategy, arch="sm_90", mode="sass"):
+        cases.append(dict(kind=kind, name=name, spec=spec, strategy=strategy, arch=arch, mode=mode))
+
+    def int8_spec(N, C, H, K, R, st, pd, variant, layout="NHWC"):
+        base = dict(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, layout=layout)
+        if variant == 0:
+            return ConvSpec(**base, x_dtype="uint8", w_bits=8, out_dtype="uint8", zo=3, lo=0, hi=255)
+        if variant == 1:
+            return ConvSpec(**base, x_dtype="int8", w_bits=8, out_dtype="int8", has_residual=True, zr=-5,
+                            Mr=(1 << 22) + 12345, zo=-2, lo=-128, hi=127)
+        return ConvSpec(**base, x_dtype="uint8", w_bits=8, out_dtype="int32", zo=7, lo=-(1 << 31), hi=(1 << 31) - 1)
+
+    def int4_spec(N, C, H, K, R, st, pd, variant, layout="NHWC"):
+        base = dict(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, layout=layout)
+        if variant == 0:
+            return ConvSpec(**base, x_dtype="uint4", w_bits=4, out_dtype="uint4", zo=1, lo=0, hi=15)
+        if variant == 1:
+            return ConvSpec(**base, x_dtype="int4", w_bits=4, out_dtype="int4", has_residual=True, zr=1,
+                            Mr=(1 << 23) + 999, zo=0, lo=-8, hi=7)
+        return ConvSpec(**base, x_dtype="uint4", w_bits=4, out_dtype="int8", zo=-1, lo=-128, hi=127)
+
+    layers = ALL_RESNET if not quick else ALL_RESNET[:4]
+    for li, (name, C, H, K, R, st, pd) in enumerate(layers):
+        for N in (1, 8):
+            v = li % 3
+            add("check", f"{name}_b{N}_int8_nhwc", int8_spec(N, C, H, K, R, st, pd, v), None)
+            add("check", f"{name}_b{N}_int4_nhwc", int4_spec(N, C, H, K, R, st, pd, v), None)
+            if N == 8:
+                add("check", f"{name}_b{N}_int8_hwnc", int8_spec(N, C, H, K, R, st, pd, v, "HWNC"), None)
+                add("check", f"{name}_b{N}_int4_hwnc", int4_spec(N, C, H, K, R, st, pd, v, "HWNC"), None)
+    for (name, N, C, H, K, R, st, pd) in ODD:
+        for v in (0, 1):
+            add("check", f"{name}_int8_v{v}", int8_spec(N, C, H, K, R, st, pd, v), None)
+            add("check", f"{name}_int4_v{v}", int4_spec(N, C, H, K, R, st, pd, v), None)
+        add("check", f"{name}_int8_padzp", int8_spec(N, C, H, K, R, st, pd, 0).replace(pad_value=17), None)
+        add("check", f"{name}_int8_fallback", int8_spec(N, C, H, K, R, st, pd, 1), "fallback")
+    # 7x7 HWNC with batch 8 (direct cannot take C=3: falls to fallback in HWNC layout)
+    add("check", "odd_stem_hwnc_b8_int8", int8_spec(8, 3, 29, 64, 7, 2, 3, 0, "HWNC"), None)
+    # portability: PTX of older archs JIT-compiled on the H100 (and SASS dumped for the proof)
+    for arch in ("sm_75", "sm_86"):
+        for nm, sp in (("int8", int8_spec(8, 64, 28, 128, 3, 1, 1, 1)), ("int4", int4_spec(8, 64, 28, 128, 3, 1, 1, 1))):
+            add("check", f"ptx_{arch}_{nm}", sp, "implicit_gemm", arch=arch, mode="ptx")
+    if not quick:
+        for (name, C, H, K, R, st, pd) in distinct(RESNET50):
+            for N in (8, 64, 256):
+                add("bench", f"{name}_b{N}_int8", int8_spec(N, C, H, K, R, st, pd, 0), None)
+                add("bench", f"{name}_b{N}_int4", int4_spec(N, C, H, K, R, st, pd, 0), None)
+    return cases
+
+
+def build_group(args):
+    gi, group = args
+    import tvm
+    from qcompile.schedules import conv2d_int_kernel, select_strategy
+    from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options, cuda_target
+
+    ensure_stub_libcuda()
+    arch, mode = group[0]["arch"], group[0]["mode"]
+    funcs = {}
+    for c in group:
+        strat = c["strategy"] or select_strategy(c["spec"], arch)
+        f = conv2d_int_kernel(c["spec"], arch, strat)
+        c["strategy_used"] = strat
+        c["knobs"] = str(f.attrs["qcompile.knobs"]) if f.attrs and "qcompile.knobs" in f.attrs else ""
+        funcs[c["func"]] = f.with_attr("global_symbol", c["func"])
+    so = OUT / f"g{gi:03d}_{arch}_{mode}.so"
+    keep = OUT / "keep" / f"g{gi:03d}"
+    t = time.time()
+    with nvcc_options(arch, mode, keep=str(keep)):
+        lib = tvm.compile(tvm.IRModule(funcs), target=cuda_target(arch))
+    lib.export_library(str(so))
+    for c in group:
+        c["so"] = so.name
+    return gi, [{k: v for k, v in c.items() if k != "spec"} | {"spec": spec_dict(c["spec"])} for c in group], time.time() - t
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--group", type=int, default=12)
+    ap.add_argument("--filter", default=None, help="regex: build only cases whose name matches")
+    a = ap.parse_args()
+    OUT.mkdir(exist_ok=True)
+    for f in OUT.glob("*.so"):
+        f.unlink()
+    cases = make_cases(a.quick)
+    if a.filter:
+        import re
+        cases = [c for c in cases if re.search(a.filter, c["name"])]
+    for i, c in enumerate(cases):
+        c["func"] = f"k{i:04d}"
+    groups, cur = [], []
+    for c in cases:
+        if cur and (len(cur) >= a.group or (cur[0]["arch"], cur[0]["mode"]) != (c["arch"], c["mode"])):
+            groups.append(cur)
+            cur = []
+        cur.append(c)
+    if cur:
+        groups.append(cur)
+    print(f"{len(cases)} kernels in {len(groups)} modules", flush=True)
+    t0 = time.time()
+    manifest = []
+    with mp.get_context("spawn").Pool(a.jobs) as pool:
+        for gi, recs, dt in pool.imap_unordered(build_group, list(enumerate(groups))):
+            manifest += recs
+            print(f"  group {gi} ({len(recs)} kernels) {dt:.1f}s  total {time.time() - t0:.0f}s", flush=True)
+    manifest.sort(key=lambda r: r["func"])
+    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    # SASS proof for the sm_75 / sm_86 builds (their SASS is built here; the device runs the PTX)
+    sass_dir = OUT / "sass"
+    sass_dir.mkdir(exist_ok=True)
+    print(f"built in {time.time() - t0:.0f}s; {sum(f.stat().st_size for f in OUT.glob('*.so')) / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

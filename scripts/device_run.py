@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""Runs ON THE GPU HOST with the TVM runtime only: checks every kernel in .device/manifest.json
+bit-exactly against the integer reference, then times the bench set against cuDNN fp16 and
+torch._int_mm.  Usage (see scripts/device_run.sh):  python3 scripts/device_run.py .device [--no-bench]"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import tvm  # noqa: E402
+from tvm.base import _LOADED_LIBS  # noqa: E402
+
+_rt = pathlib.Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent
+ctypes.CDLL(str(_rt / "libtvm_runtime_cuda.so"), mode=ctypes.RTLD_LOCAL)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "schedules"))
+import reference as R  # noqa: E402
+from spec import ConvSpec  # noqa: E402
+
+DEV = tvm.cuda(0)
+TDEV = torch.device("cuda")
+OUTDIR = pathlib.Path(os.environ.get("OUT", "/tmp"))
+
+
+def to_spec(d):
+    d = dict(d)
+    for k in ("stride", "padding", "dilation"):
+        if isinstance(d[k], list):
+            d[k] = tuple(d[k])
+    return ConvSpec(**d)
+
+
+def nchw_acc_torch(spec, x_log, w_log):
+    """Exact int accumulator via float64 conv on the GPU (|acc| < 2^53). Logical NHWC in/out."""
+    sh, sw = spec.strides
+    pt, pl, pb, pr = spec.pads
+    x = torch.from_numpy(np.ascontiguousarray(x_log)).to(TDEV).permute(0, 3, 1, 2).double()
+    w = torch.from_numpy(np.ascontiguousarray(w_log)).to(TDEV).permute(0, 3, 1, 2).double()
+    x = torch.nn.functional.pad(x, (pl, pr, pt, pb), value=float(spec.pad_value))
+    acc = torch.nn.functional.conv2d(x, w, stride=(sh, sw), dilation=spec.dilations)
+    return acc.permute(0, 2, 3, 1).round().long().cpu().numpy()
+
+
+def reference(spec, x, w, b, M, S, res):
+    if spec.layout == "HWNC":
+        xn, wn = np.transpose(x, (2, 0, 1, 3)), np.transpose(w, (2, 0, 1, 3))
+        rn = None if res is None else np.transpose(res, (2, 0, 1, 3))
+    else:
+        xn, wn, rn = x, w, res
+    acc = nchw_acc_torch(spec, xn, wn)
+    y = R.requant(acc, b, M, S, spec, rn)
+    return np.transpose(y, (1, 2, 0, 3)) if spec.layout == "HWNC" else y
+
+
+_mods = {}
+
+
+def get_func(rec):
+    so = rec["so"]
+    if so not in _mods:
+        _mods[so] = tvm.runtime.load_module(str(DEVICE_DIR / so))
+    return _mods[so][rec["func"]]
+
+
+def run_check(rec, seed):
+    spec = to_spec(rec["spec"])
+    rng = np.random.default_rng(seed)
+    x, w, b, M, S, res = R.random_problem(spec, rng)
+    wdt = "int4" if spec.w_bits == 4 else "int8"
+    args = [R.to_storage(x, spec.x_dtype), R.to_storage(w, wdt), b, M, S]
+    if res is not None:
+        args.append(R.to_storage(res, spec.res_dtype))
+    oshape = spec.shapes()[2]
+    ost = ConvSpec.storage(spec.out_dtype)
+    f = get_func(rec)
+    ref = reference(spec, x, w, b, M, S, res)
+    ok = True
+    for trial in range(2):  # two poisons: output must be fully overwritten both times
+        poison = rng.integers(0, 256, int(np.prod(oshape)) * np.dtype(ost).itemsize, dtype=np.uint8).view(ost).reshape(oshape)
+        targs = [tvm.runtime.tensor(np.ascontiguousarray(a), DEV) for a in args] + [tvm.runtime.tensor(poison, DEV)]
+        f(*targs)
+        DEV.sync()
+        got = R.from_storage(targs[-1].numpy(), spec.out_dtype, spec.K)
+        ok = ok and got.shape == ref.shape and bool((got == ref).all())
+    nuniq = int(np.unique(ref).size)
+    return ok, nuniq, (None if ok else int((got != ref).sum()))
+
+
+def cuda_time(fn, reps=20, warm=3):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return float(np.median(ts))
+
+
+def tvm_time(f, targs, reps=20):
+    try:
+        te = f.time_evaluator if hasattr(f, "time_evaluator") else None
+    except Exception:  # noqa: BLE001
+        te = None
+    for _ in range(3):
+        f(*targs)
+    DEV.sync()
+    ts = []
+    for _ in range(reps):
+        DEV.sync()
+        t = time.perf_counter()
+        f(*targs)
+        DEV.sync()
+        ts.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(ts))
+
+
+def rand_storage_gpu(shape, dtype):
+    if dtype == "int32":
+        t = torch.randint(-(1 << 20), 1 << 20, shape, dtype=torch.int32, device=TDEV)
+    else:
+        t = torch.randint(0, 256, shape, dtype=torch.uint8, device=TDEV)
+        if dtype == "int8":
+            t = t.view(torch.int8)
+    return t
+
+
+def to_tvm(t):
+    try:
+        return tvm.runtime.from_dlpack(t)
+    except Exception:  # noqa: BLE001
+        import tvm_ffi
+        return tvm_ffi.from_dlpack(t)
+
+
+def run_bench(rec):
+    spec = to_spec(rec["spec"])
+    xs, ws, os_ = spec.shapes()
+    f = get_func(rec)
+    K = spec.K
+    xt = rand_storage_gpu(xs, ConvSpec.storage(spec.x_dtype))
+    wt = rand_storage_gpu(ws, "int8")
+    b = torch.randint(-1000, 1000, (K,), dtype=torch.int32, device=TDEV)
+    M = torch.randint(1 << 20, 1 << 22, (K,), dtype=torch.int32, device=TDEV)
+    S = torch.full((K,), 24, dtype=torch.int32, device=TDEV)
+    o = rand_storage_gpu(os_, ConvSpec.storage(spec.out_dtype))
+    targs = [to_tvm(t) for t in (xt, wt, b, M, S, o)]
+    ms = tvm_time(f, targs)
+    # event timing of the same launches (TVM launches on the legacy default stream, same as torch's)
+    ms_ev = cuda_time(lambda: f(*targs))
+    del xt, wt, o, targs
+    return min(ms, ms_ev)
+
+
+def baselines(spec):
+    N, C, H, K, R_ = spec.N, spec.C, spec.H, spec.K, spec.R
+    x = torch.randn(N, C, H, spec.W, device=TDEV).half().to(memory_format=torch.channels_last)
+    w = torch.randn(K, C, R_, spec.S, device=TDEV).half().to(memory_format=torch.channels_last)
+    pt = spec.pads[0]
+    torch.backends.cudnn.benchmark = True
+    t_cudnn = cuda_time(lambda: torch.nn.functional.conv2d(x, w, stride=spec.strides, padding=pt))
+    del x, w
+    Mg, Ng, Kg = spec.gemm_shape()
+    Kp = (Kg + 7) // 8 * 8
+    Np = (Ng + 7) // 8 * 8
+    a = torch.randint(-128, 127, (max(Mg, 32), Kp), dtype=torch.int8, device=TDEV)
+    bm = torch.randint(-128, 127, (Kp, Np), dtype=torch.int8, device=TDEV)
+    try:
+        t_int = cuda_time(lambda: torch._int_mm(a, bm))
+    except Exception as e:  # noqa: BLE001
+        print("int_mm failed", e)
+        t_int = float("nan")
+    return t_cudnn, t_int
+
+
+def main():
+    global DEVICE_DIR
+    DEVICE_DIR = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".device")
+    man = json.loads((DEVICE_DIR / "manifest.json").read_text())
+    print("GPU:", torch.cuda.get_device_name(0), "| tvm", tvm.__version__, "| torch", torch.__version__,
+          "| cudnn", torch.backends.cudnn.version(), flush=True)
+    results = {"checks": [], "bench": []}
+    t0 = time.time()
+    nfail = 0
+    for i, rec in enumerate(r for r in man if r["kind"] == "check"):
+        try:
+            ok, nuniq, nbad = run_check(rec, 1000 + i)
+        except Exception as e:  # noqa: BLE001
+            ok, nuniq, nbad = False, 0, f"ERR {type(e).__name__}: {str(e)[-300:]}"
+        nfail += not ok
+        results["checks"].append(dict(name=rec["name"], strategy=rec["strategy_used"], arch=rec["arch"],
+                                      mode=rec["mode"], ok=ok, distinct_values=nuniq, bad=nbad))
+        print(f"CHECK {'PASS' if ok else 'FAIL'} {rec['name']:<34} {rec['strategy_used']:<14} {rec['arch']}/{rec['mode']}"
+              f" uniq={nuniq} {'' if ok else nbad}", flush=True)
+    print(f"checks: {len(results['checks']) - nfail}/{len(results['checks'])} pass  ({time.time() - t0:.0f}s)", flush=True)
+    (OUTDIR / "results.json").write_text(json.dumps(results, indent=1))
+    if "--no-bench" in sys.argv:
+        return
+    bench = [r for r in man if r["kind"] == "bench"]
+    by_layer = {}
+    for rec in bench:
+        key = rec["name"].rsplit("_", 1)[0]
+        by_layer.setdefault(key, {})[rec["name"].rsplit("_", 1)[1]] = rec
+    for key, recs in by_layer.items():
+        if time.time() - t0 > float(os.environ.get("BENCH_BUDGET_S", "400")):
+            print("bench time budget reached, stopping")
+            break
+        spec = to_spec(next(iter(recs.values()))["spec"])
+        row = dict(layer=key, N=spec.N, C=spec.C, H=spec.H, K=spec.K, R=spec.R, stride=spec.strides[0],
+                   gops=2 * spec.macs() / 1e9)
+        for dt, rec in recs.items():
+            try:
+                row[f"{dt}_ms"] = run_bench(rec)
+                row[f"{dt}_knobs"] = rec.get("knobs", "")
+            except Exception as e:  # noqa: BLE001
+                row[f"{dt}_ms"] = float("nan")
+                print("bench error", key, dt, str(e)[-300:])
+        row["cudnn_fp16_ms"], row["int_mm_ms"] = baselines(spec)
+        results["bench"].append(row)
+        g = row["gops"]
+        print(f"BENCH {key:<22} int8 {row.get('int8_ms', float('nan')):.4f}ms {g / row.get('int8_ms', float('nan')):7.1f}TOPS "
+              f"int4 {row.get('int4_ms', float('nan')):.4f}ms {g / row.get('int4_ms', float('nan')):7.1f}TOPS "
+              f"cudnn16 {row['cudnn_fp16_ms']:.4f}ms int_mm {row['int_mm_ms']:.4f}ms", flush=True)
+        (OUTDIR / "results.json").write_text(json.dumps(results, indent=1))
+        torch.cuda.empty_cache()
+    print(f"done in {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Tensor-core conv2d schedules: codegen + numerics that need no GPU (fast, < 1 min)."""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from qcompile.cuda_tools import find_tool
+import tvm
+
+from qcompile.schedules import (MMA_SHAPES, ConvSpec, GemmKnobs, conv2d_int_kernel, select_strategy)
+from qcompile.schedules import reference as R
+from qcompile.schedules.build import build_cuda, cuda_source, nvcc_options
+from qcompile.schedules.fallback import make_fallback
+
+
+def test_mma_table():
+    assert MMA_SHAPES["sm_75"].s8.ptx == "m8n8k16" and MMA_SHAPES["sm_75"].s4.ptx == "m8n8k32"
+    for a in ("sm_80", "sm_86", "sm_89"):
+        assert MMA_SHAPES[a].s8.ptx == "m16n8k32" and MMA_SHAPES[a].s4.ptx == "m16n8k64"
+        assert MMA_SHAPES[a].s4_native
+    assert MMA_SHAPES["sm_90"].s8.ptx == "m16n8k32" and not MMA_SHAPES["sm_90"].s4_native
+
+
+def test_selector():
+    base = dict(H=56, W=56, C=64, K=64, R=3, S=3, padding=1)
+    assert select_strategy(ConvSpec(N=8, layout="HWNC", **base)) == "direct_hwnc"
+    assert select_strategy(ConvSpec(N=1, layout="NHWC", **base)) == "implicit_gemm"
+    # HWNC that direct cannot take (batch 1 / C=3 stem) -> generic fallback
+    assert select_strategy(ConvSpec(N=1, layout="HWNC", **base)) == "fallback"
+    stem = dict(N=1, H=224, W=224, C=3, K=64, R=7, S=7, stride=2, padding=3)
+    assert select_strategy(ConvSpec(**stem)) == "implicit_gemm"
+    assert select_strategy(ConvSpec(**stem, layout="HWNC")) == "fallback"
+    assert select_strategy(ConvSpec(N=3, H=9, W=9, C=3, K=8, R=3, S=3, x_dtype="int4", w_bits=4)) == "fallback"
+    # forcing
+    f = conv2d_int_kernel(ConvSpec(N=1, **base), strategy="fallback")
+    assert str(f.attrs["qcompile.strategy"]) == "fallback"
+    with pytest.raises(ValueError):
+        conv2d_int_kernel(ConvSpec(N=1, layout="HWNC", **base), strategy="direct_hwnc")
+
+
+SPECS = [
+    ConvSpec(N=2, H=9, W=9, C=6, K=10, R=3, S=3, padding=1, stride=2, x_dtype="int8", out_dtype="int8",
+             has_residual=True, Mr=12345, zr=3, zo=-2, pad_value=5),
+    ConvSpec(N=1, H=8, W=8, C=8, K=6, R=1, S=1, x_dtype="uint4", w_bits=4, out_dtype="int4", lo=-8, hi=7,
+             layout="HWNC"),
+    ConvSpec(N=2, H=7, W=7, C=3, K=4, R=7, S=7, padding=3, stride=2, x_dtype="uint8", out_dtype="uint8",
+             lo=0, hi=255, zo=4),
+    ConvSpec(N=1, H=6, W=6, C=4, K=8, R=3, S=3, padding=1, x_dtype="int4", w_bits=4, out_dtype="uint4",
+             lo=0, hi=15, has_residual=True, zr=1, Mr=1 << 20),
+    ConvSpec(N=1, H=5, W=5, C=16, K=8, R=3, S=3, padding=1, out_dtype="int32", lo=-(1 << 31), hi=(1 << 31) - 1),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.layout}-{s.x_dtype}-{s.out_dtype}-C{s.C}")
+def test_compute_llvm_matches_numpy(spec):
+    """The unscheduled TIR compute (what every schedule implements) equals the NumPy reference."""
+    rng = np.random.default_rng(7)
+    x, w, b, M, S, res = R.random_problem(spec, rng)
+    lib = tvm.compile(tvm.IRModule({"main": make_fallback(spec, "llvm")}), target="llvm")
+    args = [R.to_storage(x, spec.x_dtype), R.to_storage(w, "int4" if spec.w_bits == 4 else "int8"), b, M, S]
+    if res is not None:
+        args.append(R.to_storage(res, spec.res_dtype))
+    out = rng.integers(0, 100, spec.shapes()[2]).astype(ConvSpec.storage(spec.out_dtype))  # poisoned
+    targs = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args] + [tvm.runtime.tensor(out)]
+    lib["main"](*targs)
+    got = R.from_storage(targs[-1].numpy(), spec.out_dtype, spec.K)
+    ref = R.conv_reference(spec, x, w, b, M, S, res)
+    assert np.unique(ref).size > 3
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_pack4_convention():
+    v = np.array([[1, -2, 7, -8]])
+    p = R.pack4(v)
+    assert p.tolist() == [[0xE1, 0x87]]  # element 0 low nibble, element 1 high nibble
+    np.testing.assert_array_equal(R.unpack4(p, True), v)
+
+
+def _src(spec, arch, strategy=None, knobs=None):
+    f = conv2d_int_kernel(spec, arch, strategy, knobs)
+    return cuda_source(build_cuda(f, arch, mode="ptx"))
+
+
+L3 = dict(N=8, H=14, W=14, C=64, K=128, R=3, S=3, padding=1)
+
+
+def test_cuda_int8_sm90_mma():
+    src = _src(ConvSpec(**L3, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255), "sm_90")
+    assert "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32" in src
+    assert "ldmatrix.sync.aligned.m8n8.x4" in src and "cp.async.cg.shared.global" in src
+
+
+def test_cuda_int4_sm90_unpacks_to_s8():
+    src = _src(ConvSpec(**L3, x_dtype="int4", w_bits=4, out_dtype="int4", lo=-8, hi=7), "sm_90")
+    assert "m16n8k32.row.col.s32.s8.s8.s32" in src and ".s4" not in src
+    src = _src(ConvSpec(**L3, layout="HWNC", x_dtype="uint4", w_bits=4, out_dtype="int8"), "sm_90")
+    assert "m16n8k32.row.col.s32.u8.s8.s32" in src
+
+
+@pytest.mark.parametrize("arch,ins", [("sm_86", "m16n8k64.row.col.s32.s4.s4.s32"),
+                                      ("sm_75", "m8n8k32.row.col.s32.s4.s4.s32")])
+def test_cuda_int4_native(arch, ins):
+    src = _src(ConvSpec(**L3, x_dtype="int4", w_bits=4, out_dtype="int8"), arch)
+    assert ins in src
+
+
+def test_cuda_int8_sm75():
+    src = _src(ConvSpec(**L3, x_dtype="int8", out_dtype="int8"), "sm_75")
+    assert "m8n8k16.row.col.s32.s8.s8.s32" in src
+
+
+def test_sampled_knobs_build():
+    rng = random.Random(3)
+    kn = GemmKnobs.sample(rng, BM=64, BN=64, WM=2, WN=2)
+    src = _src(ConvSpec(**L3, x_dtype="uint8", out_dtype="int8"), "sm_90", knobs=kn)
+    assert "mma.sync" in src
+
+
+@pytest.mark.skipif(find_tool("cuobjdump") is None or find_tool("nvdisasm") is None,
+                    reason="cuobjdump/nvdisasm not installed (pip: nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
+def test_sass(tmp_path):
+    tool = find_tool("cuobjdump")
+    env = dict(os.environ, PATH=os.path.dirname(find_tool("nvdisasm")) + os.pathsep + os.environ.get("PATH", ""))
+
+    def sass(spec, arch):
+        d = tmp_path / arch / spec.x_dtype
+        build_cuda(conv2d_int_kernel(spec, arch), arch, mode="sass", keep=str(d))
+        return subprocess.run([tool, "-sass", str(d / "kernel.fatbin")], capture_output=True, text=True, env=env).stdout
+
+    s = sass(ConvSpec(**L3, x_dtype="int8"), "sm_90")
+    assert "IMMA.16832.S8.S8" in s
+    s = sass(ConvSpec(**L3, x_dtype="int4", w_bits=4), "sm_90")
+    assert "IMMA.16832.S8.S8" in s and "S4" not in s
+    s = sass(ConvSpec(**L3, x_dtype="int4", w_bits=4), "sm_86")
+    assert "IMMA.16864.S4.S4" in s
+    s = sass(ConvSpec(**L3, x_dtype="int4", w_bits=4), "sm_75")
+    assert "IMMA.8832.S4.S4" in s
