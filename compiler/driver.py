@@ -42,6 +42,7 @@ class LayerInfo:
     w_bits: int
     a_bits: int
     layout: str
+    kernel: str = ""
 
 
 @dataclass
@@ -152,10 +153,10 @@ def _layers(mod_int: tvm.IRModule, layout: str) -> list:
 
 
 def format_summary(layers: list) -> str:
-    rows = [("layer", "op", "input", "weight", "output", "w", "a", "layout")]
+    rows = [("layer", "op", "input", "weight", "output", "w", "a", "layout", "kernel")]
     for l in layers:
         rows.append((l.name, l.op, "x".join(map(str, l.in_shape)), "x".join(map(str, l.w_shape)),
-                     "x".join(map(str, l.out_shape)), str(l.w_bits), str(l.a_bits), l.layout))
+                     "x".join(map(str, l.out_shape)), str(l.w_bits), str(l.a_bits), l.layout, l.kernel or "llvm"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -200,6 +201,11 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     prog.step(f"lowering to integer compute ({layout})")
     mod_int = lower_to_integer(mod_qdq, layout, pack_int4=False, dump_dir=opts.dump_ir)
     layers = _layers(mod_int, layout)
+    mod_ref = mod_int  # the integer graph the NumPy reference runs
+    if opts.target == "cuda":
+        mod_int, kernels = _dispatch_tensor_cores(mod_int, layout, opts.arch, log)
+        for l in layers:
+            l.kernel = kernels.get(l.name, "generic")
     if opts.pack_int4:
         from .errors import run_pass
         from qcompile.relay_passes import PackInt4
@@ -235,7 +241,34 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     prog.step("summary")
     log(format_summary(layers))
     prog.done()
-    return CompileResult(ex, mod_int, meta, layers)
+    return CompileResult(ex, mod_ref, meta, layers)
+
+
+def _dispatch_tensor_cores(mod_int, layout: str, arch: str, log):
+    """Put each requantized conv/dense on a tensor-core kernel (``DispatchTensorCore``)."""
+    from .errors import run_pass
+    from qcompile.relay_passes import DispatchTensorCore
+
+    if layout == "NCHW":
+        log("note: NCHW has no tensor-core convolution; use --layout NHWC or HWNC (convs stay on generic kernels)")
+        return mod_int, {}
+    p = DispatchTensorCore(arch)
+    mod = run_pass(p, mod_int)
+    # layer names in the summary are the conv/dense bindings; the dispatcher reports requantize outputs
+    convs = {}
+    func = mod_int["main"]
+    var2val = relax.analysis.get_var2val(func)
+    chosen = dict(p.chosen)
+    from qcompile.relay_passes.dispatch_tensor_core import find_groups
+
+    for out, g in find_groups(func).items():
+        name = [b.var.name for blk in func.body.blocks for b in blk.bindings if b.value.same_as(g.acc_call)]
+        if name and out.name in chosen:
+            convs[name[0]] = chosen[out.name]
+    fb = [n for n, s in convs.items() if s == "fallback"]
+    if fb:
+        log(f"note: {len(fb)} layer(s) do not fit the tensor-core tiles and use the generic kernel: {', '.join(fb)}")
+    return mod, convs
 
 
 def emit_cuda(res: CompileResult, out_dir: str, log=print) -> list:

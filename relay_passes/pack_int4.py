@@ -52,8 +52,11 @@ def _shape(e):
     return [int(s) for s in e.ty.shape]
 
 
-def pack_int4(x: relax.Expr, axis: int) -> relax.Expr:
-    """Relax expression packing ``x`` (int8/uint8, values fit 4 bits) along ``axis``."""
+def pack_int4(x: relax.Expr, axis: int, storage: str = "uint8") -> relax.Expr:
+    """Relax expression packing ``x`` (int8/uint8, values fit 4 bits) along ``axis``.
+
+    The bytes are returned as ``storage``: uint8, or int8 (the same bits) for kernels that take signed
+    4-bit operands in int8 buffers."""
     shp = _shape(x)
     split = shp[:axis] + [shp[axis] // 2, 2] + shp[axis + 1:]
     out = shp[:axis] + [shp[axis] // 2] + shp[axis + 1:]
@@ -63,13 +66,15 @@ def pack_int4(x: relax.Expr, axis: int) -> relax.Expr:
     fifteen = relax.const(15, "int32")
     v = relax.op.bitwise_or(relax.op.bitwise_and(lo, fifteen),
                             relax.op.left_shift(relax.op.bitwise_and(hi, fifteen), relax.const(4, "int32")))
-    return relax.op.astype(v, "uint8")
+    if storage == "int8":  # reinterpret 128..255 as -128..-1 without relying on an out-of-range cast
+        v = relax.op.subtract(v, relax.op.left_shift(relax.op.bitwise_and(v, relax.const(128, "int32")), relax.const(1, "int32")))
+    return relax.op.astype(v, storage)
 
 
 def unpack_int4(p: relax.Expr, axis: int, signed: bool) -> relax.Expr:
-    """Relax expression unpacking ``p`` (uint8) along ``axis`` to int8 (signed) or uint8."""
+    """Relax expression unpacking ``p`` (uint8 or int8 bytes) along ``axis`` to int8 (signed) or uint8."""
     shp = _shape(p)
-    v = relax.op.astype(p, "int32")
+    v = relax.op.bitwise_and(relax.op.astype(p, "int32"), relax.const(255, "int32"))  # int8 storage too
     lo = relax.op.bitwise_and(v, relax.const(15, "int32"))
     hi = relax.op.right_shift(v, relax.const(4, "int32"))
     if signed:
@@ -155,5 +160,6 @@ class PackInt4:
         packer = _Packer(mod)
         packer.weight_axes, packer.layout_axis = weight_axes, layout_axis
         new_func = packer.visit_expr(func)
-        out = tvm.IRModule({"main": new_func}, attrs=mod.attrs)
+        out = packer.builder_.get()  # keeps the other functions (tensor-core kernels)
+        out["main"] = new_func
         return relax.transform.DeadCodeElimination(["main"])(out)

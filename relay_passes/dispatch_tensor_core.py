@@ -1,0 +1,247 @@
+"""DispatchTensorCore: run integer conv2d/dense + requantize on qcompile's tensor-core kernels.
+
+Matches the chain :class:`LowerQDQToInteger` emits for a single-term requantize,
+
+    acc = conv2d(x, w, out_dtype=int32)            (or matmul(x, w.T) for the dense layer)
+    y   = astype(clip((((int64(acc) + bias) * M + 2^(S-1)) >> S) + zo, lo, hi), storage)
+
+and replaces it by one ``call_tir`` of ``qcompile.schedules.conv2d_int_kernel`` (implicit GEMM in
+NHWC, direct in HWNC, a generic kernel where neither applies), whose fused epilogue computes exactly
+that. The dense layer runs as a 1x1 convolution on the same GEMM path. 4-bit activations produced by
+a kernel stay packed (two per byte, low nibble first) for the next kernel; other consumers read them
+through an unpack. Requantizes with more than one term (a residual add) stay on the generic path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.ir.expr import Constant
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from qcompile.errors import keeps_user_errors
+from .pack_int4 import pack_int4, pack_int4_np, unpack_int4
+
+
+def _call(e, var2val, op):
+    v = var2val.get(e, e) if isinstance(e, relax.Var) else e
+    return v if isinstance(v, relax.Call) and v.op.name == "relax." + op else None
+
+
+def _const(e) -> Optional[np.ndarray]:
+    return e.value.numpy() if isinstance(e, Constant) and hasattr(e.value, "numpy") else None
+
+
+def _range_dtype(lo: int, hi: int, storage: str) -> str:
+    if storage == "int8" and lo >= -8 and hi <= 7:
+        return "int4"
+    if storage == "uint8" and lo >= 0 and hi <= 15:
+        return "uint4"
+    return storage
+
+
+@dataclass
+class _Group:
+    out: relax.Var          # the astype binding: the requantized tensor
+    acc_call: relax.Call    # conv2d or matmul
+    x: relax.Expr           # data operand of the conv (after an explicit zero-point pad is peeled off)
+    w: np.ndarray           # weight values, OHWI/HWOI (conv) or (I, O) (dense)
+    w_bits: int
+    pad: tuple
+    pad_value: int
+    bias: np.ndarray
+    M: np.ndarray
+    S: np.ndarray
+    zo: int
+    lo: int
+    hi: int
+    out_dtype: str
+    dense: bool
+
+
+def _x_dtype(x, var2val) -> str:
+    """Quantized type of a data operand, read off the clip range of its requantize."""
+    v = var2val.get(x, x) if isinstance(x, relax.Var) else x
+    while isinstance(v, relax.Call) and v.op.name in ("relax.reshape", "relax.nn.max_pool2d", "relax.permute_dims"):
+        v = var2val.get(v.args[0], v.args[0])
+    storage = str(x.ty.dtype)
+    if isinstance(v, relax.Call) and v.op.name == "relax.astype":
+        c = _call(v.args[0], var2val, "clip")
+        if c is not None:
+            return _range_dtype(int(c.args[1].value), int(c.args[2].value), storage)
+    return storage
+
+
+def find_groups(func: relax.Function) -> dict:
+    """Map each requantized conv/dense output var to its :class:`_Group`."""
+    var2val = relax.analysis.get_var2val(func)
+    uses: dict = {}
+    for block in func.body.blocks:
+        for b in block.bindings:
+            for a in getattr(b.value, "args", []):
+                if isinstance(a, relax.Var):
+                    uses[a] = uses.get(a, 0) + 1
+    groups = {}
+    for block in func.body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if not (isinstance(v, relax.Call) and v.op.name == "relax.astype"):
+                continue
+            clip = _call(v.args[0], var2val, "clip")
+            if clip is None:
+                continue
+            lo, hi = int(clip.args[1].value), int(clip.args[2].value)
+            e, zo = clip.args[0], 0
+            a = _call(e, var2val, "add")
+            if a is not None and _const(a.args[1]) is not None and _const(a.args[1]).ndim == 0:
+                zo, e = int(_const(a.args[1])), a.args[0]
+            sh = _call(e, var2val, "right_shift")
+            rnd = _call(sh.args[0], var2val, "add") if sh is not None else None
+            mul = _call(rnd.args[0], var2val, "multiply") if rnd is not None else None
+            if mul is None or _const(sh.args[1]) is None or _const(mul.args[1]) is None:
+                continue
+            S, M = _const(sh.args[1]), _const(mul.args[1])
+            e = mul.args[0]
+            bias = None
+            off = _call(e, var2val, "add")
+            if off is not None and _const(off.args[1]) is not None:
+                bias, e = _const(off.args[1]), off.args[0]
+            cast = _call(e, var2val, "astype")
+            if cast is None or not isinstance(cast.args[0], relax.Var):
+                continue
+            acc_var = cast.args[0]
+            acc = var2val.get(acc_var)
+            if not isinstance(acc, relax.Call) or acc.op.name not in ("relax.nn.conv2d", "relax.matmul") \
+                    or uses.get(acc_var, 0) != 1 or str(acc_var.ty.dtype) != "int32":
+                continue
+            wexpr = acc.args[1]
+            wclip = _call(wexpr, var2val, "clip")
+            w = _const(wclip.args[0]) if wclip is not None else _const(wexpr)
+            if w is None:
+                continue
+            dense = acc.op.name == "relax.matmul"
+            if not dense and (str(acc.attrs.data_layout) not in ("NHWC", "HWNC") or int(acc.attrs.groups) != 1):
+                continue
+            x, pad, pad_value = acc.args[0], (0, 0, 0, 0), 0
+            if not dense:
+                pad = tuple(int(p) for p in acc.attrs.padding)
+                padded = _call(x, var2val, "nn.pad")
+                if padded is not None:
+                    pw = [int(p) for p in padded.attrs.pad_width]
+                    hw = (1, 2) if str(acc.attrs.data_layout) == "NHWC" else (0, 1)
+                    pad = (pw[2 * hw[0]], pw[2 * hw[1]], pw[2 * hw[0] + 1], pw[2 * hw[1] + 1])
+                    pad_value, x = int(float(padded.attrs.pad_value)), padded.args[0]
+            K = w.shape[1] if dense else (w.shape[0] if str(acc.attrs.kernel_layout) == "OHWI" else w.shape[2])
+            chan = lambda c: np.broadcast_to(np.asarray(c).reshape(-1) if np.size(c) > 1 else np.asarray(c).reshape(()), (K,))
+            bias = chan(bias if bias is not None else 0)
+            if np.abs(bias).max(initial=0) >= 2**31:
+                continue
+            w_bits = 4 if wclip is not None and int(wclip.args[1].value) >= -8 and int(wclip.args[2].value) <= 7 else 8
+            groups[b.var] = _Group(b.var, acc, x, w, w_bits, pad, pad_value, bias.astype(np.int32),
+                                   chan(M).astype(np.int32), chan(S).astype(np.int32), zo, lo, hi,
+                                   _range_dtype(lo, hi, str(b.var.ty.dtype)), dense)
+    return groups
+
+
+@mutator
+class _Dispatcher(PyExprMutator):
+    def __init__(self, mod, groups, arch, log, target_kind="cuda"):
+        super().__init__(mod)
+        self.mod_, self.groups, self.arch, self.log, self.kind = mod, groups, arch, log, target_kind
+        self.var2val = relax.analysis.get_var2val(mod["main"])
+        self.packed: dict = {}   # original var -> new var holding its packed 4-bit form
+        self.chosen: list = []   # (layer, strategy)
+
+    def _data(self, x, dtype: str, layout_axis: int):
+        """The kernel's data operand: packed for 4-bit types."""
+        new = self.visit_expr(x)
+        if dtype not in ("int4", "uint4"):
+            return new
+        if x in self.packed:
+            return self.packed[x]
+        p = self.builder_.emit(pack_int4(new, layout_axis, storage="int8" if dtype == "int4" else "uint8"),
+                               (x.name if isinstance(x, relax.Var) else "x") + "_packed")
+        return p
+
+    def visit_var_binding_(self, binding):
+        g = self.groups.get(binding.var)
+        if g is None:
+            return super().visit_var_binding_(binding)
+        from qcompile.schedules import ConvSpec, conv2d_int_kernel, select_strategy
+
+        x_dtype = _x_dtype(g.x, self.var2val)
+        xs = [int(s) for s in g.x.ty.shape]
+        if g.dense:
+            layout, (N, C), H, W = "NHWC", xs, 1, 1
+            K, R, S_ = g.w.shape[1], 1, 1
+            w = np.ascontiguousarray(g.w.T).reshape(K, 1, 1, C)
+            stride, dil = (1, 1), (1, 1)
+        else:
+            a = g.acc_call.attrs
+            layout = str(a.data_layout)
+            N, H, W, C = (xs[0], xs[1], xs[2], xs[3]) if layout == "NHWC" else (xs[2], xs[0], xs[1], xs[3])
+            w = g.w
+            K, R, S_ = (w.shape[0], w.shape[1], w.shape[2]) if layout == "NHWC" else (w.shape[2], w.shape[0], w.shape[1])
+            stride, dil = tuple(int(s) for s in a.strides), tuple(int(d) for d in a.dilation)
+        packable = lambda dt, n: dt in ("int4", "uint4") and n % 2 == 0
+        if x_dtype in ("int4", "uint4") and not packable(x_dtype, C):
+            x_dtype = "int8" if x_dtype == "int4" else "uint8"
+        w_bits = g.w_bits if (g.w_bits == 8 or C % 2 == 0) else 8
+        out_dtype = g.out_dtype if (g.out_dtype not in ("int4", "uint4") or K % 2 == 0) else str(binding.var.ty.dtype)
+        spec = ConvSpec(N=N, H=H, W=W, C=C, K=K, R=R, S=S_, stride=stride, padding=g.pad, dilation=dil,
+                        layout=layout, x_dtype=x_dtype, w_bits=w_bits, out_dtype=out_dtype, zo=g.zo, lo=g.lo,
+                        hi=g.hi, pad_value=g.pad_value)
+        if self.kind == "cuda":
+            strategy = select_strategy(spec, self.arch)
+            func = conv2d_int_kernel(spec, self.arch, strategy)
+        else:  # the kernels' own TE compute (same epilogue and packing) for checking this pass on a CPU
+            from qcompile.schedules.fallback import make_fallback
+
+            strategy, func = "te-compute", make_fallback(spec, self.kind)
+        func = func.with_attr("op_pattern", 8)  # opaque: nothing is fused into it
+        if self.kind == "cuda":
+            func = func.with_attr("tirx.is_scheduled", True)  # dlight leaves it alone
+        fname = f"qconv_{binding.var.name}"
+        gv = self.builder_.add_func(func.with_attr("global_symbol", fname), fname)
+        self.chosen.append((binding.var.name, strategy))
+        x = self._data(g.x, x_dtype, 3)
+        if g.dense:
+            x = self.builder_.emit(relax.op.reshape(x, (N, 1, 1, int(x.ty.shape[-1]))), binding.var.name + "_x4d")
+        wq = w.astype(np.int8)
+        if w_bits == 4:
+            wq = pack_int4_np(wq, 3).view(np.int8)
+        consts = [relax.const(wq, "int8"), relax.const(g.bias, "int32"), relax.const(g.M, "int32"),
+                  relax.const(g.S, "int32")]
+        _, _, out_shape = spec.shapes()
+        out = self.builder_.emit(
+            relax.call_tir(gv, [x, *consts], relax.TensorType(list(out_shape), ConvSpec.storage(out_dtype))),
+            binding.var.name + "_tc")
+        if out_dtype in ("int4", "uint4"):
+            self.packed[binding.var] = out
+            out = self.builder_.emit(unpack_int4(out, 3, out_dtype == "int4"), binding.var.name + "_unpack")
+        if g.dense:
+            out = self.builder_.emit(relax.op.reshape(out, [int(s) for s in binding.var.ty.shape]), binding.var.name)
+        self.set_var_remap(binding.var, out)
+
+
+@tvm.transform.module_pass(opt_level=0, name="DispatchTensorCore")
+class DispatchTensorCore:
+    """Replace requantized integer conv2d/dense in ``main`` by tensor-core kernels for ``arch``."""
+
+    def __init__(self, arch: str = "sm_90", log=None, target_kind: str = "cuda"):
+        self.arch, self.log, self.kind = arch, log, target_kind
+        self.chosen: list = []
+
+    @keeps_user_errors
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        groups = find_groups(mod["main"])
+        d = _Dispatcher(mod, groups, self.arch, self.log, self.kind)
+        func = d.visit_expr(mod["main"])
+        self.chosen = d.chosen
+        out = d.builder_.get()
+        out["main"] = func
+        out = relax.transform.DeadCodeElimination(["main"])(out)
+        return out
