@@ -23,7 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--arch", choices=list(CUDA_ARCHS), help="GPU architecture for --target cuda (default sm_90)")
     ap.add_argument("--batch", type=int, help="fix a dynamic batch dimension (default 1)")
     ap.add_argument("--calibrate", metavar="DATA.npy", help="float32 NCHW calibration images for a float model")
-    ap.add_argument("--net", choices=["resnet18", "resnet50"], help="network a HAWQ checkpoint belongs to")
+    ap.add_argument("--net", choices=["resnet18", "resnet50", "resnet_tiny"], help="network a HAWQ checkpoint belongs to")
+    ap.add_argument("--input-size", type=int, metavar="H", help="image size (H = W) of a HAWQ checkpoint that does not record it")
     ap.add_argument("--emit-cuda", metavar="DIR", help="also write each kernel's CUDA source and PTX to DIR (cuda)")
     ap.add_argument("--dump-ir", metavar="DIR", help="write the IR after each phase to DIR")
     ap.add_argument("--no-pack-int4", action="store_true", help="keep 4-bit tensors one per byte")
@@ -37,7 +38,7 @@ def qcompile_main(argv=None) -> int:
 
     log = (lambda *_: None) if a.quiet else (lambda s: print(s, flush=True))
     opts = CompileOptions(bits=a.bits, layout=a.layout, target=a.target, arch=a.arch, batch=a.batch,
-                          calibrate=a.calibrate, net=a.net, pack_int4=not a.no_pack_int4, dump_ir=a.dump_ir)
+                          calibrate=a.calibrate, net=a.net, input_size=a.input_size, pack_int4=not a.no_pack_int4, dump_ir=a.dump_ir)
     try:
         res = compile_model(a.model, opts, log)
         if a.emit_cuda:

@@ -28,6 +28,7 @@ class CompileOptions:
     batch: Optional[int] = None
     calibrate: Optional[str] = None     # .npy of float NCHW images, for float models
     net: Optional[str] = None           # network of a HAWQ checkpoint
+    input_size: Optional[int] = None    # H = W for a HAWQ checkpoint that does not record it
     pack_int4: bool = True
     dump_ir: Optional[str] = None
 
@@ -95,7 +96,7 @@ def import_model(path: str, opts: CompileOptions, log=print):
         return from_pt2(path, opts.batch, log)
     from .frontends.hawq import from_hawq
 
-    return from_hawq(path, opts.net, opts.batch, log)
+    return from_hawq(path, opts.net, opts.batch, log, opts.input_size)
 
 
 def model_bits(mod_qdq: tvm.IRModule) -> str:

@@ -145,7 +145,7 @@ def _run(args, say) -> int:
         say(f"wrote {out} (PT2E, {sum(quantized_ops(ep).values())} quantized_decomposed ops, {time.time() - t:.1f}s)")
     else:
         from .export_hawq import export_hawq
-        export_hawq(qm, out, packed_int4=args.packed_int4)
+        export_hawq(qm, out, packed_int4=args.packed_int4, input_size=shape[2])
         say(f"wrote {out} (HAWQ-V3 dicts{', packed int4' if args.packed_int4 else ''})")
     if args.save_input:
         np.save(args.save_input, example.numpy())

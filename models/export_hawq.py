@@ -88,8 +88,8 @@ def hawq_names(qm: QuantizedModel) -> tuple["OrderedDict[str, str]", "OrderedDic
     return layers, acts
 
 
-def to_hawq(qm: QuantizedModel, packed_int4: bool = False) -> dict:
-    """The checkpoint dict (see module docstring and ``HAWQ_FORMAT.md``)."""
+def to_hawq(qm: QuantizedModel, packed_int4: bool = False, input_size: int | None = None) -> dict:
+    """The checkpoint dict (see module docstring and ``HAWQ_FORMAT.md``); ``input_size`` (H = W) goes to ``meta``."""
     lnames, anames = hawq_names(qm)
     all_acts = qm.acts
     ck: dict = {k: OrderedDict() for k in HAWQ_KEYS}
@@ -120,7 +120,7 @@ def to_hawq(qm: QuantizedModel, packed_int4: bool = False) -> dict:
         format="qcompile-hawq-v1", arch=qm.arch, block_type=qm.block_type,
         packed_int4=bool(packed_int4), weight_layout="OIHW (fc: OI)", packed_axis=1,
         packed_order="first element in the top nibble", weight_shapes=shapes,
-        zero_point=0, maxpool=qm.maxpool,
+        zero_point=0, maxpool=qm.maxpool, input_size=input_size,
         layer_strides={lnames[n]: l.stride for n, l in qm.layers.items()},
         layer_padding={lnames[n]: l.padding for n, l in qm.layers.items()},
         layer_names={v: k for k, v in lnames.items()},
@@ -129,9 +129,9 @@ def to_hawq(qm: QuantizedModel, packed_int4: bool = False) -> dict:
     return ck
 
 
-def export_hawq(qm: QuantizedModel, path: str, packed_int4: bool = False) -> dict:
+def export_hawq(qm: QuantizedModel, path: str, packed_int4: bool = False, input_size: int | None = None) -> dict:
     """:func:`to_hawq` + ``torch.save``."""
-    ck = to_hawq(qm, packed_int4)
+    ck = to_hawq(qm, packed_int4, input_size)
     torch.save(ck, path)
     return ck
 

@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         export_onnx(qm, path, shape, batch=1)
         res[f"{tag}_onnxruntime"] = accuracy(run_onnx(path, xte), yte)
         if tag != "mixed":
-            export_hawq(qm, os.path.join(args.out, f"digits_{tag}.hawq.pth"), packed_int4=False)
+            export_hawq(qm, os.path.join(args.out, f"digits_{tag}.hawq.pth"), packed_int4=False, input_size=xte.shape[2])
             if not args.no_pt2:
                 from qcompile.models.export_pt2 import export_pt2, run_pt2
                 p2 = os.path.join(args.out, f"digits_{tag}.pt2")

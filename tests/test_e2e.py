@@ -149,7 +149,7 @@ def test_hawq_matches_pytorch(tmp_path, bits, packed):
 
     qm = quantized("resnet_tiny", bits, 16)
     path = str(tmp_path / "m.pth")
-    export_hawq(qm, path, packed_int4=packed)
+    export_hawq(qm, path, packed_int4=packed, input_size=16)
     ck = torch.load(path, weights_only=False)
     if packed:
         assert any(v.dtype == torch.uint8 for v in ck["weight_integer"].values())

@@ -52,7 +52,7 @@ def _load(path: str) -> dict:
 
 
 class _Hawq:
-    def __init__(self, ck: dict, net: str, batch: Optional[int], log):
+    def __init__(self, ck: dict, net: str, batch: Optional[int], log, input_size: Optional[int] = None):
         from qcompile.models.resnet import build_model
 
         self.ck, self.log = ck, log
@@ -68,12 +68,12 @@ class _Hawq:
         w0 = self.weight_shape(self.stem, shapes)
         fc = self.weight_shape("quant_output", shapes)
         self.model = build_model(net, num_classes=fc[0], in_ch=w0[1])
-        size = self.meta.get("input_size")
+        size = input_size or self.meta.get("input_size")
         if size is None:
             from qcompile.models.resnet import get_spec
 
             size = get_spec(net).input_shape[-1]
-            log(f"note: the checkpoint does not record the input size; using {size}x{size}")
+            log(f"note: the checkpoint does not record the input size; using {size}x{size} (--input-size H)")
         self.shape = [batch or 1, w0[1], int(size), int(size)]
         self.b = QDQBuilder()
 
@@ -170,13 +170,13 @@ class _Hawq:
         return b.finish([y])
 
 
-def from_hawq(path: str, net: Optional[str], batch: Optional[int] = None, log=print):
+def from_hawq(path: str, net: Optional[str], batch: Optional[int] = None, log=print, input_size: Optional[int] = None):
     """Import a HAWQ checkpoint for network ``net`` into the QDQ-form Relax module."""
     if net is None:
         raise QCompileError("a HAWQ checkpoint does not record its network: pass --net resnet18|resnet50")
     if net not in NETS:
         raise QCompileError(f"unknown --net '{net}' (choose from {', '.join(NETS)})")
     ck = _load(path)
-    h = _Hawq(ck, net, batch, log)
+    h = _Hawq(ck, net, batch, log, input_size)
     mod = h.run()
     return mod, {"input_name": "input", "input_shape": h.shape, "format": "hawq"}
