@@ -31,6 +31,7 @@ class CompileOptions:
     input_size: Optional[int] = None    # H = W for a HAWQ checkpoint that does not record it
     pack_int4: bool = True
     dump_ir: Optional[str] = None
+    weights_beside: bool = False        # weights in NAME.weights.npz beside NAME.so instead of inside it
 
 
 @dataclass
@@ -46,15 +47,25 @@ class LayerInfo:
     kernel: str = ""
 
 
+WEIGHTS_SUFFIX = ".weights.npz"
+
+
+def weights_path(so_path: str) -> str:
+    return (so_path[:-3] if so_path.endswith(".so") else so_path) + WEIGHTS_SUFFIX
+
+
 @dataclass
 class CompileResult:
     executable: object
     integer_mod: tvm.IRModule
     meta: dict
     layers: list = field(default_factory=list)
+    weights: list = field(default_factory=list)  # values of main's weight parameters (weights_beside)
 
     def export(self, path: str):
         self.executable.export_library(path)
+        if self.meta.get("weights") == "beside":
+            np.savez(weights_path(path), **{f"w{i}": w for i, w in enumerate(self.weights)})
         return path
 
 
@@ -207,11 +218,19 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
         mod_int, kernels = _dispatch_tensor_cores(mod_int, layout, opts.arch, log)
         for l in layers:
             l.kernel = kernels.get(l.name, "generic")
+    from .errors import run_pass
+
     if opts.pack_int4:
-        from .errors import run_pass
         from qcompile.relay_passes import PackInt4
 
         mod_int = run_pass(PackInt4(), mod_int)
+    weights = []
+    if opts.weights_beside:
+        from qcompile.relay_passes.lift_weights import LiftWeights
+
+        lift = LiftWeights()
+        mod_int = run_pass(lift, mod_int)
+        weights = lift.values
     prog.done(f"{len(layers)} conv/dense layers")
 
     out_ty = mod_int["main"].ret_ty if hasattr(mod_int["main"], "ret_ty") else None
@@ -227,6 +246,8 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
         "arch": opts.arch,
         "source": os.path.basename(path),
         "format": info["format"],
+        "weights": "beside" if opts.weights_beside else "embedded",
+        "num_weights": len(weights),
     }
     prog.step(f"building for {opts.target}{(' ' + opts.arch) if opts.arch else ''}")
     target = {"kind": "llvm"} if opts.target == "llvm" else {"kind": "cuda", "arch": opts.arch}
@@ -242,7 +263,7 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     prog.step("summary")
     log(format_summary(layers))
     prog.done()
-    return CompileResult(ex, mod_ref, meta, layers)
+    return CompileResult(ex, mod_ref, meta, layers, weights)
 
 
 def _dispatch_tensor_cores(mod_int, layout: str, arch: str, log):

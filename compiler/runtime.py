@@ -27,17 +27,20 @@ def _load_cuda_loader():
     from tvm.base import _LOADED_LIBS  # noqa: the runtime library handle
 
     lib = _LOADED_LIBS.get("tvm_runtime")
-    if lib is None:
+    if lib is None or "tvm_runtime_cuda" in _LOADED_LIBS:
         return
     p = pathlib.Path(lib._name).resolve().parent / "libtvm_runtime_cuda.so"
     if p.exists():
-        ctypes.CDLL(str(p), mode=ctypes.RTLD_LOCAL)
+        try:
+            _LOADED_LIBS["tvm_runtime_cuda"] = ctypes.CDLL(str(p), mode=ctypes.RTLD_LOCAL)
+        except OSError:  # no CUDA driver on this host: CPU modules still load
+            pass
 
 
 class Module:
     """A loaded qcompile ``.so``: ``Module(path)(x) -> logits``."""
 
-    def __init__(self, path: str, device: str | None = None):
+    def __init__(self, path: str, device: str | None = None, weights: str | None = None):
         import tvm
         from tvm.runtime.vm import VirtualMachine
 
@@ -45,11 +48,11 @@ class Module:
             raise RunError(f"compiled module '{path}' does not exist")
         try:
             lib = tvm.runtime.load_module(path)
-        except Exception as e:
-            if "loader" in str(e) and "cuda" in str(e).lower():
-                _load_cuda_loader()
+        except Exception:
+            _load_cuda_loader()  # runtime-only TVM does not register the CUDA module loader by itself
+            try:
                 lib = tvm.runtime.load_module(path)
-            else:
+            except Exception as e:
                 raise RunError(f"cannot load '{path}': {str(e).strip().splitlines()[-1]}") from None
         cpu = VirtualMachine(lib, tvm.cpu())
         try:
@@ -60,6 +63,17 @@ class Module:
         self.dev = tvm.cuda(0) if device == "cuda" else tvm.cpu(0)
         self.vm = VirtualMachine(lib, self.dev) if device != "cpu" else cpu
         self.tvm = tvm
+        self.weights = []
+        if self.meta.get("weights") == "beside":  # NAME.weights.npz beside NAME.so
+            wp = weights or ((path[:-3] if path.endswith(".so") else path) + ".weights.npz")
+            if not os.path.isfile(wp):
+                raise RunError(f"'{path}' keeps its weights beside it, but '{wp}' does not exist")
+            with np.load(wp) as z:
+                n = self.meta.get("num_weights", len(z.files))
+                try:
+                    self.weights = [tvm.runtime.tensor(z[f"w{i}"], self.dev) for i in range(n)]
+                except KeyError as e:
+                    raise RunError(f"weights file '{wp}' lacks {e}") from None
 
     def check_input(self, x: np.ndarray) -> np.ndarray:
         want = tuple(self.meta["input_shape"])
@@ -75,7 +89,7 @@ class Module:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = self.check_input(np.asarray(x))
-        out = self.vm["main"](self.tvm.runtime.tensor(x, self.dev))
+        out = self.vm["main"](self.tvm.runtime.tensor(x, self.dev), *self.weights)
         return out.numpy()
 
 

@@ -3,11 +3,13 @@
 Public interface (see docs/SCHEDULES.md):
     conv2d_int_kernel(spec, arch="sm_90", strategy=None, knobs=None) -> tvm.tirx.PrimFunc
     select_strategy(spec, arch) -> "direct_hwnc" | "implicit_gemm" | "fallback"
+    tuned_knobs(spec, arch) -> GemmKnobs | None   (measured best knobs from tuning_logs/<arch>.json)
     MMA_SHAPES, ConvSpec, GemmKnobs, DEFAULT_KNOBS
 """
 from __future__ import annotations
 
 from .spec import DEFAULT_KNOBS, MMA_SHAPES, ArchMMA, ConvSpec, GemmKnobs, MMAShape, arch_info
+from .tuning import tuned_knobs, tuning_key
 
 STRATEGIES = ("direct_hwnc", "implicit_gemm", "fallback")
 
@@ -58,15 +60,23 @@ def select_strategy(spec: ConvSpec, arch: str = "sm_90") -> str:
 
 def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None):
     """PrimFunc for one quantized conv layer. Params: x, w, bias, M, S, [res], out.
-    ``strategy`` forces a rule (ValueError when it cannot take the spec); ``knobs`` a GemmKnobs."""
+    ``strategy`` forces a rule (ValueError when it cannot take the spec); ``knobs`` a GemmKnobs. With
+    ``knobs=None`` the tensor-core rules use the measured best knobs from ``tuning_logs/<arch>.json`` when
+    it has a record for this shape (``tuned_knobs``), else ``DEFAULT_KNOBS[arch]``. The PrimFunc's
+    ``qcompile.knobs_source`` attribute says which ("user" | "tuned" | "default")."""
     if strategy is None:
         strategy = select_strategy(spec, arch)
     if strategy not in RULES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
+    source = "user" if knobs is not None else "default"
+    if knobs is None and strategy != "fallback":
+        knobs = tuned_knobs(spec, arch)
+        if knobs is not None:
+            source = "tuned"
     f = RULES[strategy](spec, arch, knobs)
     if f is None:
         raise ValueError(f"strategy {strategy} does not apply to {spec} on {arch}")
-    return f
+    return f.with_attr("qcompile.knobs_source", source)
 
 
 def dense_int_kernel(M: int, N: int, K: int, arch: str = "sm_90", strategy: str | None = None, knobs=None, **kw):
@@ -77,4 +87,4 @@ def dense_int_kernel(M: int, N: int, K: int, arch: str = "sm_90", strategy: str 
 
 
 __all__ = ["conv2d_int_kernel", "select_strategy", "dense_int_kernel", "MMA_SHAPES", "ConvSpec", "GemmKnobs",
-           "MMAShape", "ArchMMA", "DEFAULT_KNOBS", "arch_info", "STRATEGIES", "RULES"]
+           "MMAShape", "ArchMMA", "DEFAULT_KNOBS", "arch_info", "STRATEGIES", "RULES", "tuned_knobs", "tuning_key"]

@@ -143,3 +143,30 @@ def test_qrun_wrong_input(tiny_q8, capsys):
     open(trunc, "wb").write(open(x, "rb").read()[:40])
     _expect_error(capsys, qrun_main, [so, "--input", trunc], "cannot read input")
     _expect_error(capsys, qrun_main, [str(d / "none.so"), "--input", x], "does not exist")
+
+
+def cpp_build_command(src: str, exe: str) -> list:
+    """The README's build command for scripts/run_so.cc (TVM runtime + tvm-ffi from the installed wheels)."""
+    import sysconfig
+
+    sp = sysconfig.get_paths()["purelib"]
+    return ["g++", "-std=c++17", "-O2", src, "-o", exe, f"-I{sp}/tvm_ffi/include", f"-L{sp}/tvm/lib", f"-L{sp}/tvm_ffi/lib",
+            "-ltvm_runtime", "-ltvm_ffi", f"-Wl,-rpath,{sp}/tvm/lib", f"-Wl,-rpath,{sp}/tvm_ffi/lib"]
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="no C++ compiler")
+def test_cpp_loader_runs_the_so(tiny_q8):
+    """scripts/run_so.cc loads the .so with libtvm_runtime alone and agrees with qrun."""
+    d, model, x = tiny_q8
+    so, exe, xbin = str(d / "cpp.so"), str(d / "run_so"), str(d / "x.bin")
+    assert qcompile_main([model, "-q", "-o", so]) == 0
+    src = os.path.join(os.path.dirname(__file__), "..", "scripts", "run_so.cc")
+    r = subprocess.run(cpp_build_command(src, exe), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    xv = np.load(x)
+    xv.astype("float32").tofile(xbin)
+    out = subprocess.run([exe, so, xbin, *map(str, xv.shape)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    from qcompile.runtime import Module
+
+    assert out.stdout.strip() == f"output 1 x 10; top-1: {int(Module(so)(xv).argmax())}"

@@ -1,0 +1,158 @@
+"""Per-architecture tuning logs: measured best GemmKnobs per conv shape (``tuning_logs/<arch>.json``).
+
+``tuned_knobs(spec, arch)`` returns the knobs recorded for ``spec`` on ``arch`` or ``None`` (no record: the
+caller uses ``DEFAULT_KNOBS``). A missing log for the arch, or a log whose key fields / knob fields no longer
+match this code (stale), also gives ``None`` and emits ONE warning per process per log file, naming it.
+
+Log format (written by ``scripts/tune_layers.py log``)::
+
+    {"format": 1, "arch": "sm_90", "key_fields": [...KEY_FIELDS], "knob_fields": [...GemmKnobs fields],
+     "records": {"<tuning_key(spec)>": {"knobs": {BM: .., ...}, "ms": .., "default_ms": .., "date": ..,
+                                         "device": .., ...}, ...}}
+
+Where logs are looked up, first hit wins: ``$QCOMPILE_TUNING_DIR``, the installed ``qcompile.tuning_logs``
+package, the source tree's ``tuning_logs/`` (editable installs made before that package existed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import threading
+import warnings
+
+from .spec import ConvSpec, GemmKnobs
+
+LOG_FORMAT = 1
+# ConvSpec fields that decide the main loop (and so the best tile); the epilogue (out dtype, residual, zero
+# points, clip range, signedness) does not enter the key, so every requantised variant of a layer shares it.
+KEY_FIELDS = ("layout", "N", "H", "W", "C", "K", "R", "S", "stride", "padding", "dilation", "x_bits", "w_bits")
+KNOB_FIELDS = tuple(f.name for f in dataclasses.fields(GemmKnobs))
+
+
+class TuningLogWarning(UserWarning):
+    """A tuning log is missing or stale; DEFAULT_KNOBS are used instead."""
+
+
+def tuning_key(spec: ConvSpec) -> str:
+    """Stable string of the ConvSpec fields in KEY_FIELDS (stride/padding/dilation normalised)."""
+    sh, sw = spec.strides
+    pads = ",".join(str(p) for p in spec.pads)
+    dh, dw = spec.dilations
+    return (f"{spec.layout}|N{spec.N}|H{spec.H}|W{spec.W}|C{spec.C}|K{spec.K}|R{spec.R}|S{spec.S}"
+            f"|st{sh},{sw}|pad{pads}|dil{dh},{dw}|x{spec.x_bits}|w{spec.w_bits}")
+
+
+def knobs_to_dict(kn: GemmKnobs) -> dict:
+    return {f: getattr(kn, f) for f in KNOB_FIELDS}
+
+
+def knobs_from_dict(d: dict) -> GemmKnobs | None:
+    """GemmKnobs from a record, or None when the record does not fit the current GemmKnobs (stale)."""
+    if not isinstance(d, dict) or set(d) != set(KNOB_FIELDS):
+        return None
+    try:
+        kn = GemmKnobs(**d)
+    except TypeError:
+        return None
+    for f, choices in GemmKnobs.SPACE.items():
+        if getattr(kn, f) not in choices:
+            return None
+    return kn if kn.valid() else None
+
+
+# ---------------------------------------------------------------------------------------------
+_LOCK = threading.Lock()
+_CACHE: dict[str, dict | None] = {}
+_WARNED: set[str] = set()
+
+
+def clear_cache():
+    """Forget loaded logs and which files were warned about (tests; after regenerating a log)."""
+    with _LOCK:
+        _CACHE.clear()
+        _WARNED.clear()
+
+
+def log_dirs() -> list[pathlib.Path]:
+    dirs = []
+    env = os.environ.get("QCOMPILE_TUNING_DIR")
+    if env:
+        return [pathlib.Path(env)]  # explicit: nothing else is consulted
+    try:
+        import importlib.resources as ir
+
+        dirs.append(pathlib.Path(str(ir.files("qcompile.tuning_logs"))))
+    except (ModuleNotFoundError, TypeError):
+        pass
+    src = pathlib.Path(__file__).resolve().parents[1] / "tuning_logs"
+    if src not in dirs:
+        dirs.append(src)
+    return dirs
+
+
+def log_path(arch: str) -> pathlib.Path:
+    """The log file for ``arch`` (the first existing one; else where it would be expected)."""
+    cands = [d / f"{arch}.json" for d in log_dirs()]
+    for p in cands:
+        if p.is_file():
+            return p
+    return cands[0]
+
+
+def _warn_once(path: pathlib.Path, why: str):
+    key = str(path)
+    with _LOCK:
+        if key in _WARNED:
+            return
+        _WARNED.add(key)
+    warnings.warn(f"qcompile.schedules: {why} ({path}); using DEFAULT_KNOBS. Regenerate it with "
+                  f"scripts/tune_layers.py (see tuning_logs/README.md).", TuningLogWarning, stacklevel=3)
+
+
+def load_log(arch: str) -> dict | None:
+    """The parsed log for ``arch`` ({"records": ...}) or None (missing / unreadable / stale: warned once)."""
+    path = log_path(arch)
+    key = str(path)
+    with _LOCK:
+        if key in _CACHE:
+            return _CACHE[key]
+    log, why = None, None
+    if not path.is_file():
+        why = f"no tuning log for {arch}"
+    else:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            data, why = None, f"unreadable tuning log ({type(e).__name__})"
+        if data is not None:
+            if data.get("format") != LOG_FORMAT:
+                why = f"stale tuning log (format {data.get('format')!r}, expected {LOG_FORMAT})"
+            elif tuple(data.get("key_fields", ())) != KEY_FIELDS:
+                why = "stale tuning log (its spec key fields differ from the current ConvSpec key)"
+            elif tuple(data.get("knob_fields", ())) != KNOB_FIELDS:
+                why = "stale tuning log (its knob fields differ from the current GemmKnobs)"
+            elif not isinstance(data.get("records"), dict):
+                why = "stale tuning log (no records)"
+            else:
+                log = data
+    if why:
+        _warn_once(path, why)
+    with _LOCK:
+        _CACHE[key] = log
+    return log
+
+
+def tuned_knobs(spec: ConvSpec, arch: str = "sm_90") -> GemmKnobs | None:
+    """Knobs measured best for ``spec`` on ``arch``, or None (no log / stale / no record for this shape)."""
+    log = load_log(arch)
+    if log is None:
+        return None
+    rec = log["records"].get(tuning_key(spec))
+    if rec is None:
+        return None
+    kn = knobs_from_dict(rec.get("knobs"))
+    if kn is None:
+        _warn_once(log_path(arch), f"stale record {tuning_key(spec)!r} in tuning log (knobs do not fit GemmKnobs)")
+    return kn

@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""Build everything scripts/bench_e2e.py runs on the GPU host (no GPU needed here).
+
+    python scripts/build_e2e.py -o .e2e --nets resnet18 --bits 8 4 mixed --batch 1 8 64 256
+
+For each network and bit width: quantize (seeded random weights, random calibration data), export ONNX
+with a dynamic batch, compile for ``--arch`` with ``--weights-beside`` for every batch size (the weights
+file is shared by all batch sizes), and write a fixed input with the reference output for the check
+batches (``--check-batch``): the output of the llvm build of the same model (and, as a cross-check, whether
+the NumPy integer reference agrees with it at batch 1).
+
+Layout of ``-o``: NET_BITS/bN.so, NET_BITS/weights.npz, NET_BITS/xN.npy, NET_BITS/yN.npy, manifest.json.
+"""
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from qcompile.driver import CompileOptions, compile_model, weights_path
+from qcompile.models.export_onnx import export_onnx
+from qcompile.models.quantize import quantize_model
+from qcompile.models.resnet import build_model
+from qcompile.reference import Reference
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-o", "--out", default=".e2e")
+    ap.add_argument("--nets", nargs="+", default=["resnet18", "resnet50"])
+    ap.add_argument("--bits", nargs="+", default=["8", "4", "mixed"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64, 256])
+    ap.add_argument("--check-batch", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--layout", default="NHWC")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    man_path = os.path.join(a.out, "manifest.json")
+    manifest = json.load(open(man_path)) if os.path.exists(man_path) else {}
+    for net in a.nets:
+        for bits in a.bits:
+            tag = f"{net}_{bits}"
+            d = os.path.join(a.out, tag)
+            os.makedirs(d, exist_ok=True)
+            t0 = time.time()
+            qm = quantize_model(build_model(net, seed=0), torch.randn(16, 3, 224, 224, generator=torch.Generator().manual_seed(1)),
+                                bits=int(bits) if bits in ("4", "8") else bits)
+            with tempfile.TemporaryDirectory() as td:
+                onnx_path = os.path.join(td, "m.onnx")
+                export_onnx(qm, onnx_path, (1, 3, 224, 224), batch=None)
+                digest = None
+                entry = {"batches": {}, "layout": a.layout, "arch": a.arch}
+                for b in a.batch:
+                    tb = time.time()
+                    res = compile_model(onnx_path, CompileOptions(target="cuda", arch=a.arch, layout=a.layout, batch=b,
+                                                                  weights_beside=True), log=lambda s: None)
+                    so = os.path.join(d, f"b{b}.so")
+                    res.export(so)
+                    w = weights_path(so)
+                    h = hashlib.sha1(open(w, "rb").read()).hexdigest()
+                    if digest is None:
+                        digest = h
+                        shutil.move(w, os.path.join(d, "weights.npz"))
+                    else:
+                        os.remove(w)
+                        assert h == digest, f"{tag}: weights differ between batch sizes"
+                    kernels = {}
+                    for l in res.layers:
+                        kernels[l.kernel] = kernels.get(l.kernel, 0) + 1
+                    info = {"so_mb": os.path.getsize(so) / 2**20, "kernels": kernels, "build_s": time.time() - tb}
+                    if b in a.check_batch:
+                        from qcompile.runtime import Module
+
+                        x = np.random.default_rng(100 + b).standard_normal((b, 3, 224, 224)).astype("float32")
+                        np.save(os.path.join(d, f"x{b}.npy"), x)
+                        r2 = compile_model(onnx_path, CompileOptions(layout=a.layout, batch=b), log=lambda s: None)
+                        so2 = os.path.join(td, f"llvm_b{b}.so")  # distinct paths: dlopen caches by path
+                        r2.export(so2)
+                        y = Module(so2)(x)
+                        np.save(os.path.join(d, f"y{b}.npy"), y)
+                        if b == 1:
+                            info["reference_equals_llvm"] = bool(np.array_equal(Reference(r2.integer_mod)(x), y))
+                    entry["batches"][str(b)] = info
+                    print(f"{tag} b{b}: {info}", flush=True)
+            entry["quantize_and_build_s"] = time.time() - t0
+            entry["weights_mb"] = os.path.getsize(os.path.join(d, "weights.npz")) / 2**20
+            manifest[tag] = entry
+            json.dump(manifest, open(man_path, "w"), indent=1)
+    print(json.dumps({k: (v["weights_mb"], sum(b["so_mb"] for b in v["batches"].values())) for k, v in manifest.items()}))
+
+
+if __name__ == "__main__":
+    main()
