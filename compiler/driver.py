@@ -32,6 +32,7 @@ class CompileOptions:
     pack_int4: bool = True
     dump_ir: Optional[str] = None
     weights_beside: bool = False        # weights in NAME.weights.npz beside NAME.so instead of inside it
+    cuda_graph: bool = True             # replay the forward pass as one CUDA graph (off: per-kernel profiling)
 
 
 @dataclass
@@ -256,7 +257,7 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
 
         ensure_stub_libcuda()  # so that TVM embeds compiled GPU code (fatbin), not CUDA source, on a GPU-less host
         with nvcc_options(opts.arch, mode="both"):  # SASS for the arch + its PTX (newer GPUs JIT it)
-            ex = build(_add_meta(mod_int, meta), target)
+            ex = build(_add_meta(mod_int, meta), target, cuda_graph=opts.cuda_graph)
     else:
         ex = build(_add_meta(mod_int, meta), target)
     prog.done()

@@ -52,13 +52,13 @@ def lower_to_integer(mod_qdq: tvm.IRModule, layout: str = "NCHW", pack_int4: boo
     return mod
 
 
-def build(mod_int: tvm.IRModule, target="llvm"):
+def build(mod_int: tvm.IRModule, target="llvm", cuda_graph: bool = True):
     """Phase 4: TVM's Relax pipeline for ``target`` (a JSON-dict target); returns a VM executable.
 
     On CUDA the whole forward pass is captured once and replayed as a CUDA graph
     (``relax.backend.use_cuda_graph``), so batch-1 latency is not dominated by kernel launches.
     """
     tgt = tvm.target.Target(target if not isinstance(target, str) else {"kind": target})
-    config = {"relax.backend.use_cuda_graph": True} if tgt.kind.name == "cuda" else {}
+    config = {"relax.backend.use_cuda_graph": cuda_graph} if tgt.kind.name == "cuda" else {}
     with tvm.transform.PassContext(opt_level=3, config=config):
         return tvm.compile(mod_int, target=tgt)

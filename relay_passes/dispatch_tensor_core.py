@@ -186,11 +186,21 @@ class _Dispatcher(PyExprMutator):
             w = g.w
             K, R, S_ = (w.shape[0], w.shape[1], w.shape[2]) if layout == "NHWC" else (w.shape[2], w.shape[0], w.shape[1])
             stride, dil = tuple(int(s) for s in a.strides), tuple(int(d) for d in a.dilation)
+        c_pad = 0
+        if not g.dense and x_dtype in ("int8", "uint8", "int4", "uint4") and C < 16:
+            # a few input channels (the RGB stem): pad C with zeros (zero weights too, so the sum is
+            # unchanged) to 16 channels, so the GEMM loads 16-byte vectors instead of single bytes
+            if x_dtype in ("int4", "uint4"):
+                x_dtype = "int8" if x_dtype == "int4" else "uint8"
+            c_pad = 16 - C
         packable = lambda dt, n: dt in ("int4", "uint4") and n % 2 == 0
         if x_dtype in ("int4", "uint4") and not packable(x_dtype, C):
             x_dtype = "int8" if x_dtype == "int4" else "uint8"
         w_bits = g.w_bits if (g.w_bits == 8 or C % 2 == 0) else 8
         out_dtype = g.out_dtype if (g.out_dtype not in ("int4", "uint4") or K % 2 == 0) else str(binding.var.ty.dtype)
+        if c_pad:
+            w = np.concatenate([w, np.zeros(w.shape[:-1] + (c_pad,), w.dtype)], axis=-1)
+            C += c_pad
         spec = ConvSpec(N=N, H=H, W=W, C=C, K=K, R=R, S=S_, stride=stride, padding=g.pad, dilation=dil,
                         layout=layout, x_dtype=x_dtype, w_bits=w_bits, out_dtype=out_dtype, zo=g.zo, lo=g.lo,
                         hi=g.hi, pad_value=g.pad_value)
@@ -208,6 +218,9 @@ class _Dispatcher(PyExprMutator):
         gv = self.builder_.add_func(func.with_attr("global_symbol", fname), fname)
         self.chosen.append((binding.var.name, strategy))
         x = self._data(g.x, x_dtype, 3)
+        if c_pad:
+            x = self.builder_.emit(relax.op.nn.pad(x, [0, 0, 0, 0, 0, 0, 0, c_pad], pad_value=0.0),
+                                   binding.var.name + "_cpad")
         if g.dense:
             x = self.builder_.emit(relax.op.reshape(x, (N, 1, 1, int(x.ty.shape[-1]))), binding.var.name + "_x4d")
         wq = w.astype(np.int8)

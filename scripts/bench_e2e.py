@@ -74,6 +74,50 @@ def bench_ours(m: Module, batch, number):
     return float(np.median(r.results)) * 1e3
 
 
+def profile(so, weights, batch, reps=5):
+    """Per-kernel times of one forward pass, from a build without the CUDA graph.
+
+    The VM's instrument hook synchronizes the GPU before and after every call instruction and reads a
+    host clock, so each kernel's time includes one launch + sync overhead (~10 us); median of ``reps``.
+    """
+    from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
+
+    lib = tvm.runtime.load_module(so)
+    dev = tvm.cuda(0)
+    vm = VirtualMachine(lib, dev)
+    with np.load(weights) as z:
+        w = [tvm.runtime.tensor(z[f"w{i}"], dev) for i in range(len(z.files))]
+    x = tvm.runtime.tensor(np.random.default_rng(3).standard_normal((batch, 3, 224, 224)).astype("float32"), dev)
+    for _ in range(3):
+        vm["main"](x, *w)
+    runs, state = [], {}
+
+    def instrument(func, symbol, before, ret, *args):
+        dev.sync()
+        if before:
+            state["t"] = time.perf_counter()
+        else:
+            state["calls"].append((str(symbol), time.perf_counter() - state["t"]))
+        return VMInstrumentReturnKind.NO_OP
+
+    vm.set_instrument(instrument)
+    for _ in range(reps):
+        state["calls"] = []
+        vm["main"](x, *w)
+        runs.append(state["calls"])
+    n = min(len(r) for r in runs)
+    kernels = []
+    for i in range(n):
+        name = runs[0][i][0]
+        kernels.append((name, 1e6 * float(np.median([r[i][1] for r in runs]))))
+    kernels = [(n_, t) for n_, t in kernels if not n_.startswith("vm.builtin")]
+    total = sum(t for _, t in kernels)
+    conv = sum(t for n_, t in kernels if n_.startswith("qconv_"))
+    top = sorted(kernels, key=lambda kv: -kv[1])[:12]
+    return {"kernels_us": total, "conv_us": conv, "glue_us": total - conv, "n_kernels": len(kernels),
+            "n_conv": sum(n_.startswith("qconv_") for n_, _ in kernels), "top": top, "all": kernels}
+
+
 def main():
     root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".e2e")
     only = set(sys.argv[2:])
@@ -92,8 +136,9 @@ def main():
             row = {"net": net, "bits": bits, "batch": b}
             try:
                 m = Module(str(d / f"b{b}.so"), "cuda", weights=str(d / "weights.npz"))
-                if (d / f"x{b}.npy").exists():
-                    x, y_ref = np.load(d / f"x{b}.npy"), np.load(d / f"y{b}.npy")
+                xf = d / f"x{b}.npy" if (d / f"x{b}.npy").exists() else root / f"x{b}.npy"  # inputs may be shared
+                if (d / f"y{b}.npy").exists():
+                    x, y_ref = np.load(xf), np.load(d / f"y{b}.npy")
                     m(np.random.default_rng(1).standard_normal(x.shape).astype("float32") * 3)  # stale pool
                     y = m(x)
                     row["exact"] = bool(np.array_equal(y, y_ref))
@@ -112,7 +157,22 @@ def main():
                 row["speedup"] = row["torch_fp16_ms"] / row["ms"]
             results.append(row)
             print(json.dumps(row), flush=True)
-    json.dump(results, open(OUT / "bench_e2e.json", "w"), indent=1)
+    profiles = {}
+    for tag in man:
+        if only and tag not in only:
+            continue
+        for so in sorted((root / tag).glob("prof*.so")):
+            b = int(so.stem[4:])
+            try:
+                p = profile(str(so), str(root / tag / "weights.npz"), b)
+                profiles[f"{tag}_b{b}"] = p
+                print(f"\nprofile {tag} batch {b}: {p['kernels_us'] / 1e3:.3f} ms in {p['n_kernels']} kernels: "
+                      f"tensor-core convs {p['conv_us'] / 1e3:.3f} ms ({p['n_conv']}), glue {p['glue_us'] / 1e3:.3f} ms")
+                for n, t in p["top"]:
+                    print(f"   {t:9.1f} us  {n[:90]}")
+            except Exception as e:
+                print(f"profile {tag} b{b} failed: {type(e).__name__}: {str(e)[-300:]}")
+    json.dump({"results": results, "profiles": profiles}, open(OUT / "bench_e2e.json", "w"), indent=1)
     print("\n| net | bits | batch | exact vs llvm | qcompile ms | img/s | PyTorch fp16 ms | img/s | speedup |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -38,6 +38,9 @@ def main():
     ap.add_argument("--check-batch", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--layout", default="NHWC")
+    ap.add_argument("--profile-batch", nargs="*", type=int, default=[],
+                    help="also build profN.so without the CUDA graph, for a per-kernel time breakdown")
+    ap.add_argument("--only-profile", action="store_true", help="build only the profN.so files (weights exist)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     man_path = os.path.join(a.out, "manifest.json")
@@ -55,6 +58,18 @@ def main():
                 export_onnx(qm, onnx_path, (1, 3, 224, 224), batch=None)
                 digest = None
                 entry = {"batches": {}, "layout": a.layout, "arch": a.arch}
+                for b in a.profile_batch:
+                    res = compile_model(onnx_path, CompileOptions(target="cuda", arch=a.arch, layout=a.layout, batch=b,
+                                                                  weights_beside=True, cuda_graph=False), log=lambda s: None)
+                    so = os.path.join(d, f"prof{b}.so")
+                    res.export(so)
+                    h = hashlib.sha1(open(weights_path(so), "rb").read()).hexdigest()
+                    os.remove(weights_path(so))
+                    ref = os.path.join(d, "weights.npz")
+                    assert not os.path.exists(ref) or h == hashlib.sha1(open(ref, "rb").read()).hexdigest()
+                    print(f"{tag} prof{b}: built", flush=True)
+                if a.only_profile:
+                    continue
                 for b in a.batch:
                     tb = time.time()
                     res = compile_model(onnx_path, CompileOptions(target="cuda", arch=a.arch, layout=a.layout, batch=b,
@@ -87,6 +102,8 @@ def main():
                             info["reference_equals_llvm"] = bool(np.array_equal(Reference(r2.integer_mod)(x), y))
                     entry["batches"][str(b)] = info
                     print(f"{tag} b{b}: {info}", flush=True)
+            if a.only_profile:
+                continue
             entry["quantize_and_build_s"] = time.time() - t0
             entry["weights_mb"] = os.path.getsize(os.path.join(d, "weights.npz")) / 2**20
             manifest[tag] = entry

@@ -243,7 +243,10 @@ def make_problem(spec, seed, dev):
     import numpy as np
     import torch
 
-    import reference as R  # schedules/reference.py (plain module: no TVM compiler needed)
+    try:
+        from qcompile.schedules import reference as R
+    except ImportError:  # GPU host: schedules/reference.py as a plain module (no TVM compiler there)
+        import reference as R
 
     assert not spec.has_residual
     g = torch.Generator(device=dev)
@@ -315,10 +318,21 @@ def cmd_device(a):
     dev_name = torch.cuda.get_device_name(0)
     log("GPU:", dev_name, "| tvm", DR.tvm.__version__, "| torch", torch.__version__, "| cudnn",
         torch.backends.cudnn.version(), "| date", time.strftime("%Y-%m-%d"))
-    tdev = torch.device("cuda")
+    tdev = torch.device(os.environ.get("QC_TUNE_DEV", "cuda"))  # "cpu": dry run with a mocked device_run
     by_layer: dict[str, list] = {}
+    by_shape: dict[tuple, str] = {}  # ResNet-18 and -50 share shapes: the manifest names each shape once
     for r in man:
         by_layer.setdefault(r["layer"], []).append(r)
+        sp = r["spec"]
+        by_shape[(sp["N"], sp["C"], sp["H"], sp["K"], sp["R"], sp["stride"], sp["padding"],
+                  "int4" if sp["w_bits"] == 4 else "int8")] = r["layer"]
+    from layers import RESNET18, RESNET50, distinct  # schedules/layers.py as a plain module (device_run's path)
+
+    shapes = {l[0]: l[1:] for l in RESNET18 + RESNET50}
+
+    def layer_for(name, N, dt):
+        C, H, K, R_, st, pd = shapes[name]
+        return by_shape[(N, C, H, K, R_, st, pd, dt)]
     tune_layers = [k for k, rs in by_layer.items() if rs[0]["kind"] == "tune"]
     # batch 64 first (then 256): the time guard drops the tail, never the main batch
     tune_layers.sort(key=lambda k: (0 if "_b64_" in k else 1))
@@ -391,7 +405,7 @@ def cmd_device(a):
         d_ms = dflt.get("ms", float("nan")) if dflt else float("nan")
         b_ms = best["ms"] if best else float("nan")
         flag = "" if len(ok_v) == len(row["variants"]) else f"  FAIL {[v['variant'] for v in row['variants'] if not v.get('ok')]}"
-        log(f"TUNE {layer:<26} {len(ok_v)}/{len(row['variants'])} exact  default {d_ms:.4f}ms  best {row['best']:<13}"
+        log(f"TUNE {layer:<26} {len(ok_v)}/{len(row['variants'])} exact  default {d_ms:.4f}ms  best {str(row['best']):<13}"
             f" {b_ms:.4f}ms  x{d_ms / b_ms:.2f}  [{time.time() - T0:.0f}s]{flag}")
         save()
         del funcs, last
@@ -406,8 +420,6 @@ def cmd_device(a):
         if row["best"]:
             best_rec[row["layer"]] = recs[row["best"]]
         dflt_rec[row["layer"]] = recs["default"]
-    from qcompile_layers import RESNET50, distinct  # noqa: E402  (schedules/layers.py as a plain module)
-
     for N in (8, 64, 256):
         for (name, C, H, K, R_, st, pd) in distinct(RESNET50):
             if time.time() - T0 > a.bench_budget:
@@ -416,7 +428,7 @@ def cmd_device(a):
             key = f"{name}_b{N}"
             row = None
             for dt in ("int8", "int4"):
-                layer = f"{key}_{dt}"
+                layer = layer_for(name, N, dt)
                 rec = best_rec.get(layer) or dflt_rec.get(layer) or by_layer[layer][0]
                 spec = DR.to_spec(rec["spec"])
                 if row is None:
@@ -447,12 +459,13 @@ def cmd_device(a):
     # ---------------- ncu on one 3x3 layer: tuned and default INT8, tuned INT4 ----------------
     if time.time() - T0 < a.ncu_before:
         targets = []
-        for layer in (f"{a.ncu_layer}_int8", f"{a.ncu_layer}_int4"):
+        nm, nb = a.ncu_layer.rsplit("_b", 1)
+        for layer in (layer_for(nm, int(nb), "int8"), layer_for(nm, int(nb), "int4")):
             if layer in best_rec:
                 targets.append(best_rec[layer])
             if layer.endswith("int8") and layer in dflt_rec and dflt_rec[layer] is not best_rec.get(layer):
                 targets.append(dflt_rec[layer])
-        results["ncu"] = run_ncu(targets, out, log, a.ncu_timeout)
+        results["ncu"] = run_ncu(targets, tdir, out, log, a.ncu_timeout)
         save()
     log(f"done in {time.time() - T0:.0f}s")
 
@@ -464,7 +477,7 @@ NCU_METRIC_CANDIDATES = [
 ]
 
 
-def run_ncu(targets, out, log, timeout):
+def run_ncu(targets, tdir, out, log, timeout):
     import shutil
 
     ncu = shutil.which("ncu") or next(iter(sorted(pathlib.Path("/opt/nvidia").glob("nsight-compute/*/ncu"))), None)
@@ -489,11 +502,18 @@ def run_ncu(targets, out, log, timeout):
            "--section", "SchedulerStats"]
     if metrics:
         cmd += ["--metrics", ",".join(metrics)]
-    cmd += [sys.executable, __file__, "ncu-target", str(DR_DIR_FOR_NCU(targets)), *funcs]
+    cmd += [sys.executable, __file__, "ncu-target", str(tdir), *funcs]
     log("ncu:", " ".join(cmd[-(len(funcs) + 3):]), "| targets:", [(t["layer"], t["variant"]) for t in targets])
     try:
+        t0 = time.time()
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         (out / "ncu_stdout.txt").write_text(r.stdout[-200000:] + "\n" + r.stderr[-20000:])
+        if r.returncode != 0 and metrics and time.time() - t0 < 30:  # an unknown metric name: retry without
+            log(f"ncu rc={r.returncode} with --metrics; retrying with the sections only")
+            i = cmd.index("--metrics")
+            cmd = cmd[:i] + cmd[i + 2:]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            (out / "ncu_stdout2.txt").write_text(r.stdout[-200000:] + "\n" + r.stderr[-20000:])
         det = subprocess.run([ncu, "-i", str(rep) + ".ncu-rep", "--page", "details"], capture_output=True, text=True,
                              timeout=60)
         (out / "ncu_details.txt").write_text(det.stdout)
@@ -505,12 +525,6 @@ def run_ncu(targets, out, log, timeout):
     except Exception as e:  # noqa: BLE001
         log("ncu failed:", type(e).__name__, str(e)[-300:])
         return dict(error=str(e)[-300:])
-
-
-def DR_DIR_FOR_NCU(targets):
-    import device_run as DR
-
-    return DR.DEVICE_DIR
 
 
 def cmd_ncu_target(a):
@@ -614,10 +628,10 @@ def main():
     b.add_argument("--group", type=int, default=12)
     d = sub.add_parser("device")
     d.add_argument("--dir", default=str(TUNE_DIR.relative_to(ROOT)))
-    d.add_argument("--tune-budget", type=float, default=260)
-    d.add_argument("--bench-budget", type=float, default=400)
-    d.add_argument("--ncu-before", type=float, default=430)
-    d.add_argument("--ncu-timeout", type=float, default=120)
+    d.add_argument("--tune-budget", type=float, default=230, help="s after start: no new spec tuned after this")
+    d.add_argument("--bench-budget", type=float, default=360, help="s after start: no new bench row after this")
+    d.add_argument("--ncu-before", type=float, default=380, help="s after start: ncu only if reached before this")
+    d.add_argument("--ncu-timeout", type=float, default=100)
     d.add_argument("--ncu-layer", default="r50_l3_3x3_b64")
     n = sub.add_parser("ncu-target")
     n.add_argument("dir")
@@ -633,5 +647,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "schedules"))  # reference.py / spec.py as plain modules on the GPU host
     main()

@@ -1,0 +1,147 @@
+"""Tuning logs (tuning_logs/<arch>.json) and their use by conv2d_int_kernel: fast, no GPU."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from qcompile.schedules import DEFAULT_KNOBS, ConvSpec, conv2d_int_kernel, tuned_knobs, tuning_key
+from qcompile.schedules import tuning as TU
+from qcompile.schedules.igemm import _adapt_knobs
+from qcompile.schedules.layers import ALL_RESNET
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(monkeypatch):
+    monkeypatch.delenv("QCOMPILE_TUNING_DIR", raising=False)
+    TU.clear_cache()
+    yield
+    TU.clear_cache()
+
+
+def _specs():
+    """The shapes tune_layers.py tunes (ResNet-18/50 at batch 64/256, INT8 and INT4 NHWC)."""
+    for N in (64, 256):
+        for (_, C, H, K, R, st, pd) in ALL_RESNET:
+            yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
+                           out_dtype="uint8", lo=0, hi=255)
+            if C % 2 == 0:
+                yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint4", w_bits=4,
+                               out_dtype="uint4", lo=0, hi=15)
+
+
+def _tuned_spec():
+    """A tuned spec whose knobs differ from the defaults (a 3x3 layer if there is one)."""
+    recs = TU.load_log("sm_90")["records"]
+    found = [s for s in _specs() if tuning_key(s) in recs and recs[tuning_key(s)]["variant"] != "default"]
+    assert found, "the sm_90 log records no non-default knobs"
+    return next((s for s in found if s.R == 3), found[0])
+
+
+def _no_warnings(fn, *a):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = fn(*a)
+    assert not [x for x in w if issubclass(x.category, TU.TuningLogWarning)], [str(x.message) for x in w]
+    return out
+
+
+def test_log_loads():
+    log = _no_warnings(TU.load_log, "sm_90")
+    assert log is not None and log["arch"] == "sm_90" and len(log["records"]) >= 40
+    assert tuple(log["key_fields"]) == TU.KEY_FIELDS and tuple(log["knob_fields"]) == TU.KNOB_FIELDS
+    keys = {tuning_key(s) for s in _specs()}
+    for key, rec in log["records"].items():
+        assert key in keys, key
+        kn = TU.knobs_from_dict(rec["knobs"])
+        assert kn is not None and kn.valid(), (key, rec)
+        assert rec["ms"] > 0 and rec["default_ms"] > 0 and rec["ms"] <= rec["default_ms"] and rec["device"]
+
+
+def test_log_is_package_data():
+    import tomllib
+    import pathlib
+
+    pp = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "qcompile.tuning_logs" in pp["packages"]
+    assert pp["package-dir"]["qcompile.tuning_logs"] == "tuning_logs"
+    assert "*.json" in pp["package-data"]["qcompile.tuning_logs"]
+    assert TU.log_path("sm_90").is_file()
+
+
+def test_key_is_stable_and_ignores_the_epilogue():
+    a = ConvSpec(N=64, H=14, W=14, C=256, K=256, R=3, S=3, stride=1, padding=1, x_dtype="uint8", out_dtype="uint8")
+    b = a.replace(stride=(1, 1), padding=(1, 1, 1, 1), x_dtype="int8", out_dtype="int32", has_residual=True, zo=5)
+    assert tuning_key(a) == tuning_key(b) == "NHWC|N64|H14|W14|C256|K256|R3|S3|st1,1|pad1,1,1,1|dil1,1|x8|w8"
+    assert tuning_key(a.replace(N=8)) != tuning_key(a) and tuning_key(a.replace(x_dtype="uint4", w_bits=4)) != tuning_key(a)
+
+
+def test_tuned_spec_gets_its_knobs():
+    spec = _tuned_spec()
+    rec = TU.load_log("sm_90")["records"][tuning_key(spec)]
+    kn = _no_warnings(tuned_knobs, spec, "sm_90")
+    assert kn == TU.knobs_from_dict(rec["knobs"]) and kn != _adapt_knobs(spec, DEFAULT_KNOBS["sm_90"], "NHWC")
+    f = conv2d_int_kernel(spec, "sm_90")
+    assert str(f.attrs["qcompile.knobs_source"]) == "tuned" and str(f.attrs["qcompile.knobs"]) == str(kn)
+    # an explicit knobs argument still wins
+    f = conv2d_int_kernel(spec, "sm_90", knobs=DEFAULT_KNOBS["sm_90"])
+    assert str(f.attrs["qcompile.knobs_source"]) == "user"
+
+
+def test_unknown_spec_falls_back_to_defaults():
+    spec = ConvSpec(N=3, H=17, W=17, C=24, K=40, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255)
+    assert _no_warnings(tuned_knobs, spec, "sm_90") is None
+    f = conv2d_int_kernel(spec, "sm_90")
+    assert str(f.attrs["qcompile.knobs_source"]) == "default"
+    assert str(f.attrs["qcompile.knobs"]) == str(_adapt_knobs(spec, DEFAULT_KNOBS["sm_90"], "NHWC"))
+
+
+def _count(fn):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fn()
+    return [str(x.message) for x in w if issubclass(x.category, TU.TuningLogWarning)]
+
+
+def test_missing_log_warns_once_and_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path))
+    spec = ConvSpec(N=64, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8")
+    kernels = []
+    msgs = _count(lambda: [tuned_knobs(spec, "sm_90"), kernels.append(conv2d_int_kernel(spec, "sm_90")),
+                           kernels.append(conv2d_int_kernel(spec.replace(N=8), "sm_90")), tuned_knobs(spec, "sm_90")])
+    assert len(msgs) == 1 and str(tmp_path / "sm_90.json") in msgs[0]
+    assert tuned_knobs(spec, "sm_90") is None
+    assert all(str(f.attrs["qcompile.knobs_source"]) == "default" for f in kernels)
+    assert str(kernels[0].attrs["qcompile.knobs"]) == str(_adapt_knobs(spec, DEFAULT_KNOBS["sm_90"], "NHWC"))
+
+
+@pytest.mark.parametrize("how", ["knob_fields", "key_fields", "record_knobs", "format"])
+def test_stale_log_warns_once_and_falls_back(tmp_path, monkeypatch, how):
+    spec = _tuned_spec()
+    log = json.loads(TU.log_path("sm_90").read_text())
+    if how == "knob_fields":  # GemmKnobs gained / lost a field since the log was written
+        log["knob_fields"] = log["knob_fields"][:-1]
+    elif how == "key_fields":
+        log["key_fields"] = [f for f in log["key_fields"] if f != "dilation"]
+    elif how == "format":
+        log["format"] = 0
+    else:  # one record's knobs carry a field GemmKnobs does not know
+        log["records"][tuning_key(spec)]["knobs"]["split_k"] = 2
+    (tmp_path / "sm_90.json").write_text(json.dumps(log))
+    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path))
+    kernels = []
+    msgs = _count(lambda: [kernels.append(conv2d_int_kernel(spec, "sm_90")) for _ in range(3)])
+    assert len(msgs) == 1 and "stale" in msgs[0] and str(tmp_path / "sm_90.json") in msgs[0], msgs
+    assert all(str(f.attrs["qcompile.knobs_source"]) == "default" for f in kernels)
+    assert tuned_knobs(spec, "sm_90") is None
+
+
+def test_tuned_kernel_builds_for_cuda():
+    from qcompile.schedules.build import build_cuda, cuda_source
+
+    spec = _tuned_spec()
+    f = conv2d_int_kernel(spec, "sm_90")
+    assert str(f.attrs["qcompile.knobs_source"]) == "tuned"
+    src = cuda_source(build_cuda(f, "sm_90", mode="ptx"))
+    assert "mma.sync.aligned.m16n8k32.row.col.s32" in src and "ldmatrix" in src
