@@ -15,10 +15,10 @@ import numpy as np
 MAX_SHIFT = 62
 
 
-def quantize_multipliers(ms: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
+def quantize_multipliers(ms: list[np.ndarray], bits: int = 31) -> tuple[list[np.ndarray], np.ndarray]:
     """Integer multipliers ``M_i`` (int64 arrays) and one shared shift ``S`` for real multipliers ``ms``.
 
-    All arrays broadcast to one shape (per channel or scalar).
+    All arrays broadcast to one shape (per channel or scalar). The largest ``|M_i|`` has ``bits`` bits.
     """
     ms = [np.asarray(m, dtype=np.float64) for m in ms]
     shape = np.broadcast_shapes(*[m.shape for m in ms])
@@ -26,15 +26,15 @@ def quantize_multipliers(ms: list[np.ndarray]) -> tuple[list[np.ndarray], np.nda
     big = np.max(np.abs(np.stack(ms)), axis=0)
     with np.errstate(divide="ignore"):
         _, exp = np.frexp(big)  # big = mant * 2**exp, mant in [0.5, 1)
-    shift = np.where(big > 0, 31 - exp, MAX_SHIFT).astype(np.int64)
+    shift = np.where(big > 0, bits - exp, MAX_SHIFT).astype(np.int64)
     if np.any(shift < 1):
         raise ValueError(f"requantize multiplier {big.max():g} is too large (>= 2**30)")
     shift = np.minimum(shift, MAX_SHIFT)
     mults = []
     for m in ms:
         M = np.round(m * np.ldexp(1.0, shift)).astype(np.int64)
-        # rounding can reach 2**31 exactly; one less keeps it in int32
-        M = np.clip(M, -(2**31) + 1, 2**31 - 1)
+        # rounding can reach 2**bits exactly; one less keeps it in range
+        M = np.clip(M, -(2**bits) + 1, 2**bits - 1)
         mults.append(M)
     return mults, shift
 

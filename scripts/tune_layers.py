@@ -47,6 +47,19 @@ CAND = {
     "128x64": dict(BM=128, BN=64, BK=128, WM=2, WN=2, stages=4),
     "64x64": dict(BM=64, BN=64, BK=128, WM=2, WN=2, stages=4),
 }
+# second round (after the first run's ncu: 1.5 warps per scheduler, occupancy limited by registers and shared
+# memory): 8-warp blocks / fewer stages so that 2-3 blocks fit per SM
+CAND.update({
+    "8warp_s3": dict(BM=128, BN=128, BK=64, WM=4, WN=2, stages=3),
+    "8warp_bk128_s2": dict(BM=128, BN=128, BK=128, WM=4, WN=2, stages=2),
+    "8warp_bk128_s3": dict(BM=128, BN=128, BK=128, WM=4, WN=2, stages=3),
+    "64x128_s2": dict(BM=64, BN=128, BK=128, WM=2, WN=2, stages=2),
+    "128x64_s2": dict(BM=128, BN=64, BK=128, WM=2, WN=2, stages=2),
+})
+# C=64 INT4 has a 32-byte reduction per (r, s): BK=64 zero-fills half of every chunk
+CAND.update({"bk32": dict(BM=128, BN=128, BK=32, WM=2, WN=2, stages=4),
+             "8warp_bk32": dict(BM=128, BN=128, BK=32, WM=4, WN=2, stages=4)})
+ROUND2 = ["8warp_s3", "8warp_bk128_s2", "8warp_bk128_s3", "64x128_s2", "128x64_s2"]
 ORDER_LARGE = ["bk128", "256x128", "8warp", "256x128bk128", "128x256", "128x64", "64x128", "64x64"]
 ORDER_SMALL = ["bk128", "64x128", "8warp", "128x64", "64x64", "256x128", "128x256", "256x128bk128"]
 
@@ -70,8 +83,9 @@ def smem_bytes(kn) -> int:
     return kn.stages * (kn.BM + kn.BN) * (kn.BK + 16) + nwarp * 16 * (kn.BN // kn.WN + 8) * 4
 
 
-def candidates(spec, n: int):
-    """[(name, effective GemmKnobs)]: default first, then up to n-1 distinct adapted candidates."""
+def candidates(spec, n: int, names=None):
+    """[(name, effective GemmKnobs)]: default first, then up to n-1 distinct adapted candidates (from ``names``
+    when given, else by the prior order)."""
     from qcompile.schedules import DEFAULT_KNOBS
     from qcompile.schedules.igemm import _adapt_knobs
 
@@ -87,7 +101,7 @@ def candidates(spec, n: int):
     d = eff(base)
     Mtot = spec.N * spec.P * spec.Q
     blocks = math.ceil(Mtot / d.BM) * math.ceil(spec.K / d.BN)
-    order = ORDER_SMALL if blocks < 2 * SM_COUNT else ORDER_LARGE
+    order = names or (ORDER_SMALL if blocks < 2 * SM_COUNT else ORDER_LARGE)
     out, seen = [("default", d)], {d}
     for name in order:
         if len(out) >= n:
@@ -103,7 +117,7 @@ def candidates(spec, n: int):
 # ------------------------------------------------------------------------------------------------------------
 # build (here)
 # ------------------------------------------------------------------------------------------------------------
-def make_cases(batches, nvar):
+def make_cases(batches, nvar, names=None, only_r=None, bench8=True, only_c=None):
     from qcompile.schedules import DEFAULT_KNOBS, select_strategy
     from qcompile.schedules.layers import ALL_RESNET, RESNET50, distinct
 
@@ -113,6 +127,8 @@ def make_cases(batches, nvar):
         nv = nvar[min(bi, len(nvar) - 1)]
         layers = ALL_RESNET if bi == 0 else [l for l in ALL_RESNET if l[1:] in r50]  # first batch: R18 too
         for (name, C, H, K, R, st, pd) in layers:
+            if (only_r and R != only_r) or (only_c and C != only_c):
+                continue
             for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
                 spec = mk(N, C, H, K, R, st, pd)
                 layer = f"{name}_b{N}_{dt}"
@@ -120,11 +136,11 @@ def make_cases(batches, nvar):
                     cases.append(dict(kind="bench", layer=layer, spec=spec, strategy="fallback", knobs=None,
                                       variant="fallback", is_default=True))
                     continue
-                for vname, kn in candidates(spec, nv):
+                for vname, kn in candidates(spec, nv, names):
                     cases.append(dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=kn,
                                       variant=vname, is_default=vname == "default"))
     # bench-only batch 8 (ResNet-50): default knobs
-    for (name, C, H, K, R, st, pd) in distinct(RESNET50):
+    for (name, C, H, K, R, st, pd) in (distinct(RESNET50) if bench8 else []):
         for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
             spec = mk(8, C, H, K, R, st, pd)
             strat = select_strategy(spec, ARCH)
@@ -163,11 +179,23 @@ def build_group(args):
 
 def cmd_build(a):
     TUNE_DIR.mkdir(parents=True, exist_ok=True)
-    for f in list(TUNE_DIR.glob("*.so")) + list(TUNE_DIR.glob("manifest.json")):
-        f.unlink()
-    cases = make_cases(a.batches, a.variants)
+    old = []
+    if a.append:  # add variants to an existing build (same manifest; the device run re-checks everything)
+        old = json.loads((TUNE_DIR / "manifest.json").read_text())
+    else:
+        for f in list(TUNE_DIR.glob("*.so")) + list(TUNE_DIR.glob("manifest.json")):
+            f.unlink()
+    cases = make_cases(a.batches, a.variants, a.cands, a.only_r, bench8=not a.append, only_c=a.only_c)
+    if a.append:
+        have = {(r["layer"], json.dumps(r["knobs_dict"], sort_keys=True)) for r in old}
+        from qcompile.schedules.tuning import knobs_to_dict
+
+        cases = [c for c in cases if c["kind"] == "tune"
+                 and (c["layer"], json.dumps(knobs_to_dict(c["knobs"]), sort_keys=True)) not in have]
+    f0 = 1 + max((int(r["func"][1:]) for r in old), default=-1)
+    g0 = 1 + max((int(p.stem[1:]) for p in TUNE_DIR.glob("t*.so")), default=-1)
     for i, c in enumerate(cases):
-        c["func"] = f"t{i:04d}"
+        c["func"] = f"t{f0 + i:04d}"
     groups = [cases[i:i + a.group] for i in range(0, len(cases), a.group)]
     ntune = sum(c["kind"] == "tune" for c in cases)
     nspec = len({c["layer"] for c in cases if c["kind"] == "tune"})
@@ -175,9 +203,10 @@ def cmd_build(a):
     t0 = time.time()
     manifest = []
     with mp.get_context("spawn").Pool(a.jobs) as pool:
-        for gi, recs, dt in pool.imap_unordered(build_group, list(enumerate(groups))):
+        for gi, recs, dt in pool.imap_unordered(build_group, [(g0 + i, g) for i, g in enumerate(groups)]):
             manifest += recs
             print(f"  module {gi} ({len(recs)}) {dt:.1f}s  total {time.time() - t0:.0f}s", flush=True)
+    manifest = old + manifest
     manifest.sort(key=lambda r: r["func"])
     (TUNE_DIR / "manifest.json").write_text(json.dumps(manifest, indent=0))
     mb = sum(f.stat().st_size for f in TUNE_DIR.glob("*.so")) / 2**20
@@ -626,6 +655,10 @@ def main():
     b.add_argument("--variants", type=int, nargs="+", default=[6, 4], help="per batch (last one repeats)")
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--group", type=int, default=12)
+    b.add_argument("--append", action="store_true", help="add variants to the existing .device/tune build")
+    b.add_argument("--cands", nargs="+", default=None, help=f"candidate names (of {sorted(CAND)})")
+    b.add_argument("--only-r", type=int, default=None, help="only shapes with this filter size")
+    b.add_argument("--only-c", type=int, default=None, help="only shapes with this many input channels")
     d = sub.add_parser("device")
     d.add_argument("--dir", default=str(TUNE_DIR.relative_to(ROOT)))
     d.add_argument("--tune-budget", type=float, default=230, help="s after start: no new spec tuned after this")
