@@ -187,12 +187,12 @@ class _Dispatcher(PyExprMutator):
             K, R, S_ = (w.shape[0], w.shape[1], w.shape[2]) if layout == "NHWC" else (w.shape[2], w.shape[0], w.shape[1])
             stride, dil = tuple(int(s) for s in a.strides), tuple(int(d) for d in a.dilation)
         c_pad = 0
-        if not g.dense and x_dtype in ("int8", "uint8", "int4", "uint4") and C < 16:
+        if not g.dense and x_dtype in ("int8", "uint8", "int4", "uint4") and C % 4:
             # a few input channels (the RGB stem): pad C with zeros (zero weights too, so the sum is
-            # unchanged) to 16 channels, so the GEMM loads 16-byte vectors instead of single bytes
+            # unchanged) to a multiple of 4, so the GEMM loads 4-byte vectors instead of single bytes
             if x_dtype in ("int4", "uint4"):
                 x_dtype = "int8" if x_dtype == "int4" else "uint8"
-            c_pad = 16 - C
+            c_pad = -C % 4
         packable = lambda dt, n: dt in ("int4", "uint4") and n % 2 == 0
         if x_dtype in ("int4", "uint4") and not packable(x_dtype, C):
             x_dtype = "int8" if x_dtype == "int4" else "uint8"

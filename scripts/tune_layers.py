@@ -5,6 +5,8 @@
               -> .device/tune/*.so + manifest.json: for each distinct ResNet-18/50 conv shape at each tuned batch,
                  INT8 (uint8 x int8 -> uint8) and INT4 (uint4 x int4 -> uint4), NHWC implicit GEMM, a small candidate
                  set of GemmKnobs (the sm_90 default first); plus default-knob kernels for the untuned bench batch (8).
+            [python scripts/tune_layers.py build --append --cands NAME.. [--only-r 3] [--only-c 64]]   (more candidates;
+                 what produced tuning_logs/sm_90.json: see docs/schedules_notes.md, "Knob tuning")
             scripts/make_runtime_bundle.sh 3.12          (.bundle/, once)
   2. GPU:   run(command="python3 scripts/tune_layers.py device", carry=[".device/tune", ".bundle"])
               every variant is checked bit-exactly (fresh random inputs per variant, float64 GPU conv + int64
