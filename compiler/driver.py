@@ -215,6 +215,7 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     mod_int = lower_to_integer(mod_qdq, layout, pack_int4=False, dump_dir=opts.dump_ir)
     layers = _layers(mod_int, layout)
     mod_ref = mod_int  # the integer graph the NumPy reference runs
+    kernels = {}
     if opts.target == "cuda":
         mod_int, kernels = _dispatch_tensor_cores(mod_int, layout, opts.arch, log)
         for l in layers:
@@ -224,7 +225,8 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     if opts.pack_int4:
         from qcompile.relay_passes import PackInt4
 
-        mod_int = run_pass(PackInt4(), mod_int)
+        # with tensor-core kernels the dispatcher already packs what they read; glue reads bytes
+        mod_int = run_pass(PackInt4(activations=not kernels), mod_int)
     weights = []
     if opts.weights_beside:
         from qcompile.relay_passes.lift_weights import LiftWeights

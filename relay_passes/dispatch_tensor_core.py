@@ -143,6 +143,13 @@ def find_groups(func: relax.Function) -> dict:
             groups[b.var] = _Group(b.var, acc, x, w, w_bits, pad, pad_value, bias.astype(np.int32),
                                    chan(M).astype(np.int32), chan(S).astype(np.int32), zo, lo, hi,
                                    _range_dtype(lo, hi, str(b.var.ty.dtype)), dense)
+    # A 4-bit output stays packed only when every consumer is another kernel's data operand; for glue
+    # consumers (pools, residual adds) the kernel writes the same values one per byte (no pack/unpack).
+    kernel_inputs = {g.x for g in groups.values() if not g.dense}
+    for var, g in groups.items():
+        if g.out_dtype in ("int4", "uint4") and (var not in kernel_inputs or uses.get(var, 0) != sum(
+                1 for h in groups.values() if not h.dense and h.x.same_as(var))):
+            g.out_dtype = str(var.ty.dtype)
     return groups
 
 

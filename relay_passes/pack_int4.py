@@ -128,7 +128,7 @@ class _Packer(PyExprMutator):
         # 2. a 4-bit activation: astype(clip(acc, lo, hi), int8|uint8) of a requantize
         src = self.lookup_binding(value.args[0]) if isinstance(value, relax.Call) and value.op.name == "relax.astype" \
             and isinstance(value.args[0], relax.Var) else None
-        if isinstance(src, relax.Call) and src.op.name == "relax.clip" and len(_shape(var)) in (2, 4):
+        if self.activations and isinstance(src, relax.Call) and src.op.name == "relax.clip" and len(_shape(var)) in (2, 4):
             signed = _four_bit_range(int(src.args[1].value), int(src.args[2].value), str(var.ty.dtype))
             axis = self._channel_axis(var)
             if signed is not None and _shape(var)[axis] % 2 == 0:
@@ -142,7 +142,14 @@ class _Packer(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="PackInt4")
 class PackInt4:
-    """Pack 4-bit weights and activations of ``main`` two per byte (see module docstring)."""
+    """Pack 4-bit weights and activations of ``main`` two per byte (see module docstring).
+
+    ``activations=False`` packs weights only: for GPU builds whose convolutions run on the tensor-core
+    kernels, which get their packed operands from ``DispatchTensorCore``.
+    """
+
+    def __init__(self, activations: bool = True):
+        self.activations = activations
 
     @keeps_user_errors
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
@@ -158,7 +165,7 @@ class PackInt4:
                     if v.op.name == "relax.nn.conv2d":
                         layout_axis = str(v.attrs.data_layout).index("C")
         packer = _Packer(mod)
-        packer.weight_axes, packer.layout_axis = weight_axes, layout_axis
+        packer.weight_axes, packer.layout_axis, packer.activations = weight_axes, layout_axis, self.activations
         new_func = packer.visit_expr(func)
         out = packer.builder_.get()  # keeps the other functions (tensor-core kernels)
         out["main"] = new_func
