@@ -59,6 +59,29 @@ def build(mod_int: tvm.IRModule, target="llvm", cuda_graph: bool = True):
     (``relax.backend.use_cuda_graph``), so batch-1 latency is not dominated by kernel launches.
     """
     tgt = tvm.target.Target(target if not isinstance(target, str) else {"kind": target})
-    config = {"relax.backend.use_cuda_graph": cuda_graph} if tgt.kind.name == "cuda" else {}
-    with tvm.transform.PassContext(opt_level=3, config=config):
-        return tvm.compile(mod_int, target=tgt)
+    if tgt.kind.name != "cuda":
+        with tvm.transform.PassContext(opt_level=3):
+            return tvm.compile(mod_int, target=tgt)
+    with tvm.transform.PassContext(opt_level=3, config={"relax.backend.use_cuda_graph": cuda_graph}):
+        return tvm.compile(mod_int, target=tgt, relax_pipeline=cuda_pipeline(tgt))
+
+
+def cuda_pipeline(target) -> tvm.transform.Pass:
+    """TVM's CUDA Relax pipeline with qcompile's glue schedule tried before dlight's generic rules."""
+    from tvm.relax.backend.cuda import pipeline as cp
+    from tvm.s_tir import dlight as dl
+
+    from qcompile.schedules.glue import VectorizedElementwise
+
+    @tvm.transform.module_pass(opt_level=0, name="qcompile.cuda_pipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            legalize = cp.legalize_passes(target)
+            # the last legalize pass is dlight's ApplyDefaultSchedule: put our glue rule first
+            legalize[-1] = dl.ApplyDefaultSchedule(VectorizedElementwise(), dl.gpu.Matmul(), dl.gpu.GEMV(),
+                                                   dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
+            seq = tvm.transform.Sequential(cp.library_dispatch_passes(target) + legalize
+                                           + cp.dataflow_lower_passes(target) + cp.finalize_passes(target))
+            return seq(mod)
+
+    return _pipeline
