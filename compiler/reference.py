@@ -139,8 +139,9 @@ class Reference:
 
     def op_clip(self, args, attrs, ty):
         x = args[0]
-        return np.clip(x, np.asarray(args[1]).astype(x.dtype) if x.dtype.kind != "f" else args[1], args[2]).astype(ty) \
-            if x.dtype.kind == "f" else np.clip(x.astype(np.int64), int(args[1]), int(args[2])).astype(ty)
+        if x.dtype.kind == "f":
+            return np.clip(x, args[1], args[2]).astype(ty)
+        return np.clip(x.astype(np.int64), int(args[1]), int(args[2])).astype(ty)
 
     def op_astype(self, args, attrs, ty):
         x = args[0]

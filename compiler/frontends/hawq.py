@@ -28,14 +28,6 @@ HAWQ_KEYS = ("weight_integer", "bias_integer", "act_scaling_factor", "convbn_sca
 NETS = ("resnet18", "resnet50", "resnet_tiny")
 
 
-def unpack_top_nibble_first(p: np.ndarray, n: int, axis: int = 1) -> np.ndarray:
-    """HAWQ's packed int4 (``byte = q[2k] << 4 | q[2k+1] & 0xF``) -> ``n`` int8 values along ``axis``."""
-    p = np.moveaxis(np.asarray(p, np.uint8).astype(np.int16), axis, -1)
-    v = np.stack([p >> 4, p & 0xF], axis=-1).reshape(*p.shape[:-1], -1)[..., :n]
-    v = v - ((v & 8) << 1)
-    return np.moveaxis(v, -1, axis).astype(np.int8)
-
-
 def _load(path: str) -> dict:
     import torch
 
@@ -107,7 +99,9 @@ class _Hawq:
         wq = qtype(bits, True, f"HAWQ layer '{name}'")
         shape = self.weight_shape(name, self.meta.get("weight_shapes", {}))
         if q.dtype == np.uint8 and bits == 4:  # HAWQ packing: first element in the top nibble
-            q = unpack_top_nibble_first(q, shape[1], axis=1)
+            from qcompile.models.export_hawq import unpack_int4
+
+            q = unpack_int4(q, shape[1], axis=1)
         q = np.rint(q.astype(np.float64)).astype(np.int64)  # HAWQ stores integers as float tensors
         sd = "fc_scaling_factor" if conv is None else "convbn_scaling_factor"
         s_w = self._get(sd, f"{name}.{sd}").astype(np.float32).reshape(-1)
