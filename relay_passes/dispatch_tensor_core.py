@@ -7,9 +7,15 @@ Matches the chain :class:`LowerQDQToInteger` emits for a single-term requantize,
 
 and replaces it by one ``call_tir`` of ``qcompile.schedules.conv2d_int_kernel`` (implicit GEMM in
 NHWC, direct in HWNC, a generic kernel where neither applies), whose fused epilogue computes exactly
-that. The dense layer runs as a 1x1 convolution on the same GEMM path. 4-bit activations produced by
-a kernel stay packed (two per byte, low nibble first) for the next kernel; other consumers read them
-through an unpack. Requantizes with more than one term (a residual add) stay on the generic path.
+that. The dense layer runs as a 1x1 convolution on the same GEMM path.
+
+A quantized residual add whose one operand is such a conv output used nowhere else,
+
+    out = astype(clip((((int(y1) + c1) * M1 + (int(r) + c2) * M2 + 2^(S2-1)) >> S2) + zo2, lo2, hi2))
+
+is fused into that conv's kernel as a second epilogue stage (y1 never reaches memory; ``r`` is read
+in the epilogue). 4-bit activations produced by a kernel stay packed (two per byte, low nibble first)
+when every consumer is a kernel (data or residual operand); other consumers read bytes.
 """
 from __future__ import annotations
 
@@ -60,6 +66,56 @@ class _Group:
     hi: int
     out_dtype: str
     dense: bool
+    fused: bool = False     # consumed only by a residual add that is fused into this kernel
+
+
+@dataclass
+class _Residual:
+    out: relax.Var          # the add's requantized output
+    group: _Group           # the conv fused with it
+    res: relax.Var          # the other operand
+    rq2: np.ndarray         # int32 [5, K]: c1, M1, c2, M2, S2
+    zo2: int
+    lo2: int
+    hi2: int
+    out_dtype: str
+    i32: bool = False       # the graph computes this requantize in int32 (no intermediate overflows it)
+
+
+def _term(e, var2val):
+    """``(astype(t) [+ c]) * M`` -> (t, c, M), else None."""
+    mul = _call(e, var2val, "multiply")
+    if mul is None or _const(mul.args[1]) is None:
+        return None
+    M, e, c = _const(mul.args[1]), mul.args[0], 0
+    off = _call(e, var2val, "add")
+    if off is not None and _const(off.args[1]) is not None:
+        c, e = _const(off.args[1]), off.args[0]
+    cast = _call(e, var2val, "astype")
+    if cast is None or not isinstance(cast.args[0], relax.Var):
+        return None
+    return cast.args[0], c, M
+
+
+def _requant_tail(v, var2val):
+    """astype(clip([((x + 2^(S-1)) >> S) + zo], lo, hi)) -> (x, S, zo, lo, hi), else None."""
+    clip = _call(v.args[0], var2val, "clip")
+    if clip is None:
+        return None
+    lo, hi = int(clip.args[1].value), int(clip.args[2].value)
+    e, zo = clip.args[0], 0
+    a = _call(e, var2val, "add")
+    if a is not None and _const(a.args[1]) is not None and _const(a.args[1]).ndim == 0:
+        zo, e = int(_const(a.args[1])), a.args[0]
+    sh = _call(e, var2val, "right_shift")
+    rnd = _call(sh.args[0], var2val, "add") if sh is not None else None
+    if rnd is None or _const(sh.args[1]) is None or _const(rnd.args[1]) is None:
+        return None
+    S, R = _const(sh.args[1]).astype(np.int64), _const(rnd.args[1]).astype(np.int64)
+    S_, R_ = np.broadcast_arrays(S, R)
+    if np.any(S_ < 1) or not np.array_equal(R_, np.left_shift(np.int64(1), S_ - 1)):
+        return None
+    return rnd.args[0], S, zo, lo, hi
 
 
 def _x_dtype(x, var2val) -> str:
@@ -75,8 +131,10 @@ def _x_dtype(x, var2val) -> str:
     return storage
 
 
-def find_groups(func: relax.Function) -> dict:
+def find_groups(func: relax.Function, decide_packing: bool = True) -> dict:
     """Map each requantized conv/dense output var to its :class:`_Group`."""
+    if decide_packing:
+        return find_fusions(func)[0]
     var2val = relax.analysis.get_var2val(func)
     uses: dict = {}
     for block in func.body.blocks:
@@ -90,21 +148,14 @@ def find_groups(func: relax.Function) -> dict:
             v = b.value
             if not (isinstance(v, relax.Call) and v.op.name == "relax.astype"):
                 continue
-            clip = _call(v.args[0], var2val, "clip")
-            if clip is None:
+            tail = _requant_tail(v, var2val)
+            if tail is None:
                 continue
-            lo, hi = int(clip.args[1].value), int(clip.args[2].value)
-            e, zo = clip.args[0], 0
-            a = _call(e, var2val, "add")
-            if a is not None and _const(a.args[1]) is not None and _const(a.args[1]).ndim == 0:
-                zo, e = int(_const(a.args[1])), a.args[0]
-            sh = _call(e, var2val, "right_shift")
-            rnd = _call(sh.args[0], var2val, "add") if sh is not None else None
-            mul = _call(rnd.args[0], var2val, "multiply") if rnd is not None else None
-            if mul is None or _const(sh.args[1]) is None or _const(mul.args[1]) is None:
+            e, S, zo, lo, hi = tail
+            mul = _call(e, var2val, "multiply")
+            if mul is None or _const(mul.args[1]) is None:
                 continue
-            S, M = _const(sh.args[1]), _const(mul.args[1])
-            e = mul.args[0]
+            M, e = _const(mul.args[1]), mul.args[0]
             bias = None
             off = _call(e, var2val, "add")
             if off is not None and _const(off.args[1]) is not None:
@@ -143,24 +194,78 @@ def find_groups(func: relax.Function) -> dict:
             groups[b.var] = _Group(b.var, acc, x, w, w_bits, pad, pad_value, bias.astype(np.int32),
                                    chan(M).astype(np.int32), chan(S).astype(np.int32), zo, lo, hi,
                                    _range_dtype(lo, hi, str(b.var.ty.dtype)), dense)
-    # A 4-bit output stays packed only when every consumer is another kernel's data operand; for glue
-    # consumers (pools, residual adds) the kernel writes the same values one per byte (no pack/unpack).
-    kernel_inputs = {g.x for g in groups.values() if not g.dense}
-    for var, g in groups.items():
-        if g.out_dtype in ("int4", "uint4") and (var not in kernel_inputs or uses.get(var, 0) != sum(
-                1 for h in groups.values() if not h.dense and h.x.same_as(var))):
-            g.out_dtype = str(var.ty.dtype)
     return groups
+
+
+def find_fusions(func: relax.Function):
+    """(groups, residuals): :func:`find_groups` plus the residual adds fused into a conv kernel, with
+    each kernel's output type decided (4-bit outputs packed only when kernels consume all of them)."""
+    groups = find_groups(func, decide_packing=False)
+    var2val = relax.analysis.get_var2val(func)
+    uses: dict = {}
+    for block in func.body.blocks:
+        for b in block.bindings:
+            for a in getattr(b.value, "args", []):
+                if isinstance(a, relax.Var):
+                    uses[a] = uses.get(a, 0) + 1
+    residuals = {}
+    for block in func.body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if b.var in groups or not (isinstance(v, relax.Call) and v.op.name == "relax.astype"):
+                continue
+            tail = _requant_tail(v, var2val)
+            if tail is None:
+                continue
+            e, S2, zo2, lo2, hi2 = tail
+            plus = _call(e, var2val, "add")
+            if plus is None:
+                continue
+            terms = [_term(plus.args[0], var2val), _term(plus.args[1], var2val)]
+            if None in terms:
+                continue
+            for i in (0, 1):
+                g = groups.get(terms[i][0])
+                if g is None or g.dense or g.fused or uses.get(g.out, 0) != 1:
+                    continue
+                other = terms[1 - i]
+                if str(other[0].ty.dtype) not in ("int8", "uint8") or \
+                        [int(d) for d in other[0].ty.shape] != [int(d) for d in g.out.ty.shape]:
+                    continue
+                K = int(g.out.ty.shape[-1])
+                chan = lambda c: np.broadcast_to(np.asarray(c).reshape(-1) if np.size(c) > 1 else np.asarray(c).reshape(()), (K,)).astype(np.int64)
+                rows = [chan(terms[i][1]), chan(terms[i][2]), chan(other[1]), chan(other[2]), chan(S2)]
+                if any(np.abs(r).max(initial=0) >= 2**31 for r in rows):
+                    continue
+                g.fused = True
+                residuals[b.var] = _Residual(b.var, g, other[0], np.stack(rows).astype(np.int32), zo2, lo2, hi2,
+                                             _range_dtype(lo2, hi2, str(b.var.ty.dtype)),
+                                             str(v.args[0].ty.dtype) == "int32")
+                break
+    # A 4-bit output stays packed only when every consumer is a kernel's data or residual operand; for glue
+    # consumers (pools, un-fused adds) the kernel writes the same values one per byte (no pack/unpack).
+    kernel_uses: dict = {}
+    for g in groups.values():
+        if not g.dense:
+            kernel_uses[g.x] = kernel_uses.get(g.x, 0) + 1
+    for r in residuals.values():
+        kernel_uses[r.res] = kernel_uses.get(r.res, 0) + 1
+    for var, g in list(groups.items()) + list(residuals.items()):
+        if g.out_dtype in ("int4", "uint4") and uses.get(var, 0) != kernel_uses.get(var, -1):
+            g.out_dtype = str(var.ty.dtype)
+    return groups, residuals
 
 
 @mutator
 class _Dispatcher(PyExprMutator):
-    def __init__(self, mod, groups, arch, log, target_kind="cuda"):
+    def __init__(self, mod, groups, residuals, arch, log, target_kind="cuda"):
         super().__init__(mod)
         self.mod_, self.groups, self.arch, self.log, self.kind = mod, groups, arch, log, target_kind
+        self.residuals = residuals
         self.var2val = relax.analysis.get_var2val(mod["main"])
         self.packed: dict = {}   # original var -> new var holding its packed 4-bit form
-        self.chosen: list = []   # (layer, strategy)
+        self.chosen: list = []   # (conv output, strategy)
+        self.fused: list = []    # (conv output, residual add output) fused into one kernel
 
     def _data(self, x, dtype: str, layout_axis: int):
         """The kernel's data operand: packed for 4-bit types."""
@@ -171,13 +276,21 @@ class _Dispatcher(PyExprMutator):
             return self.packed[x]
         p = self.builder_.emit(pack_int4(new, layout_axis, storage="int8" if dtype == "int4" else "uint8"),
                                (x.name if isinstance(x, relax.Var) else "x") + "_packed")
+        if isinstance(x, relax.Var):
+            self.packed[x] = p
         return p
 
     def visit_var_binding_(self, binding):
-        g = self.groups.get(binding.var)
-        if g is None:
+        r = self.residuals.get(binding.var)
+        g = r.group if r is not None else self.groups.get(binding.var)
+        if g is None or (r is None and g.fused):
+            # not a kernel (a fused conv's own chain stays as it is here; nothing uses it once its
+            # residual add is replaced, and DeadCodeElimination drops it)
             return super().visit_var_binding_(binding)
-        from qcompile.schedules import ConvSpec, conv2d_int_kernel, select_strategy
+        self._emit_kernel(binding.var, g, r)
+
+    def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
+        from qcompile.schedules import ConvSpec, conv2d_int_plan, select_strategy
 
         x_dtype = _x_dtype(g.x, self.var2val)
         xs = [int(s) for s in g.x.ty.shape]
@@ -204,47 +317,68 @@ class _Dispatcher(PyExprMutator):
         if x_dtype in ("int4", "uint4") and not packable(x_dtype, C):
             x_dtype = "int8" if x_dtype == "int4" else "uint8"
         w_bits = g.w_bits if (g.w_bits == 8 or C % 2 == 0) else 8
-        out_dtype = g.out_dtype if (g.out_dtype not in ("int4", "uint4") or K % 2 == 0) else str(binding.var.ty.dtype)
+        out_dtype = (r or g).out_dtype
+        if out_dtype in ("int4", "uint4") and K % 2:
+            out_dtype = str(var.ty.dtype)
+        res = {}
+        if r is not None:
+            res_dtype = _x_dtype(r.res, self.var2val)
+            if res_dtype in ("int4", "uint4") and K % 2:
+                res_dtype = str(r.res.ty.dtype)
+            res = dict(has_residual=True, res_dtype=res_dtype, zo2=r.zo2, lo2=r.lo2, hi2=r.hi2, res_i32=r.i32)
         if c_pad:
             w = np.concatenate([w, np.zeros(w.shape[:-1] + (c_pad,), w.dtype)], axis=-1)
             C += c_pad
         spec = ConvSpec(N=N, H=H, W=W, C=C, K=K, R=R, S=S_, stride=stride, padding=g.pad, dilation=dil,
                         layout=layout, x_dtype=x_dtype, w_bits=w_bits, out_dtype=out_dtype, zo=g.zo, lo=g.lo,
-                        hi=g.hi, pad_value=g.pad_value)
+                        hi=g.hi, pad_value=g.pad_value, shift_ge33=bool(33 <= np.min(g.S) and np.max(g.S) <= 62), **res)
         if self.kind == "cuda":
             strategy = select_strategy(spec, self.arch)
-            func = conv2d_int_kernel(spec, self.arch, strategy)
+            funcs = conv2d_int_plan(spec, self.arch, strategy)
         else:  # the kernels' own TE compute (same epilogue and packing) for checking this pass on a CPU
             from qcompile.schedules.fallback import make_fallback
 
-            strategy, func = "te-compute", make_fallback(spec, self.kind)
-        func = func.with_attr("op_pattern", 8)  # opaque: nothing is fused into it
-        if self.kind == "cuda":
-            func = func.with_attr("tirx.is_scheduled", True)  # dlight leaves it alone
-        fname = f"qconv_{binding.var.name}"
-        gv = self.builder_.add_func(func.with_attr("global_symbol", fname), fname)
-        self.chosen.append((binding.var.name, strategy))
+            strategy, funcs = "te-compute", [make_fallback(spec, self.kind)]
+        gvs = []
+        for i, func in enumerate(funcs):
+            func = func.with_attr("op_pattern", 8)  # opaque: nothing is fused into it
+            if self.kind == "cuda":
+                func = func.with_attr("tirx.is_scheduled", True)  # dlight leaves it alone
+            fname = f"qconv_{g.out.name}" + ("_resadd" if r is not None else "") + ("_splitk_epilogue" if i else "")
+            gvs.append(self.builder_.add_func(func.with_attr("global_symbol", fname), fname))
+        self.chosen.append((g.out.name, strategy + (f"+splitk{int(funcs[0].attrs['qcompile.split_k'])}"
+                                                    if len(funcs) > 1 else "")))
+        if r is not None:
+            self.fused.append((g.out.name, var.name))
         x = self._data(g.x, x_dtype, 3)
         if c_pad:
             x = self.builder_.emit(relax.op.nn.pad(x, [0, 0, 0, 0, 0, 0, 0, c_pad], pad_value=0.0),
-                                   binding.var.name + "_cpad")
+                                   var.name + "_cpad")
         if g.dense:
-            x = self.builder_.emit(relax.op.reshape(x, (N, 1, 1, int(x.ty.shape[-1]))), binding.var.name + "_x4d")
+            x = self.builder_.emit(relax.op.reshape(x, (N, 1, 1, int(x.ty.shape[-1]))), var.name + "_x4d")
         wq = w.astype(np.int8)
         if w_bits == 4:
             wq = pack_int4_np(wq, 3).view(np.int8)
-        consts = [relax.const(wq, "int8"), relax.const(g.bias, "int32"), relax.const(g.M, "int32"),
-                  relax.const(g.S, "int32")]
+        epi = [relax.const(g.bias, "int32"), relax.const(g.M, "int32"), relax.const(g.S, "int32")]
+        if r is not None:
+            epi += [self._data(r.res, res["res_dtype"], 3), relax.const(r.rq2, "int32")]
         _, _, out_shape = spec.shapes()
-        out = self.builder_.emit(
-            relax.call_tir(gv, [x, *consts], relax.TensorType(list(out_shape), ConvSpec.storage(out_dtype))),
-            binding.var.name + "_tc")
+        out_ty = relax.TensorType(list(out_shape), ConvSpec.storage(out_dtype))
+        if len(gvs) == 1:
+            out = self.builder_.emit(relax.call_tir(gvs[0], [x, relax.const(wq, "int8"), *epi], out_ty), var.name + "_tc")
+        else:  # split-K: int32 partial sums, then the epilogue kernel
+            from qcompile.schedules.splitk import workspace_shape
+
+            wsh = workspace_shape(spec, int(funcs[0].attrs["qcompile.split_k"]))
+            part = self.builder_.emit(relax.call_tir(gvs[0], [x, relax.const(wq, "int8")],
+                                                     relax.TensorType(list(wsh), "int32")), var.name + "_partial")
+            out = self.builder_.emit(relax.call_tir(gvs[1], [part, *epi], out_ty), var.name + "_tc")
         if out_dtype in ("int4", "uint4"):
-            self.packed[binding.var] = out
-            out = self.builder_.emit(unpack_int4(out, 3, out_dtype == "int4"), binding.var.name + "_unpack")
+            self.packed[var] = out
+            out = self.builder_.emit(unpack_int4(out, 3, out_dtype == "int4"), var.name + "_unpack")
         if g.dense:
-            out = self.builder_.emit(relax.op.reshape(out, [int(s) for s in binding.var.ty.shape]), binding.var.name)
-        self.set_var_remap(binding.var, out)
+            out = self.builder_.emit(relax.op.reshape(out, [int(s) for s in var.ty.shape]), var.name)
+        self.set_var_remap(var, out)
 
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchTensorCore")
@@ -254,13 +388,14 @@ class DispatchTensorCore:
     def __init__(self, arch: str = "sm_90", log=None, target_kind: str = "cuda"):
         self.arch, self.log, self.kind = arch, log, target_kind
         self.chosen: list = []
+        self.fused: list = []
 
     @keeps_user_errors
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        groups = find_groups(mod["main"])
-        d = _Dispatcher(mod, groups, self.arch, self.log, self.kind)
+        groups, residuals = find_fusions(mod["main"])
+        d = _Dispatcher(mod, groups, residuals, self.arch, self.log, self.kind)
         func = d.visit_expr(mod["main"])
-        self.chosen = d.chosen
+        self.chosen, self.fused = d.chosen, d.fused
         out = d.builder_.get()
         out["main"] = func
         out = relax.transform.DeadCodeElimination(["main"])(out)

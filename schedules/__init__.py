@@ -2,6 +2,7 @@
 
 Public interface (see docs/SCHEDULES.md):
     conv2d_int_kernel(spec, arch="sm_90", strategy=None, knobs=None) -> tvm.tirx.PrimFunc
+    conv2d_int_plan(spec, arch="sm_90", strategy=None, knobs=None) -> [PrimFunc] (one kernel, or a split-K pair)
     select_strategy(spec, arch) -> "direct_hwnc" | "implicit_gemm" | "fallback"
     tuned_knobs(spec, arch) -> GemmKnobs | None   (measured best knobs from tuning_logs/<arch>.json)
     MMA_SHAPES, ConvSpec, GemmKnobs, DEFAULT_KNOBS
@@ -15,29 +16,29 @@ STRATEGIES = ("direct_hwnc", "implicit_gemm", "fallback")
 
 
 # ---- dlight-style rules: each returns a PrimFunc, or None when it does not apply ----------------
-def rule_direct_hwnc(spec: ConvSpec, arch: str, knobs=None):
+def rule_direct_hwnc(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
     from .igemm import NotApplicable, gemm_constraints, make_gemm_conv
 
     if spec.layout != "HWNC" or gemm_constraints(spec, arch, "HWNC"):
         return None
     try:
-        return make_gemm_conv(spec, arch, knobs, layout="HWNC")
+        return make_gemm_conv(spec, arch, knobs, layout="HWNC", allow_split=allow_split)
     except NotApplicable:
         return None
 
 
-def rule_implicit_gemm(spec: ConvSpec, arch: str, knobs=None):
+def rule_implicit_gemm(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
     from .igemm import NotApplicable, gemm_constraints, make_gemm_conv
 
     if spec.layout != "NHWC" or gemm_constraints(spec, arch, "NHWC"):
         return None
     try:
-        return make_gemm_conv(spec, arch, knobs, layout="NHWC")
+        return make_gemm_conv(spec, arch, knobs, layout="NHWC", allow_split=allow_split)
     except NotApplicable:
         return None
 
 
-def rule_fallback(spec: ConvSpec, arch: str, knobs=None):
+def rule_fallback(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
     from .fallback import make_fallback
 
     return make_fallback(spec, "cuda")
@@ -58,7 +59,8 @@ def select_strategy(spec: ConvSpec, arch: str = "sm_90") -> str:
     return "fallback"
 
 
-def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None):
+def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
+                      allow_split: bool = False):
     """PrimFunc for one quantized conv layer. Params: x, w, bias, M, S, [res], out.
     ``strategy`` forces a rule (ValueError when it cannot take the spec); ``knobs`` a GemmKnobs. With
     ``knobs=None`` the tensor-core rules use the measured best knobs from ``tuning_logs/<arch>.json`` when
@@ -73,10 +75,24 @@ def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None 
         knobs = tuned_knobs(spec, arch)
         if knobs is not None:
             source = "tuned"
-    f = RULES[strategy](spec, arch, knobs)
+    f = RULES[strategy](spec, arch, knobs, allow_split=allow_split)
     if f is None:
         raise ValueError(f"strategy {strategy} does not apply to {spec} on {arch}")
     return f.with_attr("qcompile.knobs_source", source)
+
+
+def conv2d_int_plan(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None) -> list:
+    """The kernels one conv layer runs, in order, as PrimFuncs: ``[conv]`` (params as conv2d_int_kernel), or
+    where the output tile grid is too small for the GPU a split-K pair (schedules/splitk.py)
+    ``[gemm (x, w, ws int32[split, M, K]), epilogue (ws, bias, M, S, [res, rq2], out)]`` with the same result
+    bit for bit. The split comes from the knobs (``split_k``; 0 = automatic)."""
+    from .splitk import make_splitk_epilogue
+
+    f = conv2d_int_kernel(spec, arch, strategy, knobs, allow_split=True)
+    split = int(f.attrs["qcompile.split_k"]) if f.attrs and "qcompile.split_k" in f.attrs else 1
+    if split == 1:
+        return [f]
+    return [f, make_splitk_epilogue(spec, split).with_attr("qcompile.split_k", split)]
 
 
 def dense_int_kernel(M: int, N: int, K: int, arch: str = "sm_90", strategy: str | None = None, knobs=None, **kw):
@@ -86,5 +102,5 @@ def dense_int_kernel(M: int, N: int, K: int, arch: str = "sm_90", strategy: str 
     return conv2d_int_kernel(spec, arch, strategy, knobs)
 
 
-__all__ = ["conv2d_int_kernel", "select_strategy", "dense_int_kernel", "MMA_SHAPES", "ConvSpec", "GemmKnobs",
+__all__ = ["conv2d_int_kernel", "conv2d_int_plan", "select_strategy", "dense_int_kernel", "MMA_SHAPES", "ConvSpec", "GemmKnobs",
            "MMAShape", "ArchMMA", "DEFAULT_KNOBS", "arch_info", "STRATEGIES", "RULES", "tuned_knobs", "tuning_key"]

@@ -14,6 +14,40 @@ def _nib(byte_i32, idx, signed):
     return tirx.if_then_else(v >= 8, v - 16, v) if signed else v
 
 
+def epilogue_value(spec: ConvSpec, acc, k, bias, Mq, Sq, rv=None, rq2=None):
+    """The output value (int32 PrimExpr) of int32 accumulator ``acc`` in channel ``k`` (ConvSpec's math):
+    requantize, clip and, with ``rv`` (the residual's value), the second residual-add stage."""
+    i64 = lambda v: tirx.const(v, "int64")
+    lo, hi = spec.lo, spec.hi
+    if spec.out_bits == 32 and not spec.has_residual:
+        lo, hi = max(lo, -(1 << 31)), min(hi, (1 << 31) - 1)
+    t = acc + bias[k]
+    if spec.shift_ge33:  # exact int32 form for S >= 33 (see ConvSpec)
+        hi32 = tirx.shift_right(t.astype("int64") * Mq[k].astype("int64"), i64(32)).astype("int32")
+        i32 = lambda x: tirx.const(x, "int32")
+        # shift amounts clamped to their valid range [1, 30] (a no-op for 33 <= S <= 62): with unbounded
+        # shifts TVM's integer-bound analysis narrows the result and drops the clip below
+        sh = tirx.max(tirx.min(Sq[k] - 32, i32(30)), i32(1))
+        v = tirx.shift_right(hi32 + tirx.shift_left(i32(1), sh - 1), sh) + i32(spec.zo)
+        v = tirx.max(tirx.min(v, i32(hi)), i32(lo))  # (tirx.min/max with a Python int drop the bound)
+        if rv is None:
+            return v
+        y1 = v.astype("int64")
+    else:
+        v = t.astype("int64") * Mq[k].astype("int64")
+        s64 = Sq[k].astype("int64")
+        v = tirx.shift_right(v + tirx.shift_left(i64(1), s64 - 1), s64) + i64(spec.zo)
+        if rv is None:
+            return tirx.max(tirx.min(v, i64(hi)), i64(lo)).astype("int32")
+        y1 = tirx.max(tirx.min(v, i64(hi)), i64(lo))
+    wd = "int32" if spec.res_i32 else "int64"  # int32: the graph's residual requantize cannot overflow it
+    c = lambda x: tirx.const(x, wd) if isinstance(x, int) else x.astype(wd)
+    p = [rq2[j, k].astype(wd) for j in range(5)]
+    v = (c(y1) + p[0]) * p[1] + (c(rv) + p[2]) * p[3]
+    v = tirx.shift_right(v + tirx.shift_left(c(1), p[4] - c(1)), p[4]) + c(spec.zo2)
+    return tirx.max(tirx.min(v, c(spec.hi2)), c(spec.lo2)).astype("int32")
+
+
 def conv_compute(spec: ConvSpec):
     """TE tensors (x, w, bias, M, S, [res], out) implementing the project math in spec's layout."""
     xs, ws, os_ = spec.shapes()
@@ -24,7 +58,8 @@ def conv_compute(spec: ConvSpec):
     bias = te.placeholder((K,), "int32", name="bias")
     Mq = te.placeholder((K,), "int32", name="M")
     Sq = te.placeholder((K,), "int32", name="S")
-    res = te.placeholder(os_, ConvSpec.storage(spec.res_dtype), name="res") if spec.has_residual else None
+    res = te.placeholder(spec.res_shape(), ConvSpec.storage(spec.res_dtype), name="res") if spec.has_residual else None
+    rq2 = te.placeholder((5, K), "int32", name="rq2") if spec.has_residual else None
     sh, sw = spec.strides
     dh, dw = spec.dilations
     pt, pl, _, _ = spec.pads
@@ -62,23 +97,14 @@ def conv_compute(spec: ConvSpec):
         acc = te.compute((P, Q, N, K), lambda p, q, n, k: acc_f(n, p, q, k), name="acc")
     else:
         acc = te.compute((N, P, Q, K), acc_f, name="acc")
-    lo, hi = spec.lo, spec.hi
-    if spec.out_bits == 32:
-        lo, hi = max(lo, -(1 << 31)), min(hi, (1 << 31) - 1)
-
     def rq(i0, i1, i2, k):
-        t = acc[i0, i1, i2, k] + bias[k]
-        v = t.astype("int64") * Mq[k].astype("int64")
+        rv = None
         if res is not None:
-            if spec.out_bits == 4:
-                rv = _nib(res[i0, i1, i2, k // 2].astype("int32"), k, spec.out_signed)
+            if spec.res_bits == 4:
+                rv = _nib(res[i0, i1, i2, k // 2].astype("int32"), k, spec.res_signed)
             else:
                 rv = res[i0, i1, i2, k].astype("int32")
-            v = v + (rv - spec.zr).astype("int64") * tirx.const(spec.Mr, "int64")
-        s64 = Sq[k].astype("int64")
-        v = tirx.shift_right(v + tirx.shift_left(tirx.const(1, "int64"), s64 - 1), s64)
-        v = v + tirx.const(spec.zo, "int64")
-        return tirx.max(tirx.min(v, tirx.const(hi, "int64")), tirx.const(lo, "int64")).astype("int32")
+        return epilogue_value(spec, acc[i0, i1, i2, k], k, bias, Mq, Sq, rv, rq2)
 
     oshape = acc.shape
     y = te.compute(oshape, rq, name="y")
@@ -88,7 +114,7 @@ def conv_compute(spec: ConvSpec):
             tirx.shift_left(tirx.bitwise_and(y[a, b, c, 2 * kk + 1], 15), 4)).astype(o_st), name="out")
     else:
         out = te.compute(os_, lambda a, b, c, kk: y[a, b, c, kk].astype(o_st), name="out")
-    args = [x, w, bias, Mq, Sq] + ([res] if res is not None else []) + [out]
+    args = [x, w, bias, Mq, Sq] + ([res, rq2] if res is not None else []) + [out]
     return args
 
 

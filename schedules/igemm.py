@@ -22,9 +22,9 @@ INT4: operands stay packed (4-bit) in global and shared memory and in the ldmatr
     epilogue shifts it back (arithmetic >> 8). Unsigned 4-bit activations use .u8.
 
 Epilogue (fused, per warp): accumulators -> padded shared tile (16 x warp-N int32 at a time) ->
-each lane takes ``ev`` consecutive channels of a row: + bias, int64 fixed-point requant with
-optional residual, zero point, clip, cast/pack -> one vector store per lane, rows written
-contiguously (coalesced), every output element written exactly once.
+each lane takes ``ev`` consecutive channels of a row: + bias, int64 fixed-point requant, zero point,
+clip, optionally the second (residual-add) requantize stage of ConvSpec, cast/pack -> one vector
+store per lane, rows written contiguously (coalesced), every output element written exactly once.
 """
 from __future__ import annotations
 
@@ -107,9 +107,24 @@ def _adapt_knobs(spec: ConvSpec, kn: GemmKnobs, layout: str) -> GemmKnobs:
     return kn.replace(BK=BK)
 
 
+def split_factor(spec: ConvSpec, arch: str, kn: GemmKnobs) -> int:
+    """K-split of a conv with (adapted) knobs ``kn``: the knob, or schedules/splitk.py's rule when it is 0."""
+    from .splitk import auto_split
+
+    if kn.split_k:
+        return kn.split_k
+    Mtot = spec.N * spec.P * spec.Q
+    blocks = -(-Mtot // kn.BM) * -(-spec.K // kn.BN)
+    nk = -(-(spec.R * spec.S * spec.C * spec.x_bits // 8) // kn.BK)
+    return auto_split(spec, arch, blocks, nk)
+
+
 def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None = None,
-                   layout: str | None = None, adapt: bool = True):
-    """Build the tensor-core PrimFunc. ``layout`` "NHWC" = implicit GEMM, "HWNC" = direct."""
+                   layout: str | None = None, adapt: bool = True, allow_split: bool = False):
+    """Build the tensor-core PrimFunc. ``layout`` "NHWC" = implicit GEMM, "HWNC" = direct.
+
+    With ``allow_split`` and a split factor > 1 (``split_factor``) it is the first kernel of a split-K pair
+    (params x, w, ws int32[split, M, K]; attribute ``qcompile.split_k``), see schedules/splitk.py."""
     from .spec import DEFAULT_KNOBS
 
     layout = layout or spec.layout
@@ -124,6 +139,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         kn = _adapt_knobs(spec, kn, layout)
     if not kn.valid():
         raise NotApplicable(f"invalid knobs {kn}")
+    SPLIT = split_factor(spec, arch, kn) if allow_split else 1
 
     # ---------------- constants ----------------
     N, H, W, C, K, R, S = spec.N, spec.H, spec.W, spec.C, spec.K, spec.R, spec.S
@@ -147,6 +163,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     A_IT = BM * BK // VEC // NTH
     B_IT = BN * BK // VEC // NTH
     NK = (GKB + BK - 1) // BK
+    CPS = -(-NK // SPLIT)  # K-chunks per split
     PAD = spec.pad_value
     use_async = VEC >= 4 and PAD == 0 and ai.has_cp_async
     if not use_async:
@@ -176,9 +193,10 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     OSIGNED = spec.out_signed
     HAS_RES = spec.has_residual
     r_st = ConvSpec.storage(spec.res_dtype)
-    RB = OB
-    zr, zo, lo, hi, Mr = spec.zr, spec.zo, spec.lo, spec.hi, spec.Mr
-    if OB == 32:
+    RB = spec.res_bits
+    RSIGNED = spec.res_signed
+    zo, lo, hi = spec.zo, spec.lo, spec.hi
+    if OB == 32 and not HAS_RES:
         lo, hi = max(lo, -(1 << 31)), min(hi, (1 << 31) - 1)
     X_SIZE = math.prod(xs)
     W_SIZE = math.prod(ws)
@@ -188,11 +206,21 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     SMEM_C = NWARP * 16 * CSP
     CS_IT = 16 * WTN // (32 * EV)
     LPR = WTN // EV  # lanes per staged row
+    HOIST = 32 % LPR == 0  # then a lane's output channels do not change between the rows it writes
+    PV = min(4, EV)  # vector width (int32 elements) of the per-channel parameter loads
+    RBV = max(1, EV * spec.res_bits // 8)  # residual bytes per lane and row
+    RW = RBV // 4 if RBV % 4 == 0 else 0  # ... as 32-bit words (vector-loadable)
     assert CS_IT * 32 * EV == 16 * WTN, (WTN, EV)
     OUT_VEC = EV * OB // 8 if OB < 32 else EV  # storage elements per lane store
     MASK = T.uint32(_MASK_HI)
+    # one K-chunk: nothing to pipeline, and without the loop TVM's shared-memory planner may overlap As and Bs
+    # (measured: wrong results with pipe=1 and NK == 1); the first loop keeps them in one loop
+    PIPE = kn.pipe if (NK > 1 or SPLIT > 1) else 0
+    FDB = kn.fdb and KS > 1
+    NFB = 2 if FDB else 1
 
-    res_shape = os_
+    res_shape = spec.res_shape()
+    R_SIZE = math.prod(res_shape)
 
     # ---------------- index helpers (build PrimExprs; called from the script) ----------------
     def row_decode(m):
@@ -210,24 +238,58 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             return ((kb // CB) * K + k) * CB + kb % CB
         return k * GKB + kb
 
-    def requant(a, bias_v, m_v, s_v, res_v):
-        t = (T.shift_right(a, acc_shift) if acc_shift else a) + bias_v
-        v = T.Cast("int64", t) * T.Cast("int64", m_v)
-        if HAS_RES:
-            v = v + T.Cast("int64", res_v - zr) * T.int64(Mr)
-        v = T.shift_right(v + T.shift_left(T.int64(1), T.Cast("int64", s_v - 1)), T.Cast("int64", s_v))
-        v = v + T.int64(zo)
-        return T.Cast("int32", T.max(T.min(v, T.int64(hi)), T.int64(lo)))
+    def requant(a, bias_v, m_v, s_v, q2, e, res_v):
+        """Stage 1 (int64 fixed point) and, with a residual, stage 2 (int32 when the graph's own residual
+        requantize is int32: no intermediate can overflow then, so int32 gives the same bits)."""
+        t = unshift(a) + bias_v
+        if spec.shift_ge33:
+            # every S >= 33: (t*M + 2^(S-1)) >> S == (hi32(t*M) + 2^(S-33)) >> (S-32), all int32 (mul.hi)
+            hi32 = T.Cast("int32", T.shift_right(T.Cast("int64", t) * T.Cast("int64", m_v), T.int64(32)))
+            # shift amount clamped to [1, 30] (a no-op for 33 <= S <= 62): with an unbounded shift TVM's
+            # integer-bound analysis narrows the result and drops the clip below
+            sh = T.max(T.min(s_v - 32, T.int32(30)), T.int32(1))
+            v = T.shift_right(hi32 + T.shift_left(T.int32(1), sh - 1), sh)
+            v = T.max(T.min(v + T.int32(zo), T.int32(hi)), T.int32(lo))
+        else:
+            v = T.Cast("int64", t) * T.Cast("int64", m_v)
+            v = T.shift_right(v + T.shift_left(T.int64(1), T.Cast("int64", s_v - 1)), T.Cast("int64", s_v))
+            v = T.max(T.min(v + T.int64(zo), T.int64(hi)), T.int64(lo))
+        if HAS_RES:  # second stage: the quantized residual add (see ConvSpec)
+            wd = "int32" if spec.res_i32 else "int64"
+            c = lambda x: T.Cast(wd, x)
+            p = [c(q2[j * EV + e]) for j in range(5)]
+            v = (c(v) + p[0]) * p[1] + (c(res_v) + p[2]) * p[3]
+            v = T.shift_right(v + T.shift_left(c(1), p[4] - c(1)), p[4]) + c(spec.zo2)
+            v = T.max(T.min(v, c(spec.hi2)), c(spec.lo2))
+        return T.Cast("int32", v)
 
-    def res_value(rf, flat):
+    def unshift(a):  # Hopper INT4 accumulators hold 256 x the sum
+        return T.shift_right(a, acc_shift) if acc_shift else a
+
+    def k_span(bz):
+        if SPLIT == 1:
+            return (0, NK)
+        return (bz * CPS, T.max(T.min(CPS, NK - bz * CPS), 0))
+
+    def res_base(m, k):  # first residual byte of output element (m, k)
+        return (m * K + k) // 2 if RB == 4 else m * K + k
+
+    def res_value(rb, rbw, e):
+        """Residual value of this lane's element e from its loaded bytes ``rb`` (or words ``rbw``)."""
         if not HAS_RES:
             return T.int32(0)
+        if RW:
+            per = 32 // RB  # elements per word
+            v = T.bitwise_and(T.shift_right(rbw[e // per], (e % per) * RB), (1 << RB) - 1)
+            if RSIGNED:
+                return T.if_then_else(v >= (1 << (RB - 1)), v - (1 << RB), v)
+            return v
         if RB == 4:
-            nib = T.bitwise_and(T.shift_right(T.Cast("int32", rf[flat // 2]), (flat % 2) * 4), 15)
-            if OSIGNED:
+            nib = T.bitwise_and(T.shift_right(T.Cast("int32", rb[e // 2]), (e % 2) * 4), 15)
+            if RSIGNED:
                 return T.if_then_else(nib >= 8, nib - 16, nib)
             return nib
-        return T.Cast("int32", rf[flat])
+        return T.Cast("int32", rb[e])
 
     def a_cp(As, xf, soff, gidx, ok):
         if VEC == 16:
@@ -239,21 +301,137 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             T.if_then_else(ok, T.uint32(VEC), T.uint32(0)))
 
     @T.macro
-    def body(x, w, bias, Mq, Sq, rf, of):
+    def load_chunk(xf, wf, As, Bs, tid, m0, n0, kc):
+        """Issue the loads of K-chunk ``kc`` into ring stage ``kc % STG`` (cp.async or plain loads)."""
+        for it in T.unroll(A_IT):
+            L = it * NTH + tid
+            row = L // VPR
+            kb = kc * BK + (L % VPR) * VEC
+            m = m0 + row
+            rs = kb // CB
+            cb = kb % CB
+            dec = T.meta_var(row_decode(m))
+            ih = dec[1] * sh - pt + (rs // S) * dh
+            iw = dec[2] * sw - pl + (rs % S) * dw
+            inb = m < Mtot and kb < GKB
+            ok = inb and ih >= 0 and ih < H and iw >= 0 and iw < W
+            soff = (kc % STG) * (BM * BKP) + row * BKP + (L % VPR) * VEC
+            gidx = T.meta_var(x_index(dec[0], ih, iw, cb))
+            if use_async:
+                T.evaluate(a_cp(As, xf, soff, gidx, ok))
+            else:
+                if ok:
+                    for v in T.unroll(VEC):
+                        As[soff + v] = xf[gidx + v]
+                else:
+                    for v in T.unroll(VEC):
+                        As[soff + v] = T.if_then_else(inb, T.Cast(x_st, PAD), T.Cast(x_st, 0))
+        for it in T.unroll(B_IT):
+            L = it * NTH + tid
+            row = L // VPR
+            kb = kc * BK + (L % VPR) * VEC
+            k = n0 + row
+            ok = k < K and kb < GKB
+            soff = (kc % STG) * (BN * BKP) + row * BKP + (L % VPR) * VEC
+            gidx = T.meta_var(w_index(k, kb))
+            if use_async:
+                T.evaluate(a_cp(Bs, wf, soff, gidx, ok))
+            else:
+                if ok:
+                    for v in T.unroll(VEC):
+                        Bs[soff + v] = wf[gidx + v]
+                else:
+                    for v in T.unroll(VEC):
+                        Bs[soff + v] = T.int8(0)
+
+    @T.macro
+    def load_frags(As, Bs, af, bf, lane, wm, wn, stage, ks, buf):
+        """ldmatrix.x4 the warp's A and B fragments of k-step ``ks`` into fragment buffer ``buf``."""
+        for i in T.unroll(MT):
+            T.ptx_legacy.ldmatrix(
+                False, 4, ".b16", af.data, buf * (MT * 4) + i * 4, As.access_ptr("r"),
+                stage * (BM * BKP) + (wm * WTM + i * 16 + lane % 16) * BKP + ks * 32
+                + (lane // 16) * 16, dtype="int8")
+        for j in T.unroll(NT // 2):
+            T.ptx_legacy.ldmatrix(
+                False, 4, ".b16", bf.data, buf * (NT * 2) + j * 4, Bs.access_ptr("r"),
+                stage * (BN * BKP) + (wn * WTN + j * 16 + (lane // 16) * 8 + lane % 8) * BKP
+                + ks * 32 + ((lane // 8) % 2) * 16, dtype="int8")
+
+    @T.macro
+    def mma_step(af, bf, al, bl, acc, buf):
+        """The warp tile's MMAs on fragment buffer ``buf`` (INT4 on Hopper: unpacked to s8 first)."""
+        if unpack:
+            for e in T.unroll(MT * 4):
+                al[e] = T.bitwise_and(T.shift_left(af[buf * (MT * 4) + e], T.uint32(4)), MASK)
+                al[MT * 4 + e] = T.bitwise_and(af[buf * (MT * 4) + e], MASK)
+            for e in T.unroll(NT * 2):
+                bl[e] = T.bitwise_and(T.shift_left(bf[buf * (NT * 2) + e], T.uint32(4)), MASK)
+                bl[NT * 2 + e] = T.bitwise_and(bf[buf * (NT * 2) + e], MASK)
+            for h in T.unroll(2):
+                for i in T.unroll(MT):
+                    for j in T.unroll(NT):
+                        T.ptx_legacy.mma(MMA, "row", "col", a_ty, b_ty, "int32",
+                                         al.data, h * (MT * 4) + i * 4, bl.data,
+                                         h * (NT * 2) + j * 2, acc.data, (i * NT + j) * 4,
+                                         False, dtype="int32")
+        else:
+            for i in T.unroll(MT):
+                for j in T.unroll(NT):
+                    for sm in T.unroll(SUB_M):
+                        for sk in T.unroll(SUB_K):
+                            T.ptx_legacy.mma(MMA, "row", "col", a_ty, b_ty, "int32",
+                                             af.data, buf * (MT * 4) + i * 4 + sm + 2 * sk, bf.data,
+                                             buf * (NT * 2) + j * 2 + sk,
+                                             acc.data, (i * NT + j) * 4 + 2 * sm, False,
+                                             dtype="int32")
+
+    @T.macro
+    def compute_chunk(As, Bs, af, bf, al, bl, acc, lane, wm, wn, stage):
+        if FDB:  # fragments of k-step ks+1 are loaded while the MMAs of ks run
+            load_frags(As, Bs, af, bf, lane, wm, wn, stage, 0, 0)
+            for ks in T.unroll(KS):
+                if ks + 1 < KS:
+                    load_frags(As, Bs, af, bf, lane, wm, wn, stage, ks + 1, (ks + 1) % 2)
+                mma_step(af, bf, al, bl, acc, ks % 2)
+        else:
+            for ks in T.unroll(KS):
+                load_frags(As, Bs, af, bf, lane, wm, wn, stage, ks, 0)
+                mma_step(af, bf, al, bl, acc, 0)
+
+    @T.macro
+    def load_params(bias, Mq, Sq, pb, pm, ps, k):
+        for h in T.unroll(EV // PV):
+            for e in T.vectorized(PV):
+                pb[h * PV + e] = bias[k + h * PV + e]
+            for e in T.vectorized(PV):
+                pm[h * PV + e] = Mq[k + h * PV + e]
+            for e in T.vectorized(PV):
+                ps[h * PV + e] = Sq[k + h * PV + e]
+
+    @T.macro
+    def body(x, w, bias, Mq, Sq, rf, rfw, rq2, of):
         bxn = T.launch_thread("blockIdx.x", GRID_N)
         bxm = T.launch_thread("blockIdx.y", GRID_M)
+        bz = T.launch_thread("blockIdx.z", SPLIT)  # K-split index (extent 1 without split-K)
         tid = T.launch_thread("threadIdx.x", NTH)
         xf = T.decl_buffer((X_SIZE,), x_st, data=x.data)
         wf = T.decl_buffer((W_SIZE,), w_st, data=w.data)
         As = T.alloc_buffer((SMEM_A,), x_st, scope="shared.dyn")
         Bs = T.alloc_buffer((SMEM_B,), w_st, scope="shared.dyn")
         Cs = T.alloc_buffer((SMEM_C,), "int32", scope="shared.dyn")
-        af = T.alloc_buffer((MT * 4,), "uint32", scope="local")
-        bf = T.alloc_buffer((NT * 2,), "uint32", scope="local")
+        af = T.alloc_buffer((NFB * MT * 4,), "uint32", scope="local")
+        bf = T.alloc_buffer((NFB * NT * 2,), "uint32", scope="local")
         al = T.alloc_buffer((MT * 8,), "uint32", scope="local")
         bl = T.alloc_buffer((NT * 4,), "uint32", scope="local")
         acc = T.alloc_buffer((MT * NT * 4,), "int32", scope="local")
         yb = T.alloc_buffer((EV,), "int32", scope="local")
+        pb = T.alloc_buffer((EV,), "int32", scope="local")  # this lane's channels: bias, M, S
+        pm = T.alloc_buffer((EV,), "int32", scope="local")
+        ps = T.alloc_buffer((EV,), "int32", scope="local")
+        q2 = T.alloc_buffer((5 * EV,), "int32", scope="local")  # and rq2 (residual stage)
+        rb = T.alloc_buffer((RBV,), r_st, scope="local")  # residual bytes
+        rbw = T.alloc_buffer((max(RW, 1),), "int32", scope="local")  # or words
         ob = T.alloc_buffer((OUT_VEC,), o_st, scope="local")
         warp = tid // 32
         lane = tid % 32
@@ -263,94 +441,45 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         n0 = bxn * BN
         for e in T.unroll(MT * NT * 4):
             acc[e] = 0
-        # ---------------- main loop: STG-deep ring ----------------
-        for kc in T.serial(NK + STG - 1):
-            # issue the load of chunk kc into stage kc % STG
-            if kc < NK:
-                for it in T.unroll(A_IT):
-                    L = it * NTH + tid
-                    row = L // VPR
-                    kb = kc * BK + (L % VPR) * VEC
-                    m = m0 + row
-                    rs = kb // CB
-                    cb = kb % CB
-                    dec = T.meta_var(row_decode(m))
-                    ih = dec[1] * sh - pt + (rs // S) * dh
-                    iw = dec[2] * sw - pl + (rs % S) * dw
-                    inb = m < Mtot and kb < GKB
-                    ok = inb and ih >= 0 and ih < H and iw >= 0 and iw < W
-                    soff = (kc % STG) * (BM * BKP) + row * BKP + (L % VPR) * VEC
-                    gidx = T.meta_var(x_index(dec[0], ih, iw, cb))
-                    if use_async:
-                        T.evaluate(a_cp(As, xf, soff, gidx, ok))
-                    else:
-                        if ok:
-                            for v in T.unroll(VEC):
-                                As[soff + v] = xf[gidx + v]
-                        else:
-                            for v in T.unroll(VEC):
-                                As[soff + v] = T.if_then_else(inb, T.Cast(x_st, PAD), T.Cast(x_st, 0))
-                for it in T.unroll(B_IT):
-                    L = it * NTH + tid
-                    row = L // VPR
-                    kb = kc * BK + (L % VPR) * VEC
-                    k = n0 + row
-                    ok = k < K and kb < GKB
-                    soff = (kc % STG) * (BN * BKP) + row * BKP + (L % VPR) * VEC
-                    gidx = T.meta_var(w_index(k, kb))
-                    if use_async:
-                        T.evaluate(a_cp(Bs, wf, soff, gidx, ok))
-                    else:
-                        if ok:
-                            for v in T.unroll(VEC):
-                                Bs[soff + v] = wf[gidx + v]
-                        else:
-                            for v in T.unroll(VEC):
-                                Bs[soff + v] = T.int8(0)
-            if use_async:
-                T.ptx.cp.async_.commit_group()
-                T.ptx.cp.async_.wait_group(STG - 1)
-            T.tvm_storage_sync("shared")
-            # compute chunk kc - (STG - 1)
-            if kc >= STG - 1:
-                stage = (kc - (STG - 1)) % STG
-                for ks in T.unroll(KS):
-                    for i in T.unroll(MT):
-                        T.ptx_legacy.ldmatrix(
-                            False, 4, ".b16", af.data, i * 4, As.access_ptr("r"),
-                            stage * (BM * BKP) + (wm * WTM + i * 16 + lane % 16) * BKP + ks * 32
-                            + (lane // 16) * 16, dtype="int8")
-                    for j in T.unroll(NT // 2):
-                        T.ptx_legacy.ldmatrix(
-                            False, 4, ".b16", bf.data, j * 4, Bs.access_ptr("r"),
-                            stage * (BN * BKP) + (wn * WTN + j * 16 + (lane // 16) * 8 + lane % 8) * BKP
-                            + ks * 32 + ((lane // 8) % 2) * 16, dtype="int8")
-                    if unpack:
-                        for e in T.unroll(MT * 4):
-                            al[e] = T.bitwise_and(T.shift_left(af[e], T.uint32(4)), MASK)
-                            al[MT * 4 + e] = T.bitwise_and(af[e], MASK)
-                        for e in T.unroll(NT * 2):
-                            bl[e] = T.bitwise_and(T.shift_left(bf[e], T.uint32(4)), MASK)
-                            bl[NT * 2 + e] = T.bitwise_and(bf[e], MASK)
-                        for h in T.unroll(2):
-                            for i in T.unroll(MT):
-                                for j in T.unroll(NT):
-                                    T.ptx_legacy.mma(MMA, "row", "col", a_ty, b_ty, "int32",
-                                                     al.data, h * (MT * 4) + i * 4, bl.data,
-                                                     h * (NT * 2) + j * 2, acc.data, (i * NT + j) * 4,
-                                                     False, dtype="int32")
-                    else:
-                        for i in T.unroll(MT):
-                            for j in T.unroll(NT):
-                                for sm in T.unroll(SUB_M):
-                                    for sk in T.unroll(SUB_K):
-                                        T.ptx_legacy.mma(MMA, "row", "col", a_ty, b_ty, "int32",
-                                                         af.data, i * 4 + sm + 2 * sk, bf.data, j * 2 + sk,
-                                                         acc.data, (i * NT + j) * 4 + 2 * sm, False,
-                                                         dtype="int32")
-            T.tvm_storage_sync("shared")
+        ksp = T.meta_var(k_span(bz))  # (first K-chunk, number of K-chunks) of this block
+        if PIPE == 1:
+            # ---------------- main loop: STG-deep ring, one barrier per K-chunk ----------------
+            # prologue: chunks 0 .. STG-2 in flight
+            for s0 in T.unroll(STG - 1):
+                if s0 < ksp[1]:
+                    load_chunk(xf, wf, As, Bs, tid, m0, n0, ksp[0] + s0)
+                if use_async:
+                    T.ptx.cp.async_.commit_group()
+            for kc in T.serial(ksp[1]):
+                # chunk kc has landed (at most STG-2 newer groups pending) and, after the barrier, every warp
+                # is done with chunk kc-1, whose stage the load below refills
+                if use_async:
+                    T.ptx.cp.async_.wait_group(STG - 2)
+                T.tvm_storage_sync("shared")
+                if kc + STG - 1 < ksp[1]:
+                    load_chunk(xf, wf, As, Bs, tid, m0, n0, ksp[0] + kc + STG - 1)
+                if use_async:
+                    T.ptx.cp.async_.commit_group()
+                compute_chunk(As, Bs, af, bf, al, bl, acc, lane, wm, wn, (ksp[0] + kc) % STG)
+            T.tvm_storage_sync("shared")  # the epilogue's staging buffer may share memory with the ring
+        else:
+            # ---------------- main loop (first version): loads issued before the wait, two barriers ----------
+            for kc in T.serial(ksp[1] + STG - 1):
+                if kc < ksp[1]:
+                    load_chunk(xf, wf, As, Bs, tid, m0, n0, ksp[0] + kc)
+                if use_async:
+                    T.ptx.cp.async_.commit_group()
+                    T.ptx.cp.async_.wait_group(STG - 1)
+                T.tvm_storage_sync("shared")
+                if kc >= STG - 1:
+                    compute_chunk(As, Bs, af, bf, al, bl, acc, lane, wm, wn, (ksp[0] + kc - (STG - 1)) % STG)
+                T.tvm_storage_sync("shared")
         # ---------------- fused epilogue, staged through shared memory ----------------
         cbase = warp * (16 * CSP)
+        if HOIST and SPLIT == 1:  # a lane's channels are the same for every row it writes: load them once
+            k0 = n0 + wn * WTN + (lane % LPR) * EV
+            if k0 < K:
+                load_params(bias, Mq, Sq, pb, pm, ps, k0)
         for i in T.serial(MT):
             for j in T.unroll(NT):
                 for e in T.unroll(4):
@@ -363,38 +492,67 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 cc = (L % LPR) * EV
                 m = m0 + wm * WTM + i * 16 + row
                 k = n0 + wn * WTN + cc
-                if m < Mtot and k < K:
-                    for e in T.unroll(EV):
-                        yb[e] = requant(Cs[cbase + row * CSP + cc + e], bias[k + e], Mq[k + e], Sq[k + e],
-                                        res_value(rf, m * K + k + e))
-                    if OB == 4:
-                        for e in T.unroll(OUT_VEC):
-                            ob[e] = T.Cast(o_st, T.bitwise_or(T.bitwise_and(yb[2 * e], 15),
-                                                              T.shift_left(T.bitwise_and(yb[2 * e + 1], 15), 4)))
-                        for e in T.vectorized(OUT_VEC):
-                            of[(m * K + k) // 2 + e] = ob[e]
-                    else:
+                if SPLIT > 1:  # split-K partial sums: int32, no epilogue (schedules/splitk.py)
+                    if m < Mtot and k < K:
                         for e in T.unroll(EV):
-                            ob[e] = T.Cast(o_st, yb[e])
-                        for e in T.vectorized(OUT_VEC):
-                            of[m * K + k + e] = ob[e]
+                            yb[e] = unshift(Cs[cbase + row * CSP + cc + e])
+                        for e in T.vectorized(EV):
+                            of[(bz * Mtot + m) * K + k + e] = yb[e]
+                else:
+                    if m < Mtot and k < K:
+                        if not HOIST:
+                            load_params(bias, Mq, Sq, pb, pm, ps, k)
+                        if HAS_RES:
+                            for j in T.unroll(5):
+                                for h in T.unroll(EV // PV):
+                                    for e in T.vectorized(PV):
+                                        q2[j * EV + h * PV + e] = rq2[j * K + k + h * PV + e]
+                            if RW > 0:  # whole 32-bit words: one vector load
+                                for e in T.vectorized(RW):
+                                    rbw[e] = rfw[res_base(m, k) // 4 + e]
+                            else:
+                                for e in T.unroll(RBV):
+                                    rb[e] = rf[res_base(m, k) + e]
+                        for e in T.unroll(EV):
+                            yb[e] = requant(Cs[cbase + row * CSP + cc + e], pb[e], pm[e], ps[e], q2, e,
+                                            res_value(rb, rbw, e))
+                        if OB == 4:
+                            for e in T.unroll(OUT_VEC):
+                                ob[e] = T.Cast(o_st, T.bitwise_or(T.bitwise_and(yb[2 * e], 15),
+                                                                  T.shift_left(T.bitwise_and(yb[2 * e + 1], 15), 4)))
+                            for e in T.vectorized(OUT_VEC):
+                                of[(m * K + k) // 2 + e] = ob[e]
+                        else:
+                            for e in T.unroll(EV):
+                                ob[e] = T.Cast(o_st, yb[e])
+                            for e in T.vectorized(OUT_VEC):
+                                of[m * K + k + e] = ob[e]
             T.tvm_storage_sync("warp")
 
-    if HAS_RES:
+    if SPLIT > 1:
+        @T.prim_func
+        def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), wsp: T.Buffer((SPLIT, Mtot, K), "int32")):
+            T.func_attr({"tir.noalias": True})
+            of = T.decl_buffer((SPLIT * Mtot * K,), "int32", data=wsp.data)
+            body(x, w, None, None, None, None, None, None, of)
+    elif HAS_RES:
         @T.prim_func
         def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
                  Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), res: T.Buffer(res_shape, r_st),
-                 out: T.Buffer(os_, o_st)):
+                 rq2_: T.Buffer((5, K), "int32"), out: T.Buffer(os_, o_st)):
             T.func_attr({"tir.noalias": True})
-            rf = T.decl_buffer((O_SIZE * RB // OB if OB != 32 else O_SIZE,), r_st, data=res.data)
+            rf = T.decl_buffer((R_SIZE,), r_st, data=res.data)
+            rfw = T.decl_buffer((R_SIZE // 4,), "int32", data=res.data)
+            rq2 = T.decl_buffer((5 * K,), "int32", data=rq2_.data)
             of = T.decl_buffer((O_SIZE,), o_st, data=out.data)
-            body(x, w, bias, Mq, Sq, rf, of)
+            body(x, w, bias, Mq, Sq, rf, rfw, rq2, of)
     else:
         @T.prim_func
         def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
                  Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), out: T.Buffer(os_, o_st)):
             T.func_attr({"tir.noalias": True})
             of = T.decl_buffer((O_SIZE,), o_st, data=out.data)
-            body(x, w, bias, Mq, Sq, None, of)
+            body(x, w, bias, Mq, Sq, None, None, None, of)
 
-    return conv.with_attr("qcompile.knobs", str(kn)).with_attr("qcompile.strategy", "direct_hwnc" if HWNC else "implicit_gemm")
+    conv = conv.with_attr("qcompile.knobs", str(kn)).with_attr("qcompile.strategy", "direct_hwnc" if HWNC else "implicit_gemm")
+    return conv.with_attr("qcompile.split_k", SPLIT) if SPLIT > 1 else conv

@@ -69,19 +69,37 @@ def conv_acc_nhwc(x: np.ndarray, w: np.ndarray, spec: ConvSpec) -> np.ndarray:
 
 
 def requant(acc, bias, M, S, spec: ConvSpec, res=None):
-    """acc int [.., K] (int32-range) -> output logical values per the project math."""
+    """acc int [.., K] (int32-range) -> output logical values per the project math (see ConvSpec).
+    ``res``: None, or (residual logical values, rq2 int32[5, K]) for the two-stage residual epilogue."""
     t = (acc.astype(np.int64) + bias.astype(np.int64))
     t = ((t + (1 << 31)) % (1 << 32)) - (1 << 31)  # int32 wrap, as on the device
     v = t * M.astype(np.int64)
-    if res is not None:
-        v = v + (res.astype(np.int64) - spec.zr) * spec.Mr
     S64 = S.astype(np.int64)
+    if spec.shift_ge33:
+        assert S64.min() >= 33, "shift_ge33 needs every S >= 33"
     v = (v + (np.int64(1) << (S64 - 1))) >> S64
-    if spec.out_dtype == "int32":
-        y = np.clip(v + spec.zo, max(spec.lo, -(1 << 31)), min(spec.hi, (1 << 31) - 1))
-    else:
-        y = np.clip(v + spec.zo, spec.lo, spec.hi)
-    return y
+    if spec.out_dtype == "int32" and not spec.has_residual:
+        return np.clip(v + spec.zo, max(spec.lo, -(1 << 31)), min(spec.hi, (1 << 31) - 1))
+    y = np.clip(v + spec.zo, spec.lo, spec.hi)
+    if res is None:
+        return y
+    r, rq2 = res
+    c1, M1, c2, M2, S2 = (np.asarray(a, np.int64) for a in np.asarray(rq2))
+    a, b = (y + c1) * M1, (np.asarray(r, np.int64) + c2) * M2
+    v = a + b + (np.int64(1) << (S2 - 1))
+    if spec.res_i32:  # the kernels compute this stage in int32: every intermediate must fit
+        for t in (a, b, a + b, v):
+            assert np.abs(t).max() < 2**31, "res_i32 residual stage overflows int32"
+    v = v >> S2
+    return np.clip(v + spec.zo2, spec.lo2, spec.hi2)
+
+
+def residual_args(spec: ConvSpec, res) -> list:
+    """Kernel arguments (storage) for ``res`` = (residual values, rq2), or [] without a residual."""
+    if res is None:
+        return []
+    r, rq2 = res
+    return [to_storage(r, spec.res_dtype), np.ascontiguousarray(rq2, dtype=np.int32)]
 
 
 def conv_reference(spec: ConvSpec, x_log, w_log, bias, M, S, res_log=None):
@@ -89,7 +107,7 @@ def conv_reference(spec: ConvSpec, x_log, w_log, bias, M, S, res_log=None):
     if spec.layout == "HWNC":
         x_n = np.transpose(x_log, (2, 0, 1, 3))
         w_n = np.transpose(w_log, (2, 0, 1, 3))
-        r_n = None if res_log is None else np.transpose(res_log, (2, 0, 1, 3))
+        r_n = None if res_log is None else (np.transpose(res_log[0], (2, 0, 1, 3)), res_log[1])
     else:
         x_n, w_n, r_n = x_log, w_log, res_log
     acc = conv_acc_nhwc(x_n, w_n, spec)
@@ -116,13 +134,23 @@ def random_problem(spec: ConvSpec, rng: np.random.Generator):
     bias = rng.integers(-int(acc_std) - 1, int(acc_std) + 1, K).astype(np.int32)
     olo, ohi = value_range(spec.out_dtype)
     target = (min(ohi, 1 << 20) - max(olo, -(1 << 20))) / 4
-    S = rng.integers(20, 31, K).astype(np.int32)
+    S = (rng.integers(33, 41, K) if spec.shift_ge33 else rng.integers(20, 31, K)).astype(np.int32)
     M = np.round(target / acc_std * (2.0 ** S.astype(np.float64)) * rng.uniform(0.5, 1.5, K)).astype(np.int64)
     M = np.clip(M, 1, (1 << 31) - 1) * rng.choice([1, -1], K, p=[0.8, 0.2])
     M = M.astype(np.int32)
     res = None
     if spec.has_residual:
+        # stage 2 mixes y1 and res with similar weights so that both move the output
         os_ = spec.shapes()[2][:-1] + (spec.K,)
         rlo, rhi = value_range(spec.res_dtype)
-        res = rng.integers(max(rlo, -(1 << 15)), min(rhi, 1 << 15) + 1, os_)
+        r = rng.integers(rlo, rhi + 1, os_)
+        olo, ohi = spec.lo2, spec.hi2
+        span = (ohi - olo) / max(1, (spec.hi - spec.lo) + (rhi - rlo))
+        S2 = rng.integers(12, 21, K) if spec.res_i32 else rng.integers(16, 31, K)
+        M1 = np.round(span * rng.uniform(0.6, 1.4, K) * 2.0 ** S2)
+        M2 = np.round(span * rng.uniform(0.6, 1.4, K) * 2.0 ** S2)
+        c1 = rng.integers(-3, 4, K)
+        c2 = rng.integers(-3, 4, K)
+        rq2 = np.stack([c1, np.clip(M1, 1, 2**31 - 1), c2, np.clip(M2, 1, 2**31 - 1), S2]).astype(np.int32)
+        res = (r, rq2)
     return x, w, bias, M, S, res

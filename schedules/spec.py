@@ -12,14 +12,23 @@ _SIGNED = {"int8": True, "uint8": False, "int4": True, "uint4": False, "int32": 
 class ConvSpec:
     """One quantized conv2d layer (see docs/SCHEDULES.md for the exact math).
 
-    Tensors (PrimFunc params, in this order): x, w, bias int32[K], M int32[K], S int32[K], [res], out.
+    Tensors (PrimFunc params, in this order): x, w, bias int32[K], M int32[K], S int32[K],
+    [res, rq2 int32[5, K]], out.
       NHWC: x[N,H,W,Cs], w OHWI [K,R,S,Cs], out/res [N,P,Q,Ks]
       HWNC: x[H,W,N,Cs], w HWOI [R,S,K,Cs], out/res [P,Q,N,Ks]
     4-bit tensors are packed two per byte along the innermost (channel) axis (Cs = C/2): element 2i in
     the low nibble, 2i+1 in the high nibble; signed nibbles are sign-extended. Storage dtypes:
-    int8/int4 -> "int8" buffers, uint8/uint4 -> "uint8" buffers. res has out_dtype's storage (int32 if
-    out_dtype is int32). Padding positions read ``pad_value`` (the input zero point; the caller folds
-    -zp*sum(w) into bias)."""
+    int8/int4 -> "int8" buffers, uint8/uint4 -> "uint8" buffers. Padding positions read ``pad_value``
+    (the input zero point; the caller folds -zp*sum(w) into bias).
+
+    Epilogue, all in int64 (stage 1 is the conv's own requantize):
+        y1  = clip(((acc + bias) * M + 2^(S-1)) >> S) + zo, lo, hi)
+    and with ``has_residual`` a second stage, the quantized residual add of the QDQ graph
+    (``quantize(dequantize(y1) + dequantize(res))``), rq2 rows = (c1, M1, c2, M2, S2) per channel:
+        out = clip((((y1 + c1) * M1 + (res + c2) * M2 + 2^(S2-1)) >> S2) + zo2, lo2, hi2)
+    (in int32 with ``res_i32``: the caller guarantees no intermediate overflows), else out = y1.
+    With ``shift_ge33`` (the caller guarantees every S[k] >= 33) stage 1 is computed as
+    ``(hi32(t * M) + 2^(S-33)) >> (S-32)``, which equals the formula above exactly. ``res`` has type ``res_dtype`` (packed when 4-bit)."""
 
     N: int
     H: int
@@ -36,12 +45,16 @@ class ConvSpec:
     w_bits: int = 8  # 8 | 4 (weights are signed)
     out_dtype: str = "int8"  # int8 | uint8 | int4 | uint4 | int32
     has_residual: bool = False
-    zr: int = 0
     zo: int = 0
     lo: int = -128
     hi: int = 127
-    Mr: int = 0
     pad_value: int = 0
+    res_dtype: str = "int8"  # int8 | uint8 | int4 | uint4 (the residual input, with has_residual)
+    zo2: int = 0  # residual stage: output zero point and clip range
+    lo2: int = -128
+    hi2: int = 127
+    res_i32: bool = False  # the residual stage fits int32 (the graph's own residual requantize is int32)
+    shift_ge33: bool = False  # every S[k] >= 33: stage 1 in int32 from the product's high word (mul.hi)
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -94,8 +107,12 @@ class ConvSpec:
         return {"int8": "int8", "int4": "int8", "uint8": "uint8", "uint4": "uint8", "int32": "int32"}[dtype]
 
     @property
-    def res_dtype(self):
-        return self.out_dtype
+    def res_bits(self):
+        return _BITS[self.res_dtype]
+
+    @property
+    def res_signed(self):
+        return _SIGNED[self.res_dtype]
 
     def macs(self) -> int:
         return self.N * self.P * self.Q * self.K * self.R * self.S * self.C
@@ -112,6 +129,13 @@ class ConvSpec:
         if self.layout == "NHWC":
             return (self.N, self.H, self.W, cx), (self.K, self.R, self.S, cw), (self.N, self.P, self.Q, ko)
         return (self.H, self.W, self.N, cx), (self.R, self.S, self.K, cw), (self.P, self.Q, self.N, ko)
+
+    def res_shape(self):
+        """Storage shape of the residual input (packed for 4-bit)."""
+        kr = (self.K + 1) // 2 if self.res_bits == 4 else self.K
+        if self.layout == "NHWC":
+            return (self.N, self.P, self.Q, kr)
+        return (self.P, self.Q, self.N, kr)
 
     def replace(self, **kw) -> "ConvSpec":
         return dataclasses.replace(self, **kw)
@@ -144,13 +168,14 @@ class ArchMMA:
     s4_native: bool  # False: 4-bit stored/moved packed, unpacked to s8 in registers (Hopper)
     smem_per_block: int = 48 * 1024
     has_cp_async: bool = True
+    sms: int = 132  # SMs of the reference part (split-K sizing): T4 40, A100 108, A10/3090 84, L4 58, H100 132
 
 
 MMA_SHAPES: dict[str, ArchMMA] = {
-    "sm_75": ArchMMA("sm_75", MMAShape(8, 8, 16, 8), MMAShape(8, 8, 32, 4), True, 64 * 1024, False),
-    "sm_80": ArchMMA("sm_80", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 64, 4), True, 163 * 1024),
-    "sm_86": ArchMMA("sm_86", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 64, 4), True, 99 * 1024),
-    "sm_89": ArchMMA("sm_89", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 64, 4), True, 99 * 1024),
+    "sm_75": ArchMMA("sm_75", MMAShape(8, 8, 16, 8), MMAShape(8, 8, 32, 4), True, 64 * 1024, False, 40),
+    "sm_80": ArchMMA("sm_80", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 64, 4), True, 163 * 1024, True, 108),
+    "sm_86": ArchMMA("sm_86", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 64, 4), True, 99 * 1024, True, 84),
+    "sm_89": ArchMMA("sm_89", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 64, 4), True, 99 * 1024, True, 58),
     # Hopper: s4 mma.sync is emulated (51 vs 1284 TOPS measured on our H100): unpack to s8.
     "sm_90": ArchMMA("sm_90", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 32, 8), False, 227 * 1024),
 }
@@ -179,6 +204,11 @@ class GemmKnobs:
     vec: int = 16  # global load width in bytes (16/8/4 use cp.async; 2/1 use plain loads)
     ev: int = 8  # epilogue elements per thread per store
     swizzle_n: bool = True  # blockIdx.x walks output-channel tiles (A tile reused from L2)
+    pipe: int = 0  # main loop: 0 = loads issued before the wait, two barriers per chunk; 1 = one barrier per
+    #                K-chunk (the load of chunk k+STG-1 issued after it). Measured a wash on average (the log
+    #                keeps whichever won per layer)
+    fdb: bool = False  # double-buffered fragments: ldmatrix of k-step s+1 issued before the MMAs of step s
+    split_k: int = 0  # K split over blocks (schedules/splitk.py); 0 = auto (only where the grid is small)
 
     SPACE = {
         "BM": (32, 64, 128, 256),
@@ -189,6 +219,9 @@ class GemmKnobs:
         "stages": (2, 3, 4),
         "vec": (16, 8, 4, 2, 1),
         "ev": (4, 8, 16),
+        "pipe": (0, 1),
+        "fdb": (False, True),
+        "split_k": (0, 1, 2, 4, 8, 16),
     }
 
     def replace(self, **kw) -> "GemmKnobs":

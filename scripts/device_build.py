@@ -31,16 +31,16 @@ def make_cases(quick=False):
 
     cases = []
 
-    def add(kind, name, spec, strategy, arch="sm_90", mode="sass"):
-        cases.append(dict(kind=kind, name=name, spec=spec, strategy=strategy, arch=arch, mode=mode))
+    def add(kind, name, spec, strategy, arch="sm_90", mode="sass", plan=False):
+        cases.append(dict(kind=kind, name=name, spec=spec, strategy=strategy, arch=arch, mode=mode, plan=plan))
 
     def int8_spec(N, C, H, K, R, st, pd, variant, layout="NHWC"):
         base = dict(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, layout=layout)
         if variant == 0:
-            return ConvSpec(**base, x_dtype="uint8", w_bits=8, out_dtype="uint8", zo=3, lo=0, hi=255)
+            return ConvSpec(**base, x_dtype="uint8", w_bits=8, out_dtype="uint8", zo=3, lo=0, hi=255, shift_ge33=True)
         if variant == 1:
-            return ConvSpec(**base, x_dtype="int8", w_bits=8, out_dtype="int8", has_residual=True, zr=-5,
-                            Mr=(1 << 22) + 12345, zo=-2, lo=-128, hi=127)
+            return ConvSpec(**base, x_dtype="int8", w_bits=8, out_dtype="uint8", has_residual=True,
+                            res_dtype="uint8", zo=-2, lo=-128, hi=127, zo2=-1, lo2=0, hi2=255, res_i32=True)
         return ConvSpec(**base, x_dtype="uint8", w_bits=8, out_dtype="int32", zo=7, lo=-(1 << 31), hi=(1 << 31) - 1)
 
     def int4_spec(N, C, H, K, R, st, pd, variant, layout="NHWC"):
@@ -48,8 +48,8 @@ def make_cases(quick=False):
         if variant == 0:
             return ConvSpec(**base, x_dtype="uint4", w_bits=4, out_dtype="uint4", zo=1, lo=0, hi=15)
         if variant == 1:
-            return ConvSpec(**base, x_dtype="int4", w_bits=4, out_dtype="int4", has_residual=True, zr=1,
-                            Mr=(1 << 23) + 999, zo=0, lo=-8, hi=7)
+            return ConvSpec(**base, x_dtype="int4", w_bits=4, out_dtype="uint4", has_residual=True,
+                            res_dtype="uint4", zo=0, lo=-8, hi=7, zo2=0, lo2=0, hi2=15)
         return ConvSpec(**base, x_dtype="uint4", w_bits=4, out_dtype="int8", zo=-1, lo=-128, hi=127)
 
     layers = ALL_RESNET if not quick else ALL_RESNET[:4]
@@ -73,6 +73,12 @@ def make_cases(quick=False):
     for arch in ("sm_75", "sm_86"):
         for nm, sp in (("int8", int8_spec(8, 64, 28, 128, 3, 1, 1, 1)), ("int4", int4_spec(8, 64, 28, 128, 3, 1, 1, 1))):
             add("check", f"ptx_{arch}_{nm}", sp, "implicit_gemm", arch=arch, mode="ptx")
+    # what compiled models run (conv2d_int_plan): split-K pairs where the output grid is small (batch 1 / 8)
+    for li, (name, C, H, K, R, st, pd) in enumerate(distinct(RESNET50)):
+        for N in (1, 8):
+            v = li % 2  # every other layer with the two-stage residual epilogue
+            add("check", f"plan_{name}_b{N}_int8", int8_spec(N, C, H, K, R, st, pd, v), None, plan=True)
+            add("check", f"plan_{name}_b{N}_int4", int4_spec(N, C, H, K, R, st, pd, v), None, plan=True)
     if not quick:
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for N in (8, 64, 256):
@@ -84,7 +90,7 @@ def make_cases(quick=False):
 def build_group(args):
     gi, group = args
     import tvm
-    from qcompile.schedules import conv2d_int_kernel, select_strategy
+    from qcompile.schedules import conv2d_int_kernel, conv2d_int_plan, select_strategy
     from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options, cuda_target
 
     ensure_stub_libcuda()
@@ -92,10 +98,16 @@ def build_group(args):
     funcs = {}
     for c in group:
         strat = c["strategy"] or select_strategy(c["spec"], arch)
-        f = conv2d_int_kernel(c["spec"], arch, strat)
-        c["strategy_used"] = strat
+        fs = conv2d_int_plan(c["spec"], arch, strat) if c.get("plan") else [conv2d_int_kernel(c["spec"], arch, strat)]
+        f = fs[0]
+        c["strategy_used"] = strat + (f"+splitk{int(f.attrs['qcompile.split_k'])}" if len(fs) > 1 else "")
         c["knobs"] = str(f.attrs["qcompile.knobs"]) if f.attrs and "qcompile.knobs" in f.attrs else ""
-        funcs[c["func"]] = f.with_attr("global_symbol", c["func"])
+        c["funcs"] = [c["func"] + ("_e" if i else "") for i in range(len(fs))]
+        for fn, f in zip(c["funcs"], fs):
+            funcs[fn] = f.with_attr("global_symbol", fn)
+        if len(fs) > 1:  # the same conv unsplit, to time against the split-K pair
+            c["nosplit_func"] = c["func"] + "_ns"
+            funcs[c["nosplit_func"]] = conv2d_int_kernel(c["spec"], arch, strat).with_attr("global_symbol", c["nosplit_func"])
     so = OUT / f"g{gi:03d}_{arch}_{mode}.so"
     keep = OUT / "keep" / f"g{gi:03d}"
     t = time.time()

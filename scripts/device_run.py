@@ -51,7 +51,7 @@ def nchw_acc_torch(spec, x_log, w_log):
 def reference(spec, x, w, b, M, S, res):
     if spec.layout == "HWNC":
         xn, wn = np.transpose(x, (2, 0, 1, 3)), np.transpose(w, (2, 0, 1, 3))
-        rn = None if res is None else np.transpose(res, (2, 0, 1, 3))
+        rn = None if res is None else (np.transpose(res[0], (2, 0, 1, 3)), res[1])
     else:
         xn, wn, rn = x, w, res
     acc = nchw_acc_torch(spec, xn, wn)
@@ -63,10 +63,24 @@ _mods = {}
 
 
 def get_func(rec):
+    """The kernel of ``rec``; for a split-K plan (two kernels) a callable running both, ws in between."""
     so = rec["so"]
     if so not in _mods:
         _mods[so] = tvm.runtime.load_module(str(DEVICE_DIR / so))
-    return _mods[so][rec["func"]]
+    names = rec.get("funcs") or [rec["func"]]
+    if len(names) == 1:
+        return _mods[so][names[0]]
+    part, epi = _mods[so][names[0]], _mods[so][names[1]]
+    spec = to_spec(rec["spec"])
+    split = int(rec["strategy_used"].rsplit("splitk", 1)[1])
+    # workspace poisoned once per plan: every partial must be written by the GEMM kernel
+    ws = tvm.runtime.tensor(np.random.default_rng(5).integers(-(1 << 30), 1 << 30, (split, spec.N * spec.P * spec.Q, spec.K),
+                                                              dtype=np.int64).astype(np.int32), DEV)
+
+    def run(x, w, *rest):
+        part(x, w, ws)
+        epi(ws, *rest)
+    return run
 
 
 def run_check(rec, seed):
@@ -75,8 +89,7 @@ def run_check(rec, seed):
     x, w, b, M, S, res = R.random_problem(spec, rng)
     wdt = "int4" if spec.w_bits == 4 else "int8"
     args = [R.to_storage(x, spec.x_dtype), R.to_storage(w, wdt), b, M, S]
-    if res is not None:
-        args.append(R.to_storage(res, spec.res_dtype))
+    args += R.residual_args(spec, res)
     oshape = spec.shapes()[2]
     ost = ConvSpec.storage(spec.out_dtype)
     f = get_func(rec)
@@ -144,10 +157,10 @@ def to_tvm(t):
         return tvm_ffi.from_dlpack(t)
 
 
-def run_bench(rec):
+def run_bench(rec, func=None):
     spec = to_spec(rec["spec"])
     xs, ws, os_ = spec.shapes()
-    f = get_func(rec)
+    f = get_func(rec) if func is None else func
     K = spec.K
     xt = rand_storage_gpu(xs, ConvSpec.storage(spec.x_dtype))
     wt = rand_storage_gpu(ws, "int8")
@@ -155,7 +168,12 @@ def run_bench(rec):
     M = torch.randint(1 << 20, 1 << 22, (K,), dtype=torch.int32, device=TDEV)
     S = torch.full((K,), 24, dtype=torch.int32, device=TDEV)
     o = rand_storage_gpu(os_, ConvSpec.storage(spec.out_dtype))
-    targs = [to_tvm(t) for t in (xt, wt, b, M, S, o)]
+    extra = []
+    if spec.has_residual:
+        extra = [rand_storage_gpu(spec.res_shape(), ConvSpec.storage(spec.res_dtype)),
+                 torch.tensor(np.stack([np.zeros(K), np.full(K, 1 << 20), np.zeros(K), np.full(K, 1 << 20),
+                                        np.full(K, 21)]).astype(np.int32), device=TDEV)]
+    targs = [to_tvm(t) for t in (xt, wt, b, M, S, *extra, o)]
     ms = tvm_time(f, targs)
     # event timing of the same launches (TVM launches on the legacy default stream, same as torch's)
     ms_ev = cuda_time(lambda: f(*targs))
@@ -203,6 +221,14 @@ def main():
                                       mode=rec["mode"], ok=ok, distinct_values=nuniq, bad=nbad))
         print(f"CHECK {'PASS' if ok else 'FAIL'} {rec['name']:<34} {rec['strategy_used']:<14} {rec['arch']}/{rec['mode']}"
               f" uniq={nuniq} {'' if ok else nbad}", flush=True)
+        if ok and rec.get("nosplit_func"):  # split-K pair vs the same conv in one kernel
+            try:
+                t_split = run_bench(rec)
+                t_one = run_bench(rec, _mods[rec["so"]][rec["nosplit_func"]])
+                results["checks"][-1].update(split_ms=t_split, nosplit_ms=t_one)
+                print(f"  SPLIT {rec['name']:<34} split-K {t_split * 1e3:7.1f} us   one kernel {t_one * 1e3:7.1f} us", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print("  split timing error", str(e)[-200:])
     print(f"checks: {len(results['checks']) - nfail}/{len(results['checks'])} pass  ({time.time() - t0:.0f}s)", flush=True)
     (OUTDIR / "results.json").write_text(json.dumps(results, indent=1))
     if "--no-bench" in sys.argv:

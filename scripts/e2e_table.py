@@ -10,6 +10,10 @@ import sys
 def category(name: str) -> str:
     if name.startswith("qconv_conv1"):
         return "stem conv 7x7 (tensor cores, C padded 3->4)"
+    if name.startswith("qconv_") and "splitk_epilogue" in name:
+        return "split-K epilogues (sum of partials + requantize)"
+    if name.startswith("qconv_") and "_resadd" in name:
+        return "convs with the residual add fused (tensor cores)"
     if name.startswith("qconv_"):
         return "other convs + fc (tensor cores)"
     if "max_pool" in name:

@@ -152,6 +152,45 @@ def make_cases(batches, nvar, names=None, only_r=None, bench8=True, only_c=None)
     return cases
 
 
+def make_cases_loop_ab(batches, alt):
+    """Main-loop A/B (schedules/igemm.py ``pipe`` / ``fdb`` knobs) on the ResNet-50 shapes: per spec the knobs it
+    builds with now (tuning log or defaults) with the first loop ("default": pipe 0, no fragment double buffer),
+    with the one-barrier loop ("p1"), and with both ("p1fdb"); plus ``alt[batch]`` other tiles on the new loop."""
+    from qcompile.schedules import DEFAULT_KNOBS, select_strategy, tuned_knobs
+    from qcompile.schedules.layers import RESNET50, distinct
+
+    cases = []
+    for N in batches:
+        for (name, C, H, K, R, st, pd) in distinct(RESNET50):
+            for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
+                spec = mk(N, C, H, K, R, st, pd)
+                layer = f"{name}_b{N}_{dt}"
+                if select_strategy(spec, ARCH) != "implicit_gemm":
+                    cases.append(dict(kind="bench", layer=layer, spec=spec, strategy="fallback", knobs=None,
+                                      variant="fallback", is_default=True))
+                    continue
+                base = tuned_knobs(spec, ARCH) or candidates(spec, 1)[0][1]
+                vs = [("default", base.replace(pipe=0, fdb=False)), ("p1", base.replace(pipe=1, fdb=False)),
+                      ("p1fdb", base.replace(pipe=1, fdb=True))]
+                seen = {v for _, v in vs}
+                for vname, kn in candidates(spec, 1 + alt.get(N, 0))[1:]:
+                    kn = kn.replace(pipe=1, fdb=True)
+                    if kn not in seen:
+                        seen.add(kn)
+                        vs.append((vname + "_p1fdb", kn))
+                for vname, kn in vs:
+                    cases.append(dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=kn,
+                                      variant=vname, is_default=vname == "default"))
+    for (name, C, H, K, R, st, pd) in distinct(RESNET50):  # bench-only batch 8: current defaults
+        for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
+            spec = mk(8, C, H, K, R, st, pd)
+            strat = select_strategy(spec, ARCH)
+            cases.append(dict(kind="bench", layer=f"{name}_b8_{dt}", spec=spec, strategy=strat,
+                              knobs=DEFAULT_KNOBS[ARCH] if strat != "fallback" else None, variant="default",
+                              is_default=True))
+    return cases
+
+
 def build_group(args):
     gi, group = args
     import tvm
@@ -187,7 +226,10 @@ def cmd_build(a):
     else:
         for f in list(TUNE_DIR.glob("*.so")) + list(TUNE_DIR.glob("manifest.json")):
             f.unlink()
-    cases = make_cases(a.batches, a.variants, a.cands, a.only_r, bench8=not a.append, only_c=a.only_c)
+    if a.loop_ab:
+        cases = make_cases_loop_ab(a.batches, {1: 2, 64: 1})
+    else:
+        cases = make_cases(a.batches, a.variants, a.cands, a.only_r, bench8=not a.append, only_c=a.only_c)
     if a.append:
         have = {(r["layer"], json.dumps(r["knobs_dict"], sort_keys=True)) for r in old}
         from qcompile.schedules.tuning import knobs_to_dict
@@ -587,7 +629,10 @@ def cmd_log(a):
 
     res = json.loads(pathlib.Path(a.results).read_text())
     man = {r["func"]: r for r in json.loads((TUNE_DIR / "manifest.json").read_text())} if TUNE_DIR.exists() else {}
+    dst = ROOT / "tuning_logs" / f"{ARCH}.json"
     recs = {}
+    if a.merge and dst.is_file():  # keep the records of shapes this run did not measure
+        recs = json.loads(dst.read_text())["records"]
     for row in res["tune"]:
         vs = row["variants"]
         dflt = next(v for v in vs if v["is_default"])
@@ -607,7 +652,6 @@ def cmd_log(a):
                             "&& python scripts/tune_layers.py log tune_results.json",
             "timing": "median of 7 rounds x 10 back-to-back launches (CUDA events), variants interleaved",
             "records": dict(sorted(recs.items()))}
-    dst = ROOT / "tuning_logs" / f"{ARCH}.json"
     dst.write_text(json.dumps(data, indent=1) + "\n")
     ntuned = sum(r["variant"] != "default" for r in recs.values())
     print(f"wrote {dst}: {len(recs)} records, {ntuned} with non-default knobs")
@@ -661,6 +705,7 @@ def main():
     b.add_argument("--cands", nargs="+", default=None, help=f"candidate names (of {sorted(CAND)})")
     b.add_argument("--only-r", type=int, default=None, help="only shapes with this filter size")
     b.add_argument("--only-c", type=int, default=None, help="only shapes with this many input channels")
+    b.add_argument("--loop-ab", action="store_true", help="main-loop A/B on the ResNet-50 shapes (see make_cases_loop_ab)")
     d = sub.add_parser("device")
     d.add_argument("--dir", default=str(TUNE_DIR.relative_to(ROOT)))
     d.add_argument("--tune-budget", type=float, default=230, help="s after start: no new spec tuned after this")
@@ -674,6 +719,7 @@ def main():
     lg = sub.add_parser("log")
     lg.add_argument("results")
     lg.add_argument("--min-gain", type=float, default=0.02)
+    lg.add_argument("--merge", action="store_true", help="update the existing log instead of replacing it")
     t = sub.add_parser("table")
     t.add_argument("results")
     t.add_argument("--device", default="NVIDIA H100 80GB HBM3")

@@ -23,9 +23,12 @@ def test_dispatch_exact_on_cpu(bits, layout):
     md = run_pass(p, mi)
     # every conv and the dense went to a kernel call; no relax conv2d/matmul is left
     assert [s for _, s in p.chosen] == ["te-compute"] * 4
+    # the block's residual add (q_c2 + pool -> q_res) is the second epilogue stage of conv c2's kernel
+    assert p.fused == [("q_c2", "q_res")]
     ops = [b.value.op.name for blk in md["main"].body.blocks for b in blk.bindings
            if isinstance(b.value, relax.Call) and hasattr(b.value.op, "name")]
     assert "relax.nn.conv2d" not in ops and "relax.matmul" not in ops
+    assert ops.count("relax.right_shift") == 1  # the average pool's requantize is the only one left outside
     text = md.script(show_meta=False)
     assert "_cpad" in text  # the 3-channel stem is padded to 4 channels
     if bits[1] == 4:
@@ -33,3 +36,35 @@ def test_dispatch_exact_on_cpu(bits, layout):
     vm = relax.VirtualMachine(build(md, "llvm"), tvm.cpu())
     y = vm["main"](tvm.runtime.tensor(x)).numpy()
     assert np.array_equal(y, Reference(mi)(x))
+
+
+def test_dispatch_cuda_splits_small_grids_and_fuses_the_residual():
+    """On CUDA (IR only, no nvcc): a 7x7 batch-1 conv with a long reduction runs as a split-K pair (partial
+    sums, then the epilogue kernel), and the residual add after it is that epilogue's second stage."""
+    from qcompile.qdq import QDQBuilder, qtype
+
+    rng = np.random.default_rng(3)
+    b = QDQBuilder()
+    x = b.input("x", (1, 256, 7, 7))
+    u8, s8 = qtype(8, False), qtype(8, True)
+    q0 = b.quantize(x, 0.02, 0, u8, name="q_in")
+    d0 = b.dequantize(q0, 0.02, 0)
+    w = b.qweight(rng.integers(-127, 128, (256, 256, 3, 3)), np.full(256, 1e-3), s8, name="w")
+    h = b.conv2d(d0, w, b.qbias(rng.integers(-99, 99, 256), 2e-5, "bias"), (1, 1), (1, 1, 1, 1), name="conv")
+    q1 = b.quantize(h, 0.05, 0, s8, name="q_conv")
+    s = b.relu(b.add(b.dequantize(q1, 0.05, 0), d0, name="res"))
+    q2 = b.quantize(s, 0.05, 0, u8, name="q_res")
+    mod = b.finish([b.dequantize(q2, 0.05, 0, name="out")])
+    mi = lower_to_integer(mod, "NHWC", pack_int4=False)
+    p = DispatchTensorCore("sm_90")
+    md = run_pass(p, mi)
+    assert p.fused == [("q_conv", "q_res")]
+    (name, strategy), = p.chosen
+    assert strategy.startswith("implicit_gemm+splitk")
+    funcs = {gv.name_hint: f for gv, f in md.functions.items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert "qconv_q_conv_resadd" in funcs and "qconv_q_conv_resadd_splitk_epilogue" in funcs
+    split = int(funcs["qconv_q_conv_resadd"].attrs["qcompile.split_k"])
+    # the partial kernel's workspace is [split, M, K] int32; the epilogue takes ws, bias, M, S, res, rq2 -> out
+    text = md["main"].script(show_meta=False)
+    assert f"R.Tensor(({split}, 49, 256), dtype=\"int32\")" in text
+    assert len(funcs["qconv_q_conv_resadd_splitk_epilogue"].params) == 7

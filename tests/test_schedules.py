@@ -44,27 +44,30 @@ def test_selector():
 
 
 SPECS = [
-    ConvSpec(N=2, H=9, W=9, C=6, K=10, R=3, S=3, padding=1, stride=2, x_dtype="int8", out_dtype="int8",
-             has_residual=True, Mr=12345, zr=3, zo=-2, pad_value=5),
+    ConvSpec(N=2, H=9, W=9, C=6, K=10, R=3, S=3, padding=1, stride=2, x_dtype="int8", out_dtype="uint8",
+             has_residual=True, res_dtype="uint8", zo=-2, lo2=0, hi2=255, zo2=3, pad_value=5),
     ConvSpec(N=1, H=8, W=8, C=8, K=6, R=1, S=1, x_dtype="uint4", w_bits=4, out_dtype="int4", lo=-8, hi=7,
              layout="HWNC"),
     ConvSpec(N=2, H=7, W=7, C=3, K=4, R=7, S=7, padding=3, stride=2, x_dtype="uint8", out_dtype="uint8",
              lo=0, hi=255, zo=4),
     ConvSpec(N=1, H=6, W=6, C=4, K=8, R=3, S=3, padding=1, x_dtype="int4", w_bits=4, out_dtype="uint4",
-             lo=0, hi=15, has_residual=True, zr=1, Mr=1 << 20),
+             lo=-8, hi=7, has_residual=True, res_dtype="uint4", lo2=0, hi2=15),
     ConvSpec(N=1, H=5, W=5, C=16, K=8, R=3, S=3, padding=1, out_dtype="int32", lo=-(1 << 31), hi=(1 << 31) - 1),
+    ConvSpec(N=2, H=6, W=6, C=16, K=24, R=1, S=1, layout="HWNC", x_dtype="uint8", out_dtype="uint8", lo=-128,
+             hi=127, has_residual=True, res_dtype="uint8", lo2=0, hi2=255, res_i32=True, shift_ge33=True),
+    ConvSpec(N=1, H=7, W=7, C=64, K=16, R=3, S=3, padding=1, x_dtype="int4", w_bits=4, out_dtype="int4", lo=-8, hi=7,
+             zo=1, shift_ge33=True),
 ]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.layout}-{s.x_dtype}-{s.out_dtype}-C{s.C}")
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.layout}-{s.x_dtype}-{s.out_dtype}-C{s.C}-res{int(s.has_residual)}")
 def test_compute_llvm_matches_numpy(spec):
     """The unscheduled TIR compute (what every schedule implements) equals the NumPy reference."""
     rng = np.random.default_rng(7)
     x, w, b, M, S, res = R.random_problem(spec, rng)
     lib = tvm.compile(tvm.IRModule({"main": make_fallback(spec, "llvm")}), target="llvm")
     args = [R.to_storage(x, spec.x_dtype), R.to_storage(w, "int4" if spec.w_bits == 4 else "int8"), b, M, S]
-    if res is not None:
-        args.append(R.to_storage(res, spec.res_dtype))
+    args += R.residual_args(spec, res)
     out = rng.integers(0, 100, spec.shapes()[2]).astype(ConvSpec.storage(spec.out_dtype))  # poisoned
     targs = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args] + [tvm.runtime.tensor(out)]
     lib["main"](*targs)
@@ -140,3 +143,53 @@ def test_sass(tmp_path):
     assert "IMMA.16864.S4.S4" in s
     s = sass(ConvSpec(**L3, x_dtype="int4", w_bits=4), "sm_75")
     assert "IMMA.8832.S4.S4" in s
+
+
+@pytest.mark.parametrize("spec", [
+    ConvSpec(N=1, H=7, W=7, C=64, K=24, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255, zo=2),
+    ConvSpec(N=2, H=5, W=5, C=32, K=10, R=1, S=1, layout="HWNC", x_dtype="uint4", w_bits=4, out_dtype="uint4",
+             lo=-8, hi=7, has_residual=True, res_dtype="uint4", lo2=0, hi2=15, zo2=1),
+], ids=["nhwc-int8", "hwnc-int4-residual"])
+def test_splitk_epilogue_llvm_matches_numpy(spec):
+    """Split-K's second kernel: sum of the int32 partials + the single kernel's epilogue, bit for bit."""
+    from qcompile.schedules.splitk import make_splitk_epilogue, workspace_shape
+
+    rng = np.random.default_rng(11)
+    split = 4
+    x, w, b, M, S, res = R.random_problem(spec, rng)
+    acc = R.conv_acc_nhwc(x if spec.layout == "NHWC" else np.transpose(x, (2, 0, 1, 3)),
+                          w if spec.layout == "NHWC" else np.transpose(w, (2, 0, 1, 3)), spec)
+    if spec.layout == "HWNC":
+        acc = np.transpose(acc, (1, 2, 0, 3))
+    # random split of the accumulator into `split` int32 partial sums
+    flat = acc.reshape(-1, spec.K)
+    parts = rng.integers(-(1 << 20), 1 << 20, (split - 1,) + flat.shape)
+    ws = np.concatenate([parts, (flat - parts.sum(0))[None]]).astype(np.int32)
+    assert ws.shape == workspace_shape(spec, split)
+    lib = tvm.compile(tvm.IRModule({"main": make_splitk_epilogue(spec, split, "llvm")}), target="llvm")
+    args = [ws, b, M, S] + R.residual_args(spec, res)
+    out = rng.integers(0, 100, spec.shapes()[2]).astype(ConvSpec.storage(spec.out_dtype))
+    targs = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args] + [tvm.runtime.tensor(out)]
+    lib["main"](*targs)
+    got = R.from_storage(targs[-1].numpy(), spec.out_dtype, spec.K)
+    ref = R.conv_reference(spec, x, w, b, M, S, res)
+    assert np.unique(ref).size > 3
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_splitk_plan():
+    """Small output grids (batch 1, 7x7) are split over K; large ones are not; the partial kernel has no epilogue."""
+    from qcompile.schedules import conv2d_int_plan
+
+    l4 = ConvSpec(N=1, H=7, W=7, C=512, K=512, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255)
+    plan = conv2d_int_plan(l4, "sm_90")
+    assert len(plan) == 2 and int(plan[0].attrs["qcompile.split_k"]) > 1
+    assert [len(f.params) for f in plan] == [3, 5]  # (x, w, ws) and (ws, bias, M, S, out)
+    src = cuda_source(build_cuda(plan[0], "sm_90", mode="ptx"))
+    assert "blockIdx.z" in src and "m16n8k32.row.col.s32.u8.s8.s32" in src
+    src = cuda_source(build_cuda(plan[1], "sm_90", mode="ptx"))
+    assert "mma" not in src
+    assert len(conv2d_int_plan(l4.replace(N=64), "sm_90")) == 1
+    # forced by the knob
+    forced = conv2d_int_plan(l4.replace(N=64), "sm_90", knobs=GemmKnobs(split_k=2))
+    assert int(forced[0].attrs["qcompile.split_k"]) == 2

@@ -21,8 +21,8 @@ def _fresh_cache(monkeypatch):
 
 
 def _specs():
-    """The shapes tune_layers.py tunes (ResNet-18/50 at batch 64/256, INT8 and INT4 NHWC)."""
-    for N in (64, 256):
+    """The shapes tune_layers.py tunes (ResNet-18/50 at batch 64/256, ResNet-50 at batch 1; INT8 and INT4 NHWC)."""
+    for N in (1, 64, 256):
         for (_, C, H, K, R, st, pd) in ALL_RESNET:
             yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
                            out_dtype="uint8", lo=0, hi=255)
@@ -127,7 +127,7 @@ def test_stale_log_warns_once_and_falls_back(tmp_path, monkeypatch, how):
     elif how == "format":
         log["format"] = 0
     else:  # one record's knobs carry a field GemmKnobs does not know
-        log["records"][tuning_key(spec)]["knobs"]["split_k"] = 2
+        log["records"][tuning_key(spec)]["knobs"]["warp_specialize"] = 2
     (tmp_path / "sm_90.json").write_text(json.dumps(log))
     monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path))
     kernels = []
