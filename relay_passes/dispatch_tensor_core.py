@@ -326,6 +326,8 @@ class _Dispatcher(PyExprMutator):
             if res_dtype in ("int4", "uint4") and K % 2:
                 res_dtype = str(r.res.ty.dtype)
             res = dict(has_residual=True, res_dtype=res_dtype, zo2=r.zo2, lo2=r.lo2, hi2=r.hi2, res_i32=r.i32)
+            if (r.rq2 == r.rq2[:, :1]).all():  # per-tensor activation scales: compile the constants in
+                res["rq2_uniform"] = tuple(int(v) for v in r.rq2[:, 0])
         if c_pad:
             w = np.concatenate([w, np.zeros(w.shape[:-1] + (c_pad,), w.dtype)], axis=-1)
             C += c_pad

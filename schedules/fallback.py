@@ -42,7 +42,7 @@ def epilogue_value(spec: ConvSpec, acc, k, bias, Mq, Sq, rv=None, rq2=None):
         y1 = tirx.max(tirx.min(v, i64(hi)), i64(lo))
     wd = "int32" if spec.res_i32 else "int64"  # int32: the graph's residual requantize cannot overflow it
     c = lambda x: tirx.const(x, wd) if isinstance(x, int) else x.astype(wd)
-    p = [rq2[j, k].astype(wd) for j in range(5)]
+    p = [tirx.const(int(u), wd) for u in spec.rq2_uniform] if spec.rq2_uniform else [rq2[j, k].astype(wd) for j in range(5)]
     v = (c(y1) + p[0]) * p[1] + (c(rv) + p[2]) * p[3]
     v = tirx.shift_right(v + tirx.shift_left(c(1), p[4] - c(1)), p[4]) + c(spec.zo2)
     return tirx.max(tirx.min(v, c(spec.hi2)), c(spec.lo2)).astype("int32")

@@ -257,7 +257,10 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         if HAS_RES:  # second stage: the quantized residual add (see ConvSpec)
             wd = "int32" if spec.res_i32 else "int64"
             c = lambda x: T.Cast(wd, x)
-            p = [c(q2[j * EV + e]) for j in range(5)]
+            if spec.rq2_uniform:  # the same for every channel (per-tensor activation scales): immediates
+                p = [T.IntImm(wd, int(u)) for u in spec.rq2_uniform]
+            else:
+                p = [c(q2[j * EV + e]) for j in range(5)]
             v = (c(v) + p[0]) * p[1] + (c(res_v) + p[2]) * p[3]
             v = T.shift_right(v + T.shift_left(c(1), p[4] - c(1)), p[4]) + c(spec.zo2)
             v = T.max(T.min(v, c(spec.hi2)), c(spec.lo2))
@@ -502,11 +505,12 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     if m < Mtot and k < K:
                         if not HOIST:
                             load_params(bias, Mq, Sq, pb, pm, ps, k)
-                        if HAS_RES:
+                        if HAS_RES and not spec.rq2_uniform:
                             for j in T.unroll(5):
                                 for h in T.unroll(EV // PV):
                                     for e in T.vectorized(PV):
                                         q2[j * EV + h * PV + e] = rq2[j * K + k + h * PV + e]
+                        if HAS_RES:
                             if RW > 0:  # whole 32-bit words: one vector load
                                 for e in T.vectorized(RW):
                                     rbw[e] = rfw[res_base(m, k) // 4 + e]

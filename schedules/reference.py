@@ -84,6 +84,8 @@ def requant(acc, bias, M, S, spec: ConvSpec, res=None):
     if res is None:
         return y
     r, rq2 = res
+    if spec.rq2_uniform:  # the kernels use the compiled-in values: the buffer must hold the same
+        assert (np.asarray(rq2) == np.asarray(spec.rq2_uniform)[:, None]).all(), "rq2 differs from rq2_uniform"
     c1, M1, c2, M2, S2 = (np.asarray(a, np.int64) for a in np.asarray(rq2))
     a, b = (y + c1) * M1, (np.asarray(r, np.int64) + c2) * M2
     v = a + b + (np.int64(1) << (S2 - 1))
@@ -152,5 +154,7 @@ def random_problem(spec: ConvSpec, rng: np.random.Generator):
         c1 = rng.integers(-3, 4, K)
         c2 = rng.integers(-3, 4, K)
         rq2 = np.stack([c1, np.clip(M1, 1, 2**31 - 1), c2, np.clip(M2, 1, 2**31 - 1), S2]).astype(np.int32)
+        if spec.rq2_uniform:
+            rq2 = np.repeat(np.asarray(spec.rq2_uniform, np.int32)[:, None], K, axis=1)
         res = (r, rq2)
     return x, w, bias, M, S, res

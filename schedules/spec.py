@@ -55,6 +55,7 @@ class ConvSpec:
     hi2: int = 127
     res_i32: bool = False  # the residual stage fits int32 (the graph's own residual requantize is int32)
     shift_ge33: bool = False  # every S[k] >= 33: stage 1 in int32 from the product's high word (mul.hi)
+    rq2_uniform: tuple = ()  # (c1, M1, c2, M2, S2) when rq2 is the same for every channel: compiled in
 
     # ---- derived -------------------------------------------------------------------------
     @property

@@ -49,7 +49,8 @@ def make_cases(quick=False):
             return ConvSpec(**base, x_dtype="uint4", w_bits=4, out_dtype="uint4", zo=1, lo=0, hi=15)
         if variant == 1:
             return ConvSpec(**base, x_dtype="int4", w_bits=4, out_dtype="uint4", has_residual=True,
-                            res_dtype="uint4", zo=0, lo=-8, hi=7, zo2=0, lo2=0, hi2=15)
+                            res_dtype="uint4", zo=0, lo=-8, hi=7, zo2=0, lo2=0, hi2=15,
+                            rq2_uniform=(2, 1 << 19, -1, 1 << 19, 20))
         return ConvSpec(**base, x_dtype="uint4", w_bits=4, out_dtype="int8", zo=-1, lo=-128, hi=127)
 
     layers = ALL_RESNET if not quick else ALL_RESNET[:4]

@@ -25,7 +25,7 @@ def category(name: str) -> str:
     if "sum" in name:
         return "global average pool"
     if "right_shift" in name:
-        return "residual add requantize"
+        return "average-pool requantize (glue)"
     return "other"
 
 

@@ -70,14 +70,14 @@ def int8_spec(N, C, H, K, R, st, pd):
     from qcompile.schedules import ConvSpec
 
     return ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8", w_bits=8,
-                    out_dtype="uint8", zo=3, lo=0, hi=255)
+                    out_dtype="uint8", zo=3, lo=0, hi=255, shift_ge33=True)  # the epilogue compiled models get
 
 
 def int4_spec(N, C, H, K, R, st, pd):
     from qcompile.schedules import ConvSpec
 
     return ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint4", w_bits=4,
-                    out_dtype="uint4", zo=1, lo=0, hi=15)
+                    out_dtype="uint4", zo=1, lo=0, hi=15, shift_ge33=True)
 
 
 def smem_bytes(kn) -> int:
@@ -149,6 +149,28 @@ def make_cases(batches, nvar, names=None, only_r=None, bench8=True, only_c=None)
             cases.append(dict(kind="bench", layer=f"{name}_b8_{dt}", spec=spec, strategy=strat,
                               knobs=DEFAULT_KNOBS[ARCH] if strat != "fallback" else None, variant="default",
                               is_default=True))
+    return cases
+
+
+def make_cases_as_compiled(batches):
+    """One kernel per ResNet-50 shape: the knobs a compiled model gets (tuning log, else defaults); no tuning."""
+    from qcompile.schedules import DEFAULT_KNOBS, select_strategy, tuned_knobs
+    from qcompile.schedules.igemm import _adapt_knobs
+    from qcompile.schedules.layers import RESNET50, distinct
+
+    cases = []
+    for N in batches:
+        for (name, C, H, K, R, st, pd) in distinct(RESNET50):
+            for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
+                spec = mk(N, C, H, K, R, st, pd)
+                layer = f"{name}_b{N}_{dt}"
+                if select_strategy(spec, ARCH) != "implicit_gemm":
+                    cases.append(dict(kind="bench", layer=layer, spec=spec, strategy="fallback", knobs=None,
+                                      variant="fallback", is_default=True))
+                    continue
+                kn = tuned_knobs(spec, ARCH) or _adapt_knobs(spec, DEFAULT_KNOBS[ARCH], "NHWC")
+                cases.append(dict(kind="tune" if N != 8 else "bench", layer=layer, spec=spec, strategy="implicit_gemm",
+                                  knobs=kn, variant="default", is_default=True))
     return cases
 
 
@@ -226,7 +248,9 @@ def cmd_build(a):
     else:
         for f in list(TUNE_DIR.glob("*.so")) + list(TUNE_DIR.glob("manifest.json")):
             f.unlink()
-    if a.loop_ab:
+    if a.as_compiled:
+        cases = make_cases_as_compiled(a.batches)
+    elif a.loop_ab:
         cases = make_cases_loop_ab(a.batches, {1: 2, 64: 1})
     else:
         cases = make_cases(a.batches, a.variants, a.cands, a.only_r, bench8=not a.append, only_c=a.only_c)
@@ -706,6 +730,8 @@ def main():
     b.add_argument("--only-r", type=int, default=None, help="only shapes with this filter size")
     b.add_argument("--only-c", type=int, default=None, help="only shapes with this many input channels")
     b.add_argument("--loop-ab", action="store_true", help="main-loop A/B on the ResNet-50 shapes (see make_cases_loop_ab)")
+    b.add_argument("--as-compiled", action="store_true",
+                   help="no tuning: one kernel per ResNet-50 shape with the knobs compiled models get (bench only)")
     d = sub.add_parser("device")
     d.add_argument("--dir", default=str(TUNE_DIR.relative_to(ROOT)))
     d.add_argument("--tune-budget", type=float, default=230, help="s after start: no new spec tuned after this")

@@ -55,6 +55,9 @@ SPECS = [
     ConvSpec(N=1, H=5, W=5, C=16, K=8, R=3, S=3, padding=1, out_dtype="int32", lo=-(1 << 31), hi=(1 << 31) - 1),
     ConvSpec(N=2, H=6, W=6, C=16, K=24, R=1, S=1, layout="HWNC", x_dtype="uint8", out_dtype="uint8", lo=-128,
              hi=127, has_residual=True, res_dtype="uint8", lo2=0, hi2=255, res_i32=True, shift_ge33=True),
+    ConvSpec(N=1, H=6, W=6, C=32, K=16, R=1, S=1, x_dtype="uint8", out_dtype="uint8", lo=-128, hi=127,
+             has_residual=True, res_dtype="uint8", lo2=0, hi2=255, res_i32=True, shift_ge33=True,
+             rq2_uniform=(3, 600, -2, 500, 10)),
     ConvSpec(N=1, H=7, W=7, C=64, K=16, R=3, S=3, padding=1, x_dtype="int4", w_bits=4, out_dtype="int4", lo=-8, hi=7,
              zo=1, shift_ge33=True),
 ]
