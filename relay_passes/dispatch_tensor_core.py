@@ -131,17 +131,23 @@ def _x_dtype(x, var2val) -> str:
     return storage
 
 
-def find_groups(func: relax.Function, decide_packing: bool = True) -> dict:
-    """Map each requantized conv/dense output var to its :class:`_Group`."""
-    if decide_packing:
-        return find_fusions(func)[0]
-    var2val = relax.analysis.get_var2val(func)
+def _use_counts(func: relax.Function) -> dict:
+    """How many call arguments in ``func`` name each var."""
     uses: dict = {}
     for block in func.body.blocks:
         for b in block.bindings:
             for a in getattr(b.value, "args", []):
                 if isinstance(a, relax.Var):
                     uses[a] = uses.get(a, 0) + 1
+    return uses
+
+
+def find_groups(func: relax.Function, decide_packing: bool = True) -> dict:
+    """Map each requantized conv/dense output var to its :class:`_Group`."""
+    if decide_packing:
+        return find_fusions(func)[0]
+    var2val = relax.analysis.get_var2val(func)
+    uses = _use_counts(func)
     groups = {}
     for block in func.body.blocks:
         for b in block.bindings:
@@ -202,12 +208,7 @@ def find_fusions(func: relax.Function):
     each kernel's output type decided (4-bit outputs packed only when kernels consume all of them)."""
     groups = find_groups(func, decide_packing=False)
     var2val = relax.analysis.get_var2val(func)
-    uses: dict = {}
-    for block in func.body.blocks:
-        for b in block.bindings:
-            for a in getattr(b.value, "args", []):
-                if isinstance(a, relax.Var):
-                    uses[a] = uses.get(a, 0) + 1
+    uses = _use_counts(func)
     residuals = {}
     for block in func.body.blocks:
         for b in block.bindings:

@@ -48,6 +48,25 @@ def epilogue_value(spec: ConvSpec, acc, k, bias, Mq, Sq, rv=None, rq2=None):
     return tirx.max(tirx.min(v, c(spec.hi2)), c(spec.lo2)).astype("int32")
 
 
+def residual_value(spec: ConvSpec, res, idx, k):
+    """int32 value of the residual input at (idx..., channel k), or None without one."""
+    if res is None:
+        return None
+    if spec.res_bits == 4:
+        return _nib(res[(*idx, k // 2)].astype("int32"), k, spec.res_signed)
+    return res[(*idx, k)].astype("int32")
+
+
+def output_compute(spec: ConvSpec, y, os_):
+    """The output tensor from int32 values y: cast, or two 4-bit values packed per byte (low nibble first)."""
+    o_st = ConvSpec.storage(spec.out_dtype)
+    if spec.out_bits == 4:
+        return te.compute(os_, lambda a, b, c, kk: tirx.bitwise_or(
+            tirx.bitwise_and(y[a, b, c, 2 * kk], 15),
+            tirx.shift_left(tirx.bitwise_and(y[a, b, c, 2 * kk + 1], 15), 4)).astype(o_st), name="out")
+    return te.compute(os_, lambda a, b, c, kk: y[a, b, c, kk].astype(o_st), name="out")
+
+
 def conv_compute(spec: ConvSpec):
     """TE tensors (x, w, bias, M, S, [res], out) implementing the project math in spec's layout."""
     xs, ws, os_ = spec.shapes()
@@ -97,23 +116,13 @@ def conv_compute(spec: ConvSpec):
         acc = te.compute((P, Q, N, K), lambda p, q, n, k: acc_f(n, p, q, k), name="acc")
     else:
         acc = te.compute((N, P, Q, K), acc_f, name="acc")
+
     def rq(i0, i1, i2, k):
-        rv = None
-        if res is not None:
-            if spec.res_bits == 4:
-                rv = _nib(res[i0, i1, i2, k // 2].astype("int32"), k, spec.res_signed)
-            else:
-                rv = res[i0, i1, i2, k].astype("int32")
+        rv = residual_value(spec, res, (i0, i1, i2), k)
         return epilogue_value(spec, acc[i0, i1, i2, k], k, bias, Mq, Sq, rv, rq2)
 
-    oshape = acc.shape
-    y = te.compute(oshape, rq, name="y")
-    if spec.out_bits == 4:
-        out = te.compute(os_, lambda a, b, c, kk: tirx.bitwise_or(
-            tirx.bitwise_and(y[a, b, c, 2 * kk], 15),
-            tirx.shift_left(tirx.bitwise_and(y[a, b, c, 2 * kk + 1], 15), 4)).astype(o_st), name="out")
-    else:
-        out = te.compute(os_, lambda a, b, c, kk: y[a, b, c, kk].astype(o_st), name="out")
+    y = te.compute(acc.shape, rq, name="y")
+    out = output_compute(spec, y, os_)
     args = [x, w, bias, Mq, Sq] + ([res, rq2] if res is not None else []) + [out]
     return args
 

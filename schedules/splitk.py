@@ -13,9 +13,9 @@ Integer addition is associative, so the result is bit-identical to the unsplit k
 """
 from __future__ import annotations
 
-from tvm import te, tirx
+from tvm import te
 
-from .fallback import _nib, epilogue_value
+from .fallback import epilogue_value, output_compute, residual_value
 from .spec import ConvSpec, arch_info
 
 
@@ -53,22 +53,10 @@ def make_splitk_epilogue(spec: ConvSpec, split: int, target_kind: str = "cuda", 
                      name="acc")
 
     def y_f(a, b, c, k):
-        rv = None
-        if res is not None:
-            if spec.res_bits == 4:
-                rv = _nib(res[a, b, c, k // 2].astype("int32"), k, spec.res_signed)
-            else:
-                rv = res[a, b, c, k].astype("int32")
-        return epilogue_value(spec, acc[a, b, c, k], k, bias, Mq, Sq, rv, rq2)
+        return epilogue_value(spec, acc[a, b, c, k], k, bias, Mq, Sq, residual_value(spec, res, (a, b, c), k), rq2)
 
     y = te.compute(acc.shape, y_f, name="y")
-    o_st = ConvSpec.storage(spec.out_dtype)
-    if spec.out_bits == 4:
-        out = te.compute(os_, lambda a, b, c, kk: tirx.bitwise_or(
-            tirx.bitwise_and(y[a, b, c, 2 * kk], 15),
-            tirx.shift_left(tirx.bitwise_and(y[a, b, c, 2 * kk + 1], 15), 4)).astype(o_st), name="out")
-    else:
-        out = te.compute(os_, lambda a, b, c, kk: y[a, b, c, kk].astype(o_st), name="out")
+    out = output_compute(spec, y, os_)
     args = [ws, bias, Mq, Sq] + ([res, rq2] if res is not None else []) + [out]
     func = te.create_prim_func(args)
     if target_kind != "cuda":
