@@ -29,7 +29,7 @@ def epilogue_value(spec: ConvSpec, acc, k, bias, Mq, Sq, rv=None, rq2=None):
         # shifts TVM's integer-bound analysis narrows the result and drops the clip below
         sh = tirx.max(tirx.min(Sq[k] - 32, i32(30)), i32(1))
         v = tirx.shift_right(hi32 + tirx.shift_left(i32(1), sh - 1), sh) + i32(spec.zo)
-        v = tirx.max(tirx.min(v, i32(hi)), i32(lo))  # (tirx.min/max with a Python int drop the bound)
+        v = tirx.max(tirx.min(v, i32(hi)), i32(lo))
         if rv is None:
             return v
         y1 = v.astype("int64")
