@@ -152,6 +152,35 @@ def make_cases(batches, nvar, names=None, only_r=None, bench8=True, only_c=None)
     return cases
 
 
+def make_cases_targeted(targets):
+    """Wide candidate sets for named layers (``r50_l1_1x1a_b64_int4`` ...): the knobs they build with now
+    ("default"), every CAND tile, and each of those with the one-barrier loop and with 16-element epilogue stores."""
+    from qcompile.schedules import DEFAULT_KNOBS, tuned_knobs
+    from qcompile.schedules.igemm import _adapt_knobs
+    from qcompile.schedules.layers import RESNET50, distinct
+
+    shapes = {l[0]: l[1:] for l in distinct(RESNET50)}
+    cases = []
+    for t in targets:
+        name, rest = t.rsplit("_b", 1)
+        N, dt = int(rest.split("_")[0]), rest.split("_")[1]
+        C, H, K, R, st, pd = shapes[name]
+        spec = (int8_spec if dt == "int8" else int4_spec)(N, C, H, K, R, st, pd)
+        base = tuned_knobs(spec, ARCH) or _adapt_knobs(spec, DEFAULT_KNOBS[ARCH], "NHWC")
+        vs, seen = [("default", base)], {base}
+        for cname in CAND:
+            e = _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(**CAND[cname]), "NHWC")
+            for vname, kn in ((cname, e), (cname + "_p1", e.replace(pipe=1)), (cname + "_ev16", e.replace(ev=16))):
+                if kn in seen or not kn.valid() or smem_bytes(kn) > 220 * 1024:
+                    continue
+                seen.add(kn)
+                vs.append((vname, kn))
+        for vname, kn in vs:
+            cases.append(dict(kind="tune", layer=t, spec=spec, strategy="implicit_gemm", knobs=kn, variant=vname,
+                              is_default=vname == "default"))
+    return cases
+
+
 def make_cases_as_compiled(batches):
     """One kernel per ResNet-50 shape: the knobs a compiled model gets (tuning log, else defaults); no tuning."""
     from qcompile.schedules import DEFAULT_KNOBS, select_strategy, tuned_knobs
@@ -248,7 +277,9 @@ def cmd_build(a):
     else:
         for f in list(TUNE_DIR.glob("*.so")) + list(TUNE_DIR.glob("manifest.json")):
             f.unlink()
-    if a.as_compiled:
+    if a.targets:
+        cases = make_cases_targeted(a.targets)
+    elif a.as_compiled:
         cases = make_cases_as_compiled(a.batches)
     elif a.loop_ab:
         cases = make_cases_loop_ab(a.batches, {1: 2, 64: 1})
@@ -730,6 +761,7 @@ def main():
     b.add_argument("--only-r", type=int, default=None, help="only shapes with this filter size")
     b.add_argument("--only-c", type=int, default=None, help="only shapes with this many input channels")
     b.add_argument("--loop-ab", action="store_true", help="main-loop A/B on the ResNet-50 shapes (see make_cases_loop_ab)")
+    b.add_argument("--targets", nargs="+", default=None, help="wide candidate sets for these layers (NAME_bN_DT)")
     b.add_argument("--as-compiled", action="store_true",
                    help="no tuning: one kernel per ResNet-50 shape with the knobs compiled models get (bench only)")
     d = sub.add_parser("device")

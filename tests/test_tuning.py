@@ -21,8 +21,8 @@ def _fresh_cache(monkeypatch):
 
 
 def _specs():
-    """The shapes tune_layers.py tunes (ResNet-18/50 at batch 64/256, ResNet-50 at batch 1; INT8 and INT4 NHWC)."""
-    for N in (1, 64, 256):
+    """The shapes tune_layers.py tunes (ResNet-18/50 at batch 64/256, ResNet-50 at batch 1 and 8; INT8 and INT4 NHWC)."""
+    for N in (1, 8, 64, 256):
         for (_, C, H, K, R, st, pd) in ALL_RESNET:
             yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
                            out_dtype="uint8", lo=0, hi=255)
