@@ -57,7 +57,10 @@ def main():
                 onnx_path = os.path.join(td, "m.onnx")
                 export_onnx(qm, onnx_path, (1, 3, 224, 224), batch=None)
                 digest = None
-                entry = {"batches": {}, "layout": a.layout, "arch": a.arch}
+                # batches built by earlier runs stay listed (their bN.so are still in the folder)
+                old = manifest.get(tag, {}).get("batches", {})
+                entry = {"batches": {b: v for b, v in old.items() if os.path.exists(os.path.join(d, f"b{b}.so"))},
+                         "layout": a.layout, "arch": a.arch}
                 for b in a.profile_batch:
                     res = compile_model(onnx_path, CompileOptions(target="cuda", arch=a.arch, layout=a.layout, batch=b,
                                                                   weights_beside=True, cuda_graph=False), log=lambda s: None)
