@@ -142,107 +142,113 @@ def _use_counts(func: relax.Function) -> dict:
     return uses
 
 
-def find_groups(func: relax.Function, decide_packing: bool = True) -> dict:
-    """Map each requantized conv/dense output var to its :class:`_Group`."""
-    if decide_packing:
-        return find_fusions(func)[0]
+def _astype_bindings(func: relax.Function):
+    """The bindings of ``func`` whose value is an astype (where every requantize ends)."""
+    for block in func.body.blocks:
+        for b in block.bindings:
+            if isinstance(b.value, relax.Call) and b.value.op.name == "relax.astype":
+                yield b
+
+
+def find_groups(func: relax.Function) -> dict:
+    """Map each requantized conv/dense output var to its :class:`_Group` (output types as dispatched)."""
+    return find_fusions(func)[0]
+
+
+def _find_groups(func: relax.Function) -> dict:
     var2val = relax.analysis.get_var2val(func)
     uses = _use_counts(func)
     groups = {}
-    for block in func.body.blocks:
-        for b in block.bindings:
-            v = b.value
-            if not (isinstance(v, relax.Call) and v.op.name == "relax.astype"):
-                continue
-            tail = _requant_tail(v, var2val)
-            if tail is None:
-                continue
-            e, S, zo, lo, hi = tail
-            mul = _call(e, var2val, "multiply")
-            if mul is None or _const(mul.args[1]) is None:
-                continue
-            M, e = _const(mul.args[1]), mul.args[0]
-            bias = None
-            off = _call(e, var2val, "add")
-            if off is not None and _const(off.args[1]) is not None:
-                bias, e = _const(off.args[1]), off.args[0]
-            cast = _call(e, var2val, "astype")
-            if cast is None or not isinstance(cast.args[0], relax.Var):
-                continue
-            acc_var = cast.args[0]
-            acc = var2val.get(acc_var)
-            if not isinstance(acc, relax.Call) or acc.op.name not in ("relax.nn.conv2d", "relax.matmul") \
-                    or uses.get(acc_var, 0) != 1 or str(acc_var.ty.dtype) != "int32":
-                continue
-            wexpr = acc.args[1]
-            wclip = _call(wexpr, var2val, "clip")
-            w = _const(wclip.args[0]) if wclip is not None else _const(wexpr)
-            if w is None:
-                continue
-            dense = acc.op.name == "relax.matmul"
-            if not dense and (str(acc.attrs.data_layout) not in ("NHWC", "HWNC") or int(acc.attrs.groups) != 1):
-                continue
-            x, pad, pad_value = acc.args[0], (0, 0, 0, 0), 0
-            if not dense:
-                pad = tuple(int(p) for p in acc.attrs.padding)
-                padded = _call(x, var2val, "nn.pad")
-                if padded is not None:
-                    pw = [int(p) for p in padded.attrs.pad_width]
-                    hw = (1, 2) if str(acc.attrs.data_layout) == "NHWC" else (0, 1)
-                    pad = (pw[2 * hw[0]], pw[2 * hw[1]], pw[2 * hw[0] + 1], pw[2 * hw[1] + 1])
-                    pad_value, x = int(float(padded.attrs.pad_value)), padded.args[0]
-            K = w.shape[1] if dense else (w.shape[0] if str(acc.attrs.kernel_layout) == "OHWI" else w.shape[2])
-            chan = lambda c: np.broadcast_to(np.asarray(c).reshape(-1) if np.size(c) > 1 else np.asarray(c).reshape(()), (K,))
-            bias = chan(bias if bias is not None else 0)
-            if np.abs(bias).max(initial=0) >= 2**31:
-                continue
-            w_bits = 4 if wclip is not None and int(wclip.args[1].value) >= -8 and int(wclip.args[2].value) <= 7 else 8
-            groups[b.var] = _Group(b.var, acc, x, w, w_bits, pad, pad_value, bias.astype(np.int32),
-                                   chan(M).astype(np.int32), chan(S).astype(np.int32), zo, lo, hi,
-                                   _range_dtype(lo, hi, str(b.var.ty.dtype)), dense)
+    for b in _astype_bindings(func):
+        v = b.value
+        tail = _requant_tail(v, var2val)
+        if tail is None:
+            continue
+        e, S, zo, lo, hi = tail
+        mul = _call(e, var2val, "multiply")
+        if mul is None or _const(mul.args[1]) is None:
+            continue
+        M, e = _const(mul.args[1]), mul.args[0]
+        bias = None
+        off = _call(e, var2val, "add")
+        if off is not None and _const(off.args[1]) is not None:
+            bias, e = _const(off.args[1]), off.args[0]
+        cast = _call(e, var2val, "astype")
+        if cast is None or not isinstance(cast.args[0], relax.Var):
+            continue
+        acc_var = cast.args[0]
+        acc = var2val.get(acc_var)
+        if not isinstance(acc, relax.Call) or acc.op.name not in ("relax.nn.conv2d", "relax.matmul") \
+                or uses.get(acc_var, 0) != 1 or str(acc_var.ty.dtype) != "int32":
+            continue
+        wexpr = acc.args[1]
+        wclip = _call(wexpr, var2val, "clip")
+        w = _const(wclip.args[0]) if wclip is not None else _const(wexpr)
+        if w is None:
+            continue
+        dense = acc.op.name == "relax.matmul"
+        if not dense and (str(acc.attrs.data_layout) not in ("NHWC", "HWNC") or int(acc.attrs.groups) != 1):
+            continue
+        x, pad, pad_value = acc.args[0], (0, 0, 0, 0), 0
+        if not dense:
+            pad = tuple(int(p) for p in acc.attrs.padding)
+            padded = _call(x, var2val, "nn.pad")
+            if padded is not None:
+                pw = [int(p) for p in padded.attrs.pad_width]
+                hw = (1, 2) if str(acc.attrs.data_layout) == "NHWC" else (0, 1)
+                pad = (pw[2 * hw[0]], pw[2 * hw[1]], pw[2 * hw[0] + 1], pw[2 * hw[1] + 1])
+                pad_value, x = int(float(padded.attrs.pad_value)), padded.args[0]
+        K = w.shape[1] if dense else (w.shape[0] if str(acc.attrs.kernel_layout) == "OHWI" else w.shape[2])
+        chan = lambda c: np.broadcast_to(np.asarray(c).reshape(-1) if np.size(c) > 1 else np.asarray(c).reshape(()), (K,))
+        bias = chan(bias if bias is not None else 0)
+        if np.abs(bias).max(initial=0) >= 2**31:
+            continue
+        w_bits = 4 if wclip is not None and int(wclip.args[1].value) >= -8 and int(wclip.args[2].value) <= 7 else 8
+        groups[b.var] = _Group(b.var, acc, x, w, w_bits, pad, pad_value, bias.astype(np.int32),
+                               chan(M).astype(np.int32), chan(S).astype(np.int32), zo, lo, hi,
+                               _range_dtype(lo, hi, str(b.var.ty.dtype)), dense)
     return groups
 
 
 def find_fusions(func: relax.Function):
     """(groups, residuals): :func:`find_groups` plus the residual adds fused into a conv kernel, with
     each kernel's output type decided (4-bit outputs packed only when kernels consume all of them)."""
-    groups = find_groups(func, decide_packing=False)
+    groups = _find_groups(func)
     var2val = relax.analysis.get_var2val(func)
     uses = _use_counts(func)
     residuals = {}
-    for block in func.body.blocks:
-        for b in block.bindings:
-            v = b.value
-            if b.var in groups or not (isinstance(v, relax.Call) and v.op.name == "relax.astype"):
+    for b in _astype_bindings(func):
+        if b.var in groups:
+            continue
+        v = b.value
+        tail = _requant_tail(v, var2val)
+        if tail is None:
+            continue
+        e, S2, zo2, lo2, hi2 = tail
+        plus = _call(e, var2val, "add")
+        if plus is None:
+            continue
+        terms = [_term(plus.args[0], var2val), _term(plus.args[1], var2val)]
+        if None in terms:
+            continue
+        for i in (0, 1):
+            g = groups.get(terms[i][0])
+            if g is None or g.dense or g.fused or uses.get(g.out, 0) != 1:
                 continue
-            tail = _requant_tail(v, var2val)
-            if tail is None:
+            other = terms[1 - i]
+            if str(other[0].ty.dtype) not in ("int8", "uint8") or \
+                    [int(d) for d in other[0].ty.shape] != [int(d) for d in g.out.ty.shape]:
                 continue
-            e, S2, zo2, lo2, hi2 = tail
-            plus = _call(e, var2val, "add")
-            if plus is None:
+            K = int(g.out.ty.shape[-1])
+            chan = lambda c: np.broadcast_to(np.asarray(c).reshape(-1) if np.size(c) > 1 else np.asarray(c).reshape(()), (K,)).astype(np.int64)
+            rows = [chan(terms[i][1]), chan(terms[i][2]), chan(other[1]), chan(other[2]), chan(S2)]
+            if any(np.abs(r).max(initial=0) >= 2**31 for r in rows):
                 continue
-            terms = [_term(plus.args[0], var2val), _term(plus.args[1], var2val)]
-            if None in terms:
-                continue
-            for i in (0, 1):
-                g = groups.get(terms[i][0])
-                if g is None or g.dense or g.fused or uses.get(g.out, 0) != 1:
-                    continue
-                other = terms[1 - i]
-                if str(other[0].ty.dtype) not in ("int8", "uint8") or \
-                        [int(d) for d in other[0].ty.shape] != [int(d) for d in g.out.ty.shape]:
-                    continue
-                K = int(g.out.ty.shape[-1])
-                chan = lambda c: np.broadcast_to(np.asarray(c).reshape(-1) if np.size(c) > 1 else np.asarray(c).reshape(()), (K,)).astype(np.int64)
-                rows = [chan(terms[i][1]), chan(terms[i][2]), chan(other[1]), chan(other[2]), chan(S2)]
-                if any(np.abs(r).max(initial=0) >= 2**31 for r in rows):
-                    continue
-                g.fused = True
-                residuals[b.var] = _Residual(b.var, g, other[0], np.stack(rows).astype(np.int32), zo2, lo2, hi2,
-                                             _range_dtype(lo2, hi2, str(b.var.ty.dtype)),
-                                             str(v.args[0].ty.dtype) == "int32")
-                break
+            g.fused = True
+            residuals[b.var] = _Residual(b.var, g, other[0], np.stack(rows).astype(np.int32), zo2, lo2, hi2,
+                                         _range_dtype(lo2, hi2, str(b.var.ty.dtype)),
+                                         str(v.args[0].ty.dtype) == "int32")
+            break
     # A 4-bit output stays packed only when every consumer is a kernel's data or residual operand; for glue
     # consumers (pools, un-fused adds) the kernel writes the same values one per byte (no pack/unpack).
     kernel_uses: dict = {}

@@ -119,6 +119,22 @@ def candidates(spec, n: int, names=None):
 # ------------------------------------------------------------------------------------------------------------
 # build (here)
 # ------------------------------------------------------------------------------------------------------------
+def bench8_cases():
+    """Bench-only ResNet-50 layers at batch 8 with the default knobs (batch 8 is not tuned)."""
+    from qcompile.schedules import DEFAULT_KNOBS, select_strategy
+    from qcompile.schedules.layers import RESNET50, distinct
+
+    cases = []
+    for (name, C, H, K, R, st, pd) in distinct(RESNET50):
+        for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
+            spec = mk(8, C, H, K, R, st, pd)
+            strat = select_strategy(spec, ARCH)
+            cases.append(dict(kind="bench", layer=f"{name}_b8_{dt}", spec=spec, strategy=strat,
+                              knobs=DEFAULT_KNOBS[ARCH] if strat != "fallback" else None, variant="default",
+                              is_default=True))
+    return cases
+
+
 def make_cases(batches, nvar, names=None, only_r=None, bench8=True, only_c=None):
     from qcompile.schedules import DEFAULT_KNOBS, select_strategy
     from qcompile.schedules.layers import ALL_RESNET, RESNET50, distinct
@@ -141,15 +157,7 @@ def make_cases(batches, nvar, names=None, only_r=None, bench8=True, only_c=None)
                 for vname, kn in candidates(spec, nv, names):
                     cases.append(dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=kn,
                                       variant=vname, is_default=vname == "default"))
-    # bench-only batch 8 (ResNet-50): default knobs
-    for (name, C, H, K, R, st, pd) in (distinct(RESNET50) if bench8 else []):
-        for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
-            spec = mk(8, C, H, K, R, st, pd)
-            strat = select_strategy(spec, ARCH)
-            cases.append(dict(kind="bench", layer=f"{name}_b8_{dt}", spec=spec, strategy=strat,
-                              knobs=DEFAULT_KNOBS[ARCH] if strat != "fallback" else None, variant="default",
-                              is_default=True))
-    return cases
+    return cases + (bench8_cases() if bench8 else [])
 
 
 def make_cases_targeted(targets):
@@ -232,14 +240,7 @@ def make_cases_loop_ab(batches, alt):
                 for vname, kn in vs:
                     cases.append(dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=kn,
                                       variant=vname, is_default=vname == "default"))
-    for (name, C, H, K, R, st, pd) in distinct(RESNET50):  # bench-only batch 8: current defaults
-        for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
-            spec = mk(8, C, H, K, R, st, pd)
-            strat = select_strategy(spec, ARCH)
-            cases.append(dict(kind="bench", layer=f"{name}_b8_{dt}", spec=spec, strategy=strat,
-                              knobs=DEFAULT_KNOBS[ARCH] if strat != "fallback" else None, variant="default",
-                              is_default=True))
-    return cases
+    return cases + bench8_cases()
 
 
 def build_group(args):

@@ -63,21 +63,27 @@ SPECS = [
 ]
 
 
+def _run_llvm_and_compare(func, args, spec, rng, problem):
+    """Run ``func`` on llvm with ``args`` and a poisoned output; it must equal the NumPy reference of ``problem``."""
+    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    out = rng.integers(0, 100, spec.shapes()[2]).astype(ConvSpec.storage(spec.out_dtype))  # poisoned
+    targs = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args] + [tvm.runtime.tensor(out)]
+    lib["main"](*targs)
+    got = R.from_storage(targs[-1].numpy(), spec.out_dtype, spec.K)
+    ref = R.conv_reference(spec, *problem)
+    assert np.unique(ref).size > 3
+    np.testing.assert_array_equal(got, ref)
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.layout}-{s.x_dtype}-{s.out_dtype}-C{s.C}-res{int(s.has_residual)}")
 def test_compute_llvm_matches_numpy(spec):
     """The unscheduled TIR compute (what every schedule implements) equals the NumPy reference."""
     rng = np.random.default_rng(7)
     x, w, b, M, S, res = R.random_problem(spec, rng)
-    lib = tvm.compile(tvm.IRModule({"main": make_fallback(spec, "llvm")}), target="llvm")
+    func = make_fallback(spec, "llvm")
     args = [R.to_storage(x, spec.x_dtype), R.to_storage(w, "int4" if spec.w_bits == 4 else "int8"), b, M, S]
     args += R.residual_args(spec, res)
-    out = rng.integers(0, 100, spec.shapes()[2]).astype(ConvSpec.storage(spec.out_dtype))  # poisoned
-    targs = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args] + [tvm.runtime.tensor(out)]
-    lib["main"](*targs)
-    got = R.from_storage(targs[-1].numpy(), spec.out_dtype, spec.K)
-    ref = R.conv_reference(spec, x, w, b, M, S, res)
-    assert np.unique(ref).size > 3
-    np.testing.assert_array_equal(got, ref)
+    _run_llvm_and_compare(func, args, spec, rng, (x, w, b, M, S, res))
 
 
 def test_pack4_convention():
@@ -169,15 +175,9 @@ def test_splitk_epilogue_llvm_matches_numpy(spec):
     parts = rng.integers(-(1 << 20), 1 << 20, (split - 1,) + flat.shape)
     ws = np.concatenate([parts, (flat - parts.sum(0))[None]]).astype(np.int32)
     assert ws.shape == workspace_shape(spec, split)
-    lib = tvm.compile(tvm.IRModule({"main": make_splitk_epilogue(spec, split, "llvm")}), target="llvm")
+    func = make_splitk_epilogue(spec, split, "llvm")
     args = [ws, b, M, S] + R.residual_args(spec, res)
-    out = rng.integers(0, 100, spec.shapes()[2]).astype(ConvSpec.storage(spec.out_dtype))
-    targs = [tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args] + [tvm.runtime.tensor(out)]
-    lib["main"](*targs)
-    got = R.from_storage(targs[-1].numpy(), spec.out_dtype, spec.K)
-    ref = R.conv_reference(spec, x, w, b, M, S, res)
-    assert np.unique(ref).size > 3
-    np.testing.assert_array_equal(got, ref)
+    _run_llvm_and_compare(func, args, spec, rng, (x, w, b, M, S, res))
 
 
 def test_splitk_plan():
