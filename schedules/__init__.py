@@ -9,6 +9,8 @@ Public interface (see docs/SCHEDULES.md):
 """
 from __future__ import annotations
 
+import warnings
+
 from .spec import DEFAULT_KNOBS, MMA_SHAPES, ArchMMA, ConvSpec, GemmKnobs, MMAShape, arch_info
 from .tuning import tuned_knobs, tuning_key
 
@@ -16,26 +18,33 @@ STRATEGIES = ("direct_hwnc", "implicit_gemm", "fallback")
 
 
 # ---- dlight-style rules: each returns a PrimFunc, or None when it does not apply ----------------
-def rule_direct_hwnc(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
+def _gemm_rule(spec: ConvSpec, arch: str, knobs, layout: str, allow_split: bool):
     from .igemm import NotApplicable, gemm_constraints, make_gemm_conv
 
-    if spec.layout != "HWNC" or gemm_constraints(spec, arch, "HWNC"):
+    if spec.layout != layout or gemm_constraints(spec, arch, layout):
         return None
     try:
-        return make_gemm_conv(spec, arch, knobs, layout="HWNC", allow_split=allow_split)
-    except NotApplicable:
-        return None
+        return make_gemm_conv(spec, arch, knobs, layout=layout, allow_split=allow_split)
+    except NotApplicable as e:
+        if knobs is None or knobs.mma != "wgmma":
+            return None
+        # 1. warpgroup MMA knobs the shape cannot take (arch without wgmma, channel bytes % 16, padding value):
+        #    the mma.sync kernel with this arch's defaults computes the same result
+        warnings.warn(f"qcompile.schedules: wgmma knobs do not apply to {tuning_key(spec)} on {arch} ({e}); "
+                      "using the mma.sync kernel with default knobs", stacklevel=3)
+        try:
+            return make_gemm_conv(spec, arch, DEFAULT_KNOBS.get(arch, DEFAULT_KNOBS["sm_90"]), layout=layout,
+                                  allow_split=allow_split)
+        except NotApplicable:
+            return None
+
+
+def rule_direct_hwnc(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
+    return _gemm_rule(spec, arch, knobs, "HWNC", allow_split)
 
 
 def rule_implicit_gemm(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
-    from .igemm import NotApplicable, gemm_constraints, make_gemm_conv
-
-    if spec.layout != "NHWC" or gemm_constraints(spec, arch, "NHWC"):
-        return None
-    try:
-        return make_gemm_conv(spec, arch, knobs, layout="NHWC", allow_split=allow_split)
-    except NotApplicable:
-        return None
+    return _gemm_rule(spec, arch, knobs, "NHWC", allow_split)
 
 
 def rule_fallback(spec: ConvSpec, arch: str, knobs=None, allow_split=False):

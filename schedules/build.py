@@ -83,8 +83,10 @@ def cuda_target(arch: str = "sm_90") -> tvm.target.Target:
     return tvm.target.Target({"kind": "cuda", "arch": arch})
 
 
-def _gencode(arch: str, mode: str) -> list[str]:
-    num = arch.split("_")[1]
+def _gencode(arch: str, mode: str, accel: bool = False) -> list[str]:
+    """nvcc -gencode flags; ``accel``: the arch-specific feature set (``sm_90a``: wgmma), which only the GPU
+    family it names runs (its PTX does not JIT to later GPUs)."""
+    num = arch.split("_")[1] + ("a" if accel and not arch.endswith("a") else "")
     if mode == "sass":
         return ["-gencode", f"arch=compute_{num},code=sm_{num}"]
     if mode == "ptx":
@@ -102,7 +104,7 @@ def _compile_cb(code, *_unused):
         out = os.path.join(td, "k.fatbin")
         with open(cu, "w") as f:
             f.write(code)
-        cmd = ["nvcc", "--fatbin", "-O3", "-std=c++17", *(_gencode(arch, mode)), "-o", out, cu, *_STATE["extra"]]
+        cmd = ["nvcc", "--fatbin", "-O3", "-std=c++17", *(_gencode(arch, mode, accel="wgmma." in code)), "-o", out, cu, *_STATE["extra"]]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError("nvcc failed:\n" + r.stderr[-4000:] + "\n" + " ".join(cmd))

@@ -92,13 +92,14 @@ def _adapt_knobs(spec: ConvSpec, kn: GemmKnobs, layout: str) -> GemmKnobs:
     if spec.pad_value != 0 and vec > 1:
         pass  # plain-load path keeps vector width, pads with pad_value
     BM, BN, WM, WN = kn.BM, kn.BN, kn.WM, kn.WN
-    while BN > 32 and BN // 2 >= spec.K:
+    lo = 64 if kn.mma == "wgmma" else 32  # smallest warp(group) tile side
+    while BN > lo and BN // 2 >= spec.K:
         BN //= 2
-    while BM > 32 and BM // 2 >= Mtot:
+    while BM > lo and BM // 2 >= Mtot:
         BM //= 2
-    WM = max(1, min(WM, BM // 32))
-    WN = max(1, min(WN, BN // 32))
-    nth = 32 * WM * WN
+    WM = max(1, min(WM, BM // lo))
+    WN = max(1, min(WN, BN // lo))
+    nth = (128 if kn.mma == "wgmma" else 32) * WM * WN
     BK = kn.BK
     kn = kn.replace(BM=BM, BN=BN, WM=WM, WN=WN, vec=vec, BK=BK)
     # keep every thread busy with whole vectors
@@ -139,6 +140,12 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         kn = _adapt_knobs(spec, kn, layout)
     if not kn.valid():
         raise NotApplicable(f"invalid knobs {kn}")
+    WG = kn.mma == "wgmma"
+    if WG:
+        if not ai.wgmma:
+            raise NotApplicable(f"wgmma needs sm_90a, not {arch}")
+        if spec.pad_value != 0 or kn.vec != 16:
+            raise NotApplicable("wgmma tiles are filled by 16-byte cp.async (channel bytes % 16 == 0, zero padding)")
     SPLIT = split_factor(spec, arch, kn) if allow_split else 1
 
     # ---------------- constants ----------------
@@ -152,12 +159,31 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     GKB = R * S * CB  # reduction length in bytes
     Mtot = N * P * Q
     BM, BN, BK, WM, WN, STG = kn.BM, kn.BN, kn.BK, kn.WM, kn.WN, kn.stages
-    NWARP = WM * WN
-    NTH = 32 * NWARP
+    NTH = kn.threads
+    NWARP = NTH // 32
     WTM, WTN = BM // WM, BN // WN
     MT, NT = WTM // 16, WTN // 8
-    KS = BK // 32  # 32-byte k-steps per chunk
-    BKP = BK + 16  # padded shared row pitch (bytes)
+    KS = (2 * BK if WG and spec.x_bits == 4 else BK) // 32  # 32-byte k-steps per chunk (of the MMA operand bytes)
+    # shared tiles: mma.sync reads padded rows (pitch BK+16 bytes: conflict-free ldmatrix). wgmma reads swizzled
+    # K-major atoms: AW-byte rows (AW = min(BK, 128): the 32/64/128-byte swizzle mode), 16-byte chunk c of row r
+    # stored at chunk c ^ ((r * AW >> 7) & SWM); a K-chunk of BK > 128 bytes is BK/128 such atom columns, each
+    # holding all rows of the tile. Descriptor: 8-row groups SBO = 8*AW bytes apart (LBO unused when swizzled).
+    # (The no-swizzle "interleaved" layout measured 2x slower on the H100.)
+    # wgmma has no 4-bit operands: 4-bit tiles are loaded packed (16 bytes = 32 values per vector, half the global
+    # traffic) into registers and stored unpacked to s8/u8 (x16, the nibble-split of the mma.sync path: even values
+    # in one 16-byte chunk, odd values in the next; A and B permuted alike), so a stage row holds UBK = 2*BK bytes
+    UNPACK_LD = WG and spec.x_bits == 4
+    UBK = 2 * BK if UNPACK_LD else BK
+    BKP = UBK if WG else BK + 16
+    AW = min(UBK, 128)
+    SWM = AW // 16 - 1
+    SBO, LBO = 8 * AW, 16
+    LAYOUT_TYPE = {32: 3, 64: 2, 128: 1}.get(AW, 0)  # descriptor bits 62-63
+    GIF = 1 + kn.pipe if WG else 0  # wgmma: MMA groups (K-chunks) in flight
+    MI = WTM // 64  # wgmma: m64 instructions per warpgroup tile
+    INS_N = min(WTN, 128)  # wgmma: N of one instruction
+    NI = WTN // INS_N
+    EMT = MI if WG else MT  # 16-row accumulator blocks per warp (the epilogue's row loop)
     VEC = kn.vec
     VPR = BK // VEC  # vectors per tile row
     A_IT = BM * BK // VEC // NTH
@@ -166,6 +192,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     CPS = -(-NK // SPLIT)  # K-chunks per split
     PAD = spec.pad_value
     use_async = VEC >= 4 and PAD == 0 and ai.has_cp_async
+    if WG and kn.stages < 3 + kn.pipe:
+        raise NotApplicable("the wgmma loop keeps 1 + pipe MMA groups in flight: stages >= 3 + pipe")
     if not use_async:
         STG = max(2, min(STG, 2))
     EV = _pick_ev(spec, kn.ev)
@@ -203,6 +231,13 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     O_SIZE = math.prod(os_)
     SMEM_A = STG * BM * BKP
     SMEM_B = STG * BN * BKP
+    # wgmma: A and B stages live in one buffer (B at B_OFF); as two buffers TVM's shared-memory planner overlapped
+    # them (the descriptors' access_ptr outside the loop is the only use it sees of Bs's lifetime)
+    B_OFF = SMEM_A if WG else 0
+    if WG and max(SMEM_A + SMEM_B, 4 * NWARP * 16 * (WTN + 8)) > ai.smem_per_block:
+        raise NotApplicable(f"{(SMEM_A + SMEM_B) // 1024} KiB of shared tiles exceed the {ai.smem_per_block // 1024} KiB "
+                            f"per block of {arch}")
+    A_ALLOC, B_ALLOC = (SMEM_A + SMEM_B, 16) if WG else (SMEM_A, SMEM_B)
     SMEM_C = NWARP * 16 * CSP
     CS_IT = 16 * WTN // (32 * EV)
     LPR = WTN // EV  # lanes per staged row
@@ -213,6 +248,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     assert CS_IT * 32 * EV == 16 * WTN, (WTN, EV)
     OUT_VEC = EV * OB // 8 if OB < 32 else EV  # storage elements per lane store
     MASK = T.uint32(_MASK_HI)
+    ACC_T = "uint32" if WG else "int32"  # wgmma accumulators are .s32 in u32 carrier registers
     # one K-chunk: nothing to pipeline, and without the loop TVM's shared-memory planner may overlap As and Bs
     # (measured: wrong results with pipe=1 and NK == 1); the first loop keeps them in one loop
     PIPE = kn.pipe if (NK > 1 or SPLIT > 1) else 0
@@ -269,6 +305,45 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     def unshift(a):  # Hopper INT4 accumulators hold 256 x the sum
         return T.shift_right(a, acc_shift) if acc_shift else a
 
+    def tile_slot(L, rows):
+        """(row, 16-byte column, byte offset in a stage of ``rows`` rows) of loader vector L: consecutive lanes
+        take consecutive 16-byte columns of a row (coalesced; the swizzle keeps each quarter-warp's stores in
+        distinct banks)."""
+        row, kv = L // VPR, L % VPR
+        if WG:
+            return row, kv, tile_off(row, kv * (2 if UNPACK_LD else 1), rows)
+        return row, kv, row * BKP + kv * VEC
+
+    def tile_off(row, c, rows):  # swizzled byte offset of 16-byte chunk c of a row (wgmma tiles)
+        w = AW // 16
+        return (c // w) * (rows * AW) + row * AW + T.bitwise_xor(c % w, T.bitwise_and(T.shift_right(row * AW, 7), SWM)) * 16
+
+    def unpack_store(S_, soff_lo, soff_hi, rv, v):
+        """Packed vector v (rv[4v:4v+4]: 16 bytes, 32 nibbles) -> two 16-byte s8/u8 chunks: even nibbles x16, odd
+        nibbles x16."""
+        lo = [T.bitwise_and(T.shift_left(rv[v * 4 + e], T.uint32(4)), MASK) for e in range(4)]
+        hi = [T.bitwise_and(rv[v * 4 + e], MASK) for e in range(4)]
+        return (T.ptx.st.shared.v4.b32(T.address_of(S_[soff_lo]), *lo),
+                T.ptx.st.shared.v4.b32(T.address_of(S_[soff_hi]), *hi))
+
+    def kstep_off(ks, rows):  # byte offset of k32 step ks in a swizzled stage of ``rows`` rows
+        return (ks * 32 // AW) * (rows * AW) + (ks * 32) % AW
+
+    def wg_mma(acc, base, adesc, bdesc):
+        """One wgmma.mma_async m64nINS_Nk32 on accumulator registers acc[base : base + INS_N/2]."""
+        a_t = "s8" if spec.x_signed else "u8"
+        op = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{INS_N}k32.s32.{a_t}.s8"]
+        return op(*[acc[base + r] for r in range(INS_N // 2)], adesc, bdesc, T.ptx.pred(1))
+
+    def smem_desc(buf):
+        """wgmma matrix descriptor of a shared tile: start >> 4 | LBO >> 4 << 16 | SBO >> 4 << 32 | layout << 62."""
+        addr = T.Cast("uint64", T.shift_right(T.cuda.cvta_generic_to_shared(buf.access_ptr("r")), 4))
+        fields = T.uint64(((LBO // 16) << 16) | ((SBO // 16) << 32))
+        return T.bitwise_or(T.bitwise_or(addr, fields), T.shift_left(T.uint64(LAYOUT_TYPE), T.uint64(62)))
+
+    def acc_val(acc, idx):
+        return T.reinterpret("int32", acc[idx]) if WG else acc[idx]
+
     def k_span(bz):
         if SPLIT == 1:
             return (0, NK)
@@ -304,12 +379,13 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             T.if_then_else(ok, T.uint32(VEC), T.uint32(0)))
 
     @T.macro
-    def load_chunk(xf, wf, As, Bs, tid, m0, n0, kc):
+    def load_chunk(xf, wf, rv, As, Bs, tid, m0, n0, kc):
         """Issue the loads of K-chunk ``kc`` into ring stage ``kc % STG`` (cp.async or plain loads)."""
         for it in T.unroll(A_IT):
             L = it * NTH + tid
-            row = L // VPR
-            kb = kc * BK + (L % VPR) * VEC
+            slot = T.meta_var(tile_slot(L, BM))
+            row = slot[0]
+            kb = kc * BK + slot[1] * VEC
             m = m0 + row
             rs = kb // CB
             cb = kb % CB
@@ -318,9 +394,15 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             iw = dec[2] * sw - pl + (rs % S) * dw
             inb = m < Mtot and kb < GKB
             ok = inb and ih >= 0 and ih < H and iw >= 0 and iw < W
-            soff = (kc % STG) * (BM * BKP) + row * BKP + (L % VPR) * VEC
+            soff = (kc % STG) * (BM * BKP) + slot[2]
             gidx = T.meta_var(x_index(dec[0], ih, iw, cb))
-            if use_async:
+            if UNPACK_LD:  # into registers (the whole chunk in flight together); store_chunk unpacks them later
+                for e in T.unroll(4):
+                    rv[it * 4 + e] = T.uint32(0)
+                if ok:
+                    T.evaluate(T.ptx.ld.global_.v4.b32(rv[it * 4], rv[it * 4 + 1], rv[it * 4 + 2], rv[it * 4 + 3],
+                                                       T.address_of(xf[gidx])))
+            elif use_async:
                 T.evaluate(a_cp(As, xf, soff, gidx, ok))
             else:
                 if ok:
@@ -331,13 +413,21 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         As[soff + v] = T.if_then_else(inb, T.Cast(x_st, PAD), T.Cast(x_st, 0))
         for it in T.unroll(B_IT):
             L = it * NTH + tid
-            row = L // VPR
-            kb = kc * BK + (L % VPR) * VEC
+            slot = T.meta_var(tile_slot(L, BN))
+            row = slot[0]
+            kb = kc * BK + slot[1] * VEC
             k = n0 + row
             ok = k < K and kb < GKB
-            soff = (kc % STG) * (BN * BKP) + row * BKP + (L % VPR) * VEC
+            soff = B_OFF + (kc % STG) * (BN * BKP) + slot[2]
             gidx = T.meta_var(w_index(k, kb))
-            if use_async:
+            if UNPACK_LD:
+                for e in T.unroll(4):
+                    rv[(A_IT + it) * 4 + e] = T.uint32(0)
+                if ok:
+                    T.evaluate(T.ptx.ld.global_.v4.b32(rv[(A_IT + it) * 4], rv[(A_IT + it) * 4 + 1],
+                                                       rv[(A_IT + it) * 4 + 2], rv[(A_IT + it) * 4 + 3],
+                                                       T.address_of(wf[gidx])))
+            elif use_async:
                 T.evaluate(a_cp(Bs, wf, soff, gidx, ok))
             else:
                 if ok:
@@ -346,6 +436,23 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 else:
                     for v in T.unroll(VEC):
                         Bs[soff + v] = T.int8(0)
+
+    @T.macro
+    def store_chunk(rv, As, Bs, tid, kc):
+        """4-bit wgmma tiles: the packed vectors load_chunk left in ``rv`` -> unpacked, swizzled, stage kc % STG."""
+        for it in T.unroll(A_IT):
+            slot = T.meta_var(tile_slot(it * NTH + tid, BM))
+            base = (kc % STG) * (BM * BKP)
+            st2 = T.meta_var(unpack_store(As, base + slot[2], base + tile_off(slot[0], slot[1] * 2 + 1, BM), rv, it))
+            T.evaluate(st2[0])
+            T.evaluate(st2[1])
+        for it in T.unroll(B_IT):
+            slot = T.meta_var(tile_slot(it * NTH + tid, BN))
+            base = B_OFF + (kc % STG) * (BN * BKP)
+            st2 = T.meta_var(unpack_store(Bs, base + slot[2], base + tile_off(slot[0], slot[1] * 2 + 1, BN), rv,
+                                          A_IT + it))
+            T.evaluate(st2[0])
+            T.evaluate(st2[1])
 
     @T.macro
     def load_frags(As, Bs, af, bf, lane, wm, wn, stage, ks, buf):
@@ -420,14 +527,16 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         tid = T.launch_thread("threadIdx.x", NTH)
         xf = T.decl_buffer((X_SIZE,), x_st, data=x.data)
         wf = T.decl_buffer((W_SIZE,), w_st, data=w.data)
-        As = T.alloc_buffer((SMEM_A,), x_st, scope="shared.dyn")
-        Bs = T.alloc_buffer((SMEM_B,), w_st, scope="shared.dyn")
+        rv = T.alloc_buffer((4 * (A_IT + B_IT),), "uint32", scope="local")  # 4-bit wgmma: packed vectors in flight
+        As = T.alloc_buffer((A_ALLOC,), x_st, scope="shared.dyn")
+        Bs = T.alloc_buffer((B_ALLOC,), w_st, scope="shared.dyn")
         Cs = T.alloc_buffer((SMEM_C,), "int32", scope="shared.dyn")
         af = T.alloc_buffer((NFB * MT * 4,), "uint32", scope="local")
         bf = T.alloc_buffer((NFB * NT * 2,), "uint32", scope="local")
         al = T.alloc_buffer((MT * 8,), "uint32", scope="local")
         bl = T.alloc_buffer((NT * 4,), "uint32", scope="local")
-        acc = T.alloc_buffer((MT * NT * 4,), "int32", scope="local")
+        acc = T.alloc_buffer((EMT * NT * 4,), ACC_T, scope="local")
+        ad = T.alloc_buffer((2,), "uint64", scope="local")  # wgmma descriptors of As, Bs (stage 0, tile origin)
         yb = T.alloc_buffer((EV,), "int32", scope="local")
         pb = T.alloc_buffer((EV,), "int32", scope="local")  # this lane's channels: bias, M, S
         pm = T.alloc_buffer((EV,), "int32", scope="local")
@@ -438,19 +547,66 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         ob = T.alloc_buffer((OUT_VEC,), o_st, scope="local")
         warp = tid // 32
         lane = tid % 32
-        wm = warp // WN
-        wn = warp % WN
+        wm = (warp // 4 if WG else warp) // WN  # warp(group) tile coordinates
+        wn = (warp // 4 if WG else warp) % WN
         m0 = bxm * BM
         n0 = bxn * BN
-        for e in T.unroll(MT * NT * 4):
-            acc[e] = 0
+        for e in T.unroll(EMT * NT * 4):
+            acc[e] = T.Cast(ACC_T, 0)
         ksp = T.meta_var(k_span(bz))  # (first K-chunk, number of K-chunks) of this block
-        if PIPE == 1:
+        if WG:
+            # ---------------- main loop, wgmma: STG-deep cp.async ring, one MMA group in flight ----------------
+            # iteration kc: chunk kc landed (cp.async) -> proxy fence (generic-proxy writes made visible to wgmma)
+            # -> barrier -> MMAs of chunk kc issued asynchronously -> loads of chunk kc+STG-1-GIF into the stage of
+            # chunk kc-1-GIF, whose MMAs every warpgroup retired (wait_group GIF at the end of the last iteration)
+            # before this barrier
+            ad[0] = smem_desc(As)
+            ad[1] = ad[0] + T.uint64(B_OFF // 16)
+            if UNPACK_LD:  # register pipeline: chunk j is loaded in iteration j-2 and stored in iteration j-1
+                if ksp[1] > 0:
+                    load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0])
+                    store_chunk(rv, As, As, tid, ksp[0])
+                if ksp[1] > 1:
+                    load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + 1)
+            else:
+                for s0 in T.unroll(STG - 1 - GIF):
+                    if s0 < ksp[1]:
+                        load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + s0)
+                    T.ptx.cp.async_.commit_group()
+            for kc in T.serial(ksp[1]):
+                if not UNPACK_LD:
+                    T.ptx.cp.async_.wait_group(STG - 2 - GIF)
+                T.ptx.fence.proxy.async_()
+                T.tvm_storage_sync("shared")
+                T.ptx.wgmma.fence.sync.aligned()
+                for ks in T.unroll(KS):
+                    for i in T.unroll(MI):
+                        for h in T.unroll(NI):
+                            T.evaluate(wg_mma(
+                                acc, (i * NT + h * (INS_N // 8)) * 4,
+                                ad[0] + T.Cast("uint64", ((ksp[0] + kc) % STG * (BM * BKP) + (wm * WTM + i * 64) // 8 * SBO
+                                                          + kstep_off(ks, BM)) // 16),
+                                ad[1] + T.Cast("uint64", ((ksp[0] + kc) % STG * (BN * BKP) + (wn * WTN + h * INS_N) // 8
+                                                          * SBO + kstep_off(ks, BN)) // 16)))
+                T.ptx.wgmma.commit_group.sync.aligned()
+                if UNPACK_LD:  # stage of chunk kc+1 held chunk kc+1-STG, retired (STG >= 2 + GIF)
+                    if kc + 1 < ksp[1]:
+                        store_chunk(rv, As, As, tid, ksp[0] + kc + 1)
+                    if kc + 2 < ksp[1]:
+                        load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + kc + 2)
+                else:
+                    if kc + STG - 1 - GIF < ksp[1]:
+                        load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + kc + STG - 1 - GIF)
+                    T.ptx.cp.async_.commit_group()
+                T.ptx.wgmma.wait_group.sync.aligned(GIF)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            T.tvm_storage_sync("shared")  # the epilogue's staging buffer may share memory with the ring
+        elif PIPE == 1:
             # ---------------- main loop: STG-deep ring, one barrier per K-chunk ----------------
             # prologue: chunks 0 .. STG-2 in flight
             for s0 in T.unroll(STG - 1):
                 if s0 < ksp[1]:
-                    load_chunk(xf, wf, As, Bs, tid, m0, n0, ksp[0] + s0)
+                    load_chunk(xf, wf, rv, As, Bs, tid, m0, n0, ksp[0] + s0)
                 if use_async:
                     T.ptx.cp.async_.commit_group()
             for kc in T.serial(ksp[1]):
@@ -460,7 +616,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     T.ptx.cp.async_.wait_group(STG - 2)
                 T.tvm_storage_sync("shared")
                 if kc + STG - 1 < ksp[1]:
-                    load_chunk(xf, wf, As, Bs, tid, m0, n0, ksp[0] + kc + STG - 1)
+                    load_chunk(xf, wf, rv, As, Bs, tid, m0, n0, ksp[0] + kc + STG - 1)
                 if use_async:
                     T.ptx.cp.async_.commit_group()
                 compute_chunk(As, Bs, af, bf, al, bl, acc, lane, wm, wn, (ksp[0] + kc) % STG)
@@ -469,7 +625,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             # ---------------- main loop (first version): loads issued before the wait, two barriers ----------
             for kc in T.serial(ksp[1] + STG - 1):
                 if kc < ksp[1]:
-                    load_chunk(xf, wf, As, Bs, tid, m0, n0, ksp[0] + kc)
+                    load_chunk(xf, wf, rv, As, Bs, tid, m0, n0, ksp[0] + kc)
                 if use_async:
                     T.ptx.cp.async_.commit_group()
                     T.ptx.cp.async_.wait_group(STG - 1)
@@ -483,17 +639,17 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             k0 = n0 + wn * WTN + (lane % LPR) * EV
             if k0 < K:
                 load_params(bias, Mq, Sq, pb, pm, ps, k0)
-        for i in T.serial(MT):
+        for i in T.serial(EMT):
             for j in T.unroll(NT):
                 for e in T.unroll(4):
                     Cs[cbase + (lane // 4 + 8 * (e // 2)) * CSP + j * 8 + (lane % 4) * 2 + e % 2] = \
-                        acc[(i * NT + j) * 4 + e]
+                        acc_val(acc, (i * NT + j) * 4 + e)
             T.tvm_storage_sync("warp")
             for it in T.serial(CS_IT):
                 L = it * 32 + lane
                 row = L // LPR
                 cc = (L % LPR) * EV
-                m = m0 + wm * WTM + i * 16 + row
+                m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + row
                 k = n0 + wn * WTN + cc
                 if SPLIT > 1:  # split-K partial sums: int32, no epilogue (schedules/splitk.py)
                     if m < Mtot and k < K:

@@ -170,6 +170,7 @@ class ArchMMA:
     smem_per_block: int = 48 * 1024
     has_cp_async: bool = True
     sms: int = 132  # SMs of the reference part (split-K sizing): T4 40, A100 108, A10/3090 84, L4 58, H100 132
+    wgmma: bool = False  # warpgroup MMA from shared-memory descriptors (sm_90a: 8-bit m64nNk32)
 
 
 MMA_SHAPES: dict[str, ArchMMA] = {
@@ -178,7 +179,7 @@ MMA_SHAPES: dict[str, ArchMMA] = {
     "sm_86": ArchMMA("sm_86", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 64, 4), True, 99 * 1024, True, 84),
     "sm_89": ArchMMA("sm_89", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 64, 4), True, 99 * 1024, True, 58),
     # Hopper: s4 mma.sync is emulated (51 vs 1284 TOPS measured on our H100): unpack to s8.
-    "sm_90": ArchMMA("sm_90", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 32, 8), False, 227 * 1024),
+    "sm_90": ArchMMA("sm_90", MMAShape(16, 8, 32, 8), MMAShape(16, 8, 32, 8), False, 227 * 1024, wgmma=True),
 }
 
 
@@ -205,34 +206,46 @@ class GemmKnobs:
     vec: int = 16  # global load width in bytes (16/8/4 use cp.async; 2/1 use plain loads)
     ev: int = 8  # epilogue elements per thread per store
     swizzle_n: bool = True  # blockIdx.x walks output-channel tiles (A tile reused from L2)
-    pipe: int = 0  # main loop: 0 = loads issued before the wait, two barriers per chunk; 1 = one barrier per
-    #                K-chunk (the load of chunk k+STG-1 issued after it). Measured a wash on average (the log
-    #                keeps whichever won per layer)
+    pipe: int = 0  # mma.sync main loop: 0 = loads issued before the wait, two barriers per chunk; 1 = one barrier
+    #                per K-chunk (the load of chunk k+STG-1 issued after it). Measured a wash on average (the log
+    #                keeps whichever won per layer). wgmma: 1 + pipe MMA groups (K-chunks) in flight (-1: none, the
+    #                loads run stages-1 chunks ahead)
     fdb: bool = False  # double-buffered fragments: ldmatrix of k-step s+1 issued before the MMAs of step s
     split_k: int = 0  # K split over blocks (schedules/splitk.py); 0 = auto (only where the grid is small)
+    mma: str = "sync"  # "sync": warp mma.sync (WM x WN warps); "wgmma": warpgroup wgmma.mma_async (sm_90a, 8-bit;
+    #                    WM x WN warpgroups of 128 threads, each a (BM/WM) x (BN/WN) tile, rows a multiple of 64)
 
     SPACE = {
         "BM": (32, 64, 128, 256),
         "BN": (32, 64, 128, 256),
-        "BK": (32, 64, 128),
+        "BK": (32, 64, 128, 256),
         "WM": (1, 2, 4),
         "WN": (1, 2, 4),
         "stages": (2, 3, 4),
         "vec": (16, 8, 4, 2, 1),
         "ev": (4, 8, 16),
-        "pipe": (0, 1),
+        "pipe": (-1, 0, 1),
         "fdb": (False, True),
         "split_k": (0, 1, 2, 4, 8, 16),
+        "mma": ("sync", "wgmma"),
     }
 
     def replace(self, **kw) -> "GemmKnobs":
         return dataclasses.replace(self, **kw)
 
+    @property
+    def threads(self) -> int:
+        return (128 if self.mma == "wgmma" else 32) * self.WM * self.WN
+
     def valid(self) -> bool:
         wtm, wtn = self.BM // self.WM, self.BN // self.WN
-        nth = 32 * self.WM * self.WN
+        nth = self.threads
+        if self.mma == "wgmma":  # warpgroup tiles: 64-row multiples, one m64nN instruction per 128 (or fewer) cols
+            tile_ok = wtm % 64 == 0 and wtn in (64, 128, 256) and self.vec == 16 and self.stages >= 3 + self.pipe
+        else:
+            tile_ok = wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1)
         return (
-            self.BM % self.WM == 0 and self.BN % self.WN == 0 and wtm % 16 == 0 and wtn % 16 == 0
+            self.BM % self.WM == 0 and self.BN % self.WN == 0 and tile_ok
             and self.BK % 32 == 0 and (self.BM * self.BK) % (self.vec * nth) == 0
             and (self.BN * self.BK) % (self.vec * nth) == 0 and nth <= 1024
         )

@@ -31,8 +31,9 @@ def make_cases(quick=False):
 
     cases = []
 
-    def add(kind, name, spec, strategy, arch="sm_90", mode="sass", plan=False):
-        cases.append(dict(kind=kind, name=name, spec=spec, strategy=strategy, arch=arch, mode=mode, plan=plan))
+    def add(kind, name, spec, strategy, arch="sm_90", mode="sass", plan=False, knobs=None):
+        cases.append(dict(kind=kind, name=name, spec=spec, strategy=strategy, arch=arch, mode=mode, plan=plan,
+                          knobs_kw=knobs))
 
     def int8_spec(N, C, H, K, R, st, pd, variant, layout="NHWC"):
         base = dict(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, layout=layout)
@@ -80,6 +81,22 @@ def make_cases(quick=False):
             v = li % 2  # every other layer with the two-stage residual epilogue
             add("check", f"plan_{name}_b{N}_int8", int8_spec(N, C, H, K, R, st, pd, v), None, plan=True)
             add("check", f"plan_{name}_b{N}_int4", int4_spec(N, C, H, K, R, st, pd, v), None, plan=True)
+    # the warpgroup-MMA kernels forced on every other shape (both layouts, every epilogue variant, split-K plans at
+    # batch 1, the 4-bit register-staged loader) and on the odd shapes (channel bytes % 16: mma.sync fallback)
+    wg = dict(BM=128, BN=128, BK=128, WM=2, WN=1, stages=3, pipe=-1, mma="wgmma")
+    for li, (name, C, H, K, R, st, pd) in enumerate(layers):
+        if li % 2:
+            continue
+        v = li % 3
+        for lay in ("NHWC", "HWNC"):
+            add("check", f"wg_{name}_b8_int8_{lay.lower()}", int8_spec(8, C, H, K, R, st, pd, v, lay), None, knobs=wg)
+            add("check", f"wg_{name}_b8_int4_{lay.lower()}", int4_spec(8, C, H, K, R, st, pd, v, lay), None,
+                knobs=dict(wg, BK=64))
+        add("check", f"wg_plan_{name}_b1_int8", int8_spec(1, C, H, K, R, st, pd, v), None, plan=True, knobs=wg)
+        add("check", f"wg_plan_{name}_b1_int4", int4_spec(1, C, H, K, R, st, pd, v), None, plan=True,
+            knobs=dict(wg, BK=64, BM=64, WM=1, pipe=0))
+    for (name, N, C, H, K, R, st, pd) in ODD:
+        add("check", f"wg_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 1), None, knobs=wg)
     if not quick:
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for N in (8, 64, 256):
@@ -97,9 +114,17 @@ def build_group(args):
     ensure_stub_libcuda()
     arch, mode = group[0]["arch"], group[0]["mode"]
     funcs = {}
+    import warnings
+
+    from qcompile.schedules import GemmKnobs
+
     for c in group:
         strat = c["strategy"] or select_strategy(c["spec"], arch)
-        fs = conv2d_int_plan(c["spec"], arch, strat) if c.get("plan") else [conv2d_int_kernel(c["spec"], arch, strat)]
+        kn = GemmKnobs(**c["knobs_kw"]) if c.get("knobs_kw") else None
+        with warnings.catch_warnings():  # forced wgmma knobs on a shape they cannot take: the mma.sync kernel
+            warnings.simplefilter("ignore")
+            fs = (conv2d_int_plan(c["spec"], arch, strat, kn) if c.get("plan")
+                  else [conv2d_int_kernel(c["spec"], arch, strat, kn)])
         f = fs[0]
         c["strategy_used"] = strat + (f"+splitk{int(f.attrs['qcompile.split_k'])}" if len(fs) > 1 else "")
         c["knobs"] = str(f.attrs["qcompile.knobs"]) if f.attrs and "qcompile.knobs" in f.attrs else ""
@@ -108,7 +133,10 @@ def build_group(args):
             funcs[fn] = f.with_attr("global_symbol", fn)
         if len(fs) > 1:  # the same conv unsplit, to time against the split-K pair
             c["nosplit_func"] = c["func"] + "_ns"
-            funcs[c["nosplit_func"]] = conv2d_int_kernel(c["spec"], arch, strat).with_attr("global_symbol", c["nosplit_func"])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                nsf = conv2d_int_kernel(c["spec"], arch, strat, kn)
+            funcs[c["nosplit_func"]] = nsf.with_attr("global_symbol", c["nosplit_func"])
     so = OUT / f"g{gi:03d}_{arch}_{mode}.so"
     keep = OUT / "keep" / f"g{gi:03d}"
     t = time.time()

@@ -61,6 +61,34 @@ CAND.update({
 # C=64 INT4 has a 32-byte reduction per (r, s): BK=64 zero-fills half of every chunk
 CAND.update({"bk32": dict(BM=128, BN=128, BK=32, WM=2, WN=2, stages=4),
              "8warp_bk32": dict(BM=128, BN=128, BK=32, WM=4, WN=2, stages=4)})
+# third round: warpgroup MMA (wgmma.mma_async, sm_90a; INT8 only). WM x WN warpgroups of 128 threads
+WGMMA = {  # (BK = 128: the 128-byte swizzle; stages 3 keeps two 128x128 blocks per SM -- both measured decisive)
+    "wg128x128_bk128": dict(BM=128, BN=128, BK=128, WM=2, WN=1, stages=3),
+    "wg128x256_bk128": dict(BM=128, BN=256, BK=128, WM=2, WN=1, stages=3),
+    "wg256x128_bk128_4wg": dict(BM=256, BN=128, BK=128, WM=4, WN=1, stages=3),
+    "wg128x128_bk128_1wg": dict(BM=128, BN=128, BK=128, WM=1, WN=1, stages=3),
+    "wg128x128_bk256": dict(BM=128, BN=128, BK=256, WM=2, WN=1, stages=3),
+    "wg64x128_bk128": dict(BM=64, BN=128, BK=128, WM=1, WN=1, stages=4),
+    "wg128x64_bk128": dict(BM=128, BN=64, BK=128, WM=2, WN=1, stages=4),
+    "wg64x64_bk128": dict(BM=64, BN=64, BK=128, WM=1, WN=1, stages=4),
+}
+WG_SWEEP = list(WGMMA)  # the first sweep's set
+# no MMA group left in flight (pipe=-1): the cp.async loads run stages-1 chunks ahead; stages=2 fits two 128x256 /
+# 256x128 blocks per SM
+WGMMA.update({
+    "wg128x128_bk128_g0": dict(BM=128, BN=128, BK=128, WM=2, WN=1, stages=3, pipe=-1),
+    "wg128x256_bk128_s2g0": dict(BM=128, BN=256, BK=128, WM=2, WN=1, stages=2, pipe=-1),
+    "wg256x128_bk128_s2g0": dict(BM=256, BN=128, BK=128, WM=2, WN=1, stages=2, pipe=-1),
+    "wg256x128_4wg_s2g0": dict(BM=256, BN=128, BK=128, WM=4, WN=1, stages=2, pipe=-1),
+    "wg128x128_bk128_s2g0": dict(BM=128, BN=128, BK=128, WM=2, WN=1, stages=2, pipe=-1),
+    "wg64x64_bk128_g0": dict(BM=64, BN=64, BK=128, WM=1, WN=1, stages=3, pipe=-1),
+    "wg128x128_bk128_1wg_g0": dict(BM=128, BN=128, BK=128, WM=1, WN=1, stages=3, pipe=-1),
+    "wg64x128_bk128_g0": dict(BM=64, BN=128, BK=128, WM=1, WN=1, stages=3, pipe=-1),
+    "wg128x64_bk128_g0": dict(BM=128, BN=64, BK=128, WM=2, WN=1, stages=3, pipe=-1),
+})
+WG_SWEEP_G0 = ["wg128x128_bk128_g0", "wg128x256_bk128_s2g0", "wg128x128_bk128_1wg_g0", "wg64x128_bk128_g0",
+               "wg128x64_bk128_g0", "wg64x64_bk128_g0", "wg256x128_bk128_s2g0"]
+CAND.update({k: dict(v, mma="wgmma") for k, v in WGMMA.items()})
 ROUND2 = ["8warp_s3", "8warp_bk128_s2", "8warp_bk128_s3", "64x128_s2", "128x64_s2"]
 ORDER_LARGE = ["bk128", "256x128", "8warp", "256x128bk128", "128x256", "128x64", "64x128", "64x64"]
 ORDER_SMALL = ["bk128", "64x128", "8warp", "128x64", "64x64", "256x128", "128x256", "256x128bk128"]
@@ -80,9 +108,10 @@ def int4_spec(N, C, H, K, R, st, pd):
                     out_dtype="uint4", zo=1, lo=0, hi=15, shift_ge33=True)
 
 
-def smem_bytes(kn) -> int:
-    nwarp = kn.WM * kn.WN
-    return kn.stages * (kn.BM + kn.BN) * (kn.BK + 16) + nwarp * 16 * (kn.BN // kn.WN + 8) * 4
+def smem_bytes(kn, spec=None) -> int:
+    pitch = kn.BK * (2 if spec is not None and spec.x_bits == 4 else 1) if kn.mma == "wgmma" else kn.BK + 16
+    ring, stage_c = kn.stages * (kn.BM + kn.BN) * pitch, kn.threads // 32 * 16 * (kn.BN // kn.WN + 8) * 4
+    return max(ring, stage_c) if kn.mma == "wgmma" else ring + stage_c  # wgmma: one ring buffer, reused by the epilogue
 
 
 def candidates(spec, n: int, names=None):
@@ -189,6 +218,33 @@ def make_cases_targeted(targets):
     return cases
 
 
+def make_cases_wgmma(batches, layers=None, dtypes=("int8", "int4"), names=None):
+    """Every ResNet-50 layer as compiled now (``make_cases_as_compiled``) plus, for the ``dtypes`` ones at each
+    batch (or only ``layers``, NAME_bN_DT), the wgmma candidates of WGMMA as tuning variants."""
+    from qcompile.schedules import DEFAULT_KNOBS
+    from qcompile.schedules.igemm import _adapt_knobs
+
+    cases = make_cases_as_compiled(batches)
+    extra = []
+    for c in cases:
+        if c["strategy"] != "implicit_gemm" or not c["layer"].endswith(tuple(f"_{d}" for d in dtypes)):
+            continue
+        if layers and c["layer"] not in layers:
+            continue
+        c["kind"] = "tune"
+        seen = {c["knobs"]}
+        for cname in names or WG_SWEEP:
+            kw = WGMMA[cname]
+            if c["spec"].x_bits == 4:  # BK counts packed bytes: half of them fill the same unpacked shared tile
+                kw = dict(kw, BK=kw["BK"] // 2)
+            kn = _adapt_knobs(c["spec"], DEFAULT_KNOBS[ARCH].replace(mma="wgmma", **kw), "NHWC")
+            if kn in seen or not kn.valid() or smem_bytes(kn, c["spec"]) > 220 * 1024 or c["spec"].C * c["spec"].x_bits // 8 % 16:
+                continue
+            seen.add(kn)
+            extra.append(dict(c, knobs=kn, variant=cname, is_default=False))
+    return cases + extra
+
+
 def make_cases_as_compiled(batches):
     """One kernel per ResNet-50 shape: the knobs a compiled model gets (tuning log, else defaults); no tuning."""
     from qcompile.schedules import DEFAULT_KNOBS, select_strategy, tuned_knobs
@@ -278,7 +334,11 @@ def cmd_build(a):
     else:
         for f in list(TUNE_DIR.glob("*.so")) + list(TUNE_DIR.glob("manifest.json")):
             f.unlink()
-    if a.targets:
+    if a.wgmma:
+        cases = make_cases_wgmma(a.batches, a.only_layers, a.dtypes, a.cands)
+        if a.only_layers:
+            cases = [c for c in cases if c["layer"] in a.only_layers]
+    elif a.targets:
         cases = make_cases_targeted(a.targets)
     elif a.as_compiled:
         cases = make_cases_as_compiled(a.batches)
@@ -696,6 +756,8 @@ def cmd_log(a):
         if not dflt.get("ok") or not ok:
             print("skip (default not exact / nothing exact):", row["layer"])
             continue
+        if a.merge and len(vs) == 1:  # only the as-compiled kernel timed (bench rows of a partial round): no news
+            continue
         best = min(ok, key=lambda v: v["ms"])
         # keep the default unless the best is clearly faster (2%: about the run-to-run spread of the median)
         chosen = best if best["ms"] < dflt["ms"] * (1 - a.min_gain) else dflt
@@ -763,6 +825,9 @@ def main():
     b.add_argument("--only-c", type=int, default=None, help="only shapes with this many input channels")
     b.add_argument("--loop-ab", action="store_true", help="main-loop A/B on the ResNet-50 shapes (see make_cases_loop_ab)")
     b.add_argument("--targets", nargs="+", default=None, help="wide candidate sets for these layers (NAME_bN_DT)")
+    b.add_argument("--wgmma", action="store_true", help="as compiled + wgmma candidates for the INT8 layers")
+    b.add_argument("--only-layers", nargs="+", default=None, help="with --wgmma: only these NAME_bN_DT")
+    b.add_argument("--dtypes", nargs="+", default=["int8", "int4"], help="with --wgmma: candidates for these")
     b.add_argument("--as-compiled", action="store_true",
                    help="no tuning: one kernel per ResNet-50 shape with the knobs compiled models get (bench only)")
     d = sub.add_parser("device")

@@ -133,6 +133,33 @@ def test_sampled_knobs_build():
     assert "mma.sync" in src
 
 
+WG = GemmKnobs(BM=128, BN=128, BK=128, WM=2, WN=1, stages=3, mma="wgmma")
+
+
+def test_cuda_wgmma_sm90():
+    """Hopper warpgroup MMA: INT8 tiles by cp.async, INT4 tiles loaded packed and stored unpacked (x16) to shared
+    memory; both read by wgmma from 128-byte-swizzled descriptors."""
+    src = _src(ConvSpec(**L3, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255), "sm_90", knobs=WG)
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.u8.s8" in src and "mma.sync" not in src
+    assert "fence.proxy.async" in src and "wgmma.wait_group.sync.aligned" in src and "cp.async.cg.shared.global" in src
+    assert "<< (uint64_t)62" in src  # descriptor layout type (the swizzle mode) is set
+    src = _src(ConvSpec(**L3, x_dtype="uint4", w_bits=4, out_dtype="uint4", lo=0, hi=15), "sm_90", knobs=WG)
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.u8.s8" in src and ".s4" not in src
+    assert "st.shared.v4.b32" in src and "cp.async" not in src.split("main_kernel")[-1]
+
+
+def test_wgmma_knobs_fall_back():
+    """wgmma knobs on an arch without wgmma, or a shape the 16-byte tile loader cannot take: the mma.sync kernel,
+    with a warning that says so."""
+    assert WG.valid() and WG.threads == 256 and not WG.replace(BM=64).valid()
+    with pytest.warns(UserWarning, match="wgmma knobs do not apply"):
+        src = _src(ConvSpec(**L3, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255), "sm_86", knobs=WG)
+    assert "mma.sync.aligned.m16n8k32" in src and "wgmma" not in src
+    with pytest.warns(UserWarning, match="wgmma knobs do not apply"):
+        src = _src(ConvSpec(**dict(L3, C=40), x_dtype="uint8", out_dtype="uint8", lo=0, hi=255), "sm_90", knobs=WG)
+    assert "mma.sync" in src and "wgmma.mma_async" not in src
+
+
 @pytest.mark.skipif(find_tool("cuobjdump") is None or find_tool("nvdisasm") is None,
                     reason="cuobjdump/nvdisasm not installed (pip: nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
 def test_sass(tmp_path):
@@ -152,6 +179,10 @@ def test_sass(tmp_path):
     assert "IMMA.16864.S4.S4" in s
     s = sass(ConvSpec(**L3, x_dtype="int4", w_bits=4), "sm_75")
     assert "IMMA.8832.S4.S4" in s
+    d = tmp_path / "wgmma"
+    build_cuda(conv2d_int_kernel(ConvSpec(**L3, x_dtype="uint8"), "sm_90", knobs=WG), "sm_90", mode="sass", keep=str(d))
+    s = subprocess.run([tool, "-sass", str(d / "kernel.fatbin")], capture_output=True, text=True, env=env).stdout
+    assert "IGMMA.64x128x32.U8.S8" in s and "arch = sm_90a" in s and "IMMA" not in s
 
 
 @pytest.mark.parametrize("spec", [
