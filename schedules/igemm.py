@@ -10,8 +10,12 @@ constants closed over by the script, so every knob specialises the kernel):
                   gathers 16-byte channel vectors straight from x into shared memory with cp.async
                   (zero-filled outside the image) or plain loads (pad_value != 0, odd channel counts).
 
-Main loop: ``stages``-deep cp.async ring in dynamic shared memory, ldmatrix.x4 fragments from
+Main loop (``mma="sync"``): ``stages``-deep cp.async ring in dynamic shared memory, ldmatrix.x4 fragments from
 padded rows (row pitch BK+16 bytes: conflict-free ldmatrix), mma.sync from the per-arch table.
+Main loop (``mma="wgmma"``, sm_90a): the same ring in 128-byte-swizzled K-major atoms, read by
+wgmma.mma_async through shared-memory descriptors, one barrier per K-chunk after a
+``fence.proxy.async.shared::cta``; 4-bit tiles are loaded packed into registers and stored unpacked (see
+docs/SCHEDULES.md, "Warpgroup MMA on Hopper").
 
 INT4: operands stay packed (4-bit) in global and shared memory and in the ldmatrix fragments.
   * native (sm_75/80/86/89): mma .s4/.u4 (m16n8k64, or m8n8k32 on Turing)
@@ -576,7 +580,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             for kc in T.serial(ksp[1]):
                 if not UNPACK_LD:
                     T.ptx.cp.async_.wait_group(STG - 2 - GIF)
-                T.ptx.fence.proxy.async_()
+                T.ptx.fence.proxy.async_.shared__cta()
                 T.tvm_storage_sync("shared")
                 T.ptx.wgmma.fence.sync.aligned()
                 for ks in T.unroll(KS):

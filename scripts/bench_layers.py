@@ -21,13 +21,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def table(path, device="NVIDIA H100 80GB HBM3", date="2026-11-22"):
-    rows = json.loads(pathlib.Path(path).read_text())["bench"]
+    res = json.loads(pathlib.Path(path).read_text())
+    rows = res["bench"]
+    timing = ("per launch, from 20 back-to-back launches between two CUDA events (median of 7 rounds)"
+              if res.get("timing") == "b2b" else "median of 20 launches, each timed alone (including its host launch)")
     out = [f"## Tensor-core INT8/INT4 conv2d kernels, per ResNet-50 layer ({date})", "",
            f"Device: {device} (sm_90). Command: `python scripts/device_build.py && scripts/make_runtime_bundle.sh 3.12`, "
            "then one device call `bash scripts/device_run.sh` (carry `.device`, `.bundle`), then "
            "`python scripts/bench_layers.py table results.json`. Kernels: implicit-GEMM NHWC, uint8 (uint4) activations x "
            "int8 (int4) weights, int32 accumulation, fused requant epilogue to uint8 (uint4), untuned sm_90 defaults "
-           "(128x128x64 B tiles, 2x2 warps, 4-stage cp.async). Times: median of 20 launches (ms); TOPS = 2*MACs/time. "
+           "(128x128x64 B tiles, 2x2 warps, 4-stage cp.async). Times (ms): " + timing + "; TOPS = 2*MACs/time. "
            "cuDNN fp16: `F.conv2d` channels_last, cudnn.benchmark; int_mm: `torch._int_mm` on the GEMM-equivalent "
            "(N*P*Q x R*S*C) @ (R*S*C x K) shape (no im2col cost counted; n/a = cuBLASLt refused the shape).", "",
            "| layer | N | C->K | RxS/s | GOP | INT8 ms | INT8 TOPS | INT4 ms | INT4 TOPS | cuDNN fp16 ms | int_mm ms | INT8 / cuDNN speedup | INT4 / INT8 |",

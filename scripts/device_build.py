@@ -25,7 +25,7 @@ def spec_dict(s):
     return dataclasses.asdict(s)
 
 
-def make_cases(quick=False):
+def make_cases(quick=False, bench=True):
     from qcompile.schedules import ConvSpec
     from qcompile.schedules.layers import ALL_RESNET, ODD, RESNET50, distinct
 
@@ -97,7 +97,7 @@ def make_cases(quick=False):
             knobs=dict(wg, BK=64, BM=64, WM=1, pipe=0))
     for (name, N, C, H, K, R, st, pd) in ODD:
         add("check", f"wg_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 1), None, knobs=wg)
-    if not quick:
+    if bench and not quick:
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for N in (8, 64, 256):
                 add("bench", f"{name}_b{N}_int8", int8_spec(N, C, H, K, R, st, pd, 0), None)
@@ -154,11 +154,13 @@ def main():
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--group", type=int, default=12)
     ap.add_argument("--filter", default=None, help="regex: build only cases whose name matches")
+    ap.add_argument("--checks-only", action="store_true", help="no bench kernels (the layer bench of "
+                    "scripts/tune_layers.py times the compiled-model kernels instead)")
     a = ap.parse_args()
     OUT.mkdir(exist_ok=True)
     for f in OUT.glob("*.so"):
         f.unlink()
-    cases = make_cases(a.quick)
+    cases = make_cases(a.quick, bench=not a.checks_only)
     if a.filter:
         import re
         cases = [c for c in cases if re.search(a.filter, c["name"])]

@@ -641,7 +641,8 @@ def cmd_device(a):
                 f" int4 {row['int4_ms']:.4f}ms {g / row['int4_ms']:6.0f}T (dflt {row['int4_default_ms']:.4f})"
                 f" cudnn16 {row['cudnn_fp16_ms']:.4f}ms")
             torch.cuda.empty_cache()
-        (out / "results.json").write_text(json.dumps({"checks": [], "bench": results["bench"]}, indent=1))
+        (out / "results.json").write_text(json.dumps({"checks": [], "bench": results["bench"], "timing": DR.TIMING},
+                                                     indent=1))
         save()
     log(f"bench done ({time.time() - T0:.0f}s)")
 
@@ -663,6 +664,7 @@ NCU_METRIC_CANDIDATES = [
     "sm__pipe_tensor_op_imma_cycles_active", "sm__inst_executed_pipe_tensor_op_imma",
     "sm__pipe_tensor_cycles_active", "sm__pipe_shared_cycles_active", "sm__inst_executed_pipe_lsu",
     "sm__pipe_alu_cycles_active", "sm__inst_executed_pipe_uniform",
+    "sm__pipe_tensor_op_gmma_cycles_active", "sm__inst_executed_pipe_tensor_op_gmma",
 ]
 
 

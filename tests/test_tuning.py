@@ -144,4 +144,10 @@ def test_tuned_kernel_builds_for_cuda():
     f = conv2d_int_kernel(spec, "sm_90")
     assert str(f.attrs["qcompile.knobs_source"]) == "tuned"
     src = cuda_source(build_cuda(f, "sm_90", mode="ptx"))
-    assert "mma.sync.aligned.m16n8k32.row.col.s32" in src and "ldmatrix" in src
+    if tuned_knobs(spec, "sm_90").mma == "wgmma":  # the record's MMA path is the one built
+        assert "wgmma.mma_async.sync.aligned.m64n" in src and "mma.sync" not in src
+    else:
+        assert "mma.sync.aligned.m16n8k32.row.col.s32" in src and "ldmatrix" in src
+    # both paths are in the log (the wgmma rounds kept mma.sync where it measured faster)
+    kinds = {r["knobs"]["mma"] for r in TU.load_log("sm_90")["records"].values()}
+    assert kinds == {"sync", "wgmma"}
