@@ -107,7 +107,12 @@ def _compile_cb(code, *_unused):
         cmd = ["nvcc", "--fatbin", "-O3", "-std=c++17", *(_gencode(arch, mode, accel="wgmma." in code)), "-o", out, cu, *_STATE["extra"]]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
-            raise RuntimeError("nvcc failed:\n" + r.stderr[-4000:] + "\n" + " ".join(cmd))
+            errs = [ln for ln in r.stderr.splitlines() if " error" in ln or ln.startswith("error")]
+            if _STATE["keep"]:  # the failing source, for reading
+                pathlib.Path(_STATE["keep"]).mkdir(parents=True, exist_ok=True)
+                (pathlib.Path(_STATE["keep"]) / "failed_kernel.cu").write_text(code)
+            raise RuntimeError("nvcc failed:\n" + "\n".join(errs[:20]) + "\n...\n" + r.stderr[-2000:] + "\n"
+                               + " ".join(cmd))
         if _STATE["keep"]:
             keep = pathlib.Path(_STATE["keep"])
             keep.mkdir(parents=True, exist_ok=True)

@@ -532,7 +532,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         xf = T.decl_buffer((X_SIZE,), x_st, data=x.data)
         wf = T.decl_buffer((W_SIZE,), w_st, data=w.data)
         rv = T.alloc_buffer((4 * (A_IT + B_IT),), "uint32", scope="local")  # 4-bit wgmma: packed vectors in flight
-        As = T.alloc_buffer((A_ALLOC,), x_st, scope="shared.dyn")
+        As = T.alloc_buffer((A_ALLOC,), "uint8" if WG else x_st, scope="shared.dyn")  # wgmma: bytes (one name per module)
         Bs = T.alloc_buffer((B_ALLOC,), w_st, scope="shared.dyn")
         Cs = T.alloc_buffer((SMEM_C,), "int32", scope="shared.dyn")
         af = T.alloc_buffer((NFB * MT * 4,), "uint32", scope="local")

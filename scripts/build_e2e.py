@@ -111,7 +111,8 @@ def main():
             entry["weights_mb"] = os.path.getsize(os.path.join(d, "weights.npz")) / 2**20
             manifest[tag] = entry
             json.dump(manifest, open(man_path, "w"), indent=1)
-    print(json.dumps({k: (v["weights_mb"], sum(b["so_mb"] for b in v["batches"].values())) for k, v in manifest.items()}))
+    print(json.dumps({k: (v.get("weights_mb"), sum(b.get("so_mb", 0) for b in v["batches"].values()))
+                      for k, v in manifest.items()}))
 
 
 if __name__ == "__main__":
