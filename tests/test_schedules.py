@@ -220,9 +220,16 @@ def test_splitk_plan():
     assert len(plan) == 2 and int(plan[0].attrs["qcompile.split_k"]) > 1
     assert [len(f.params) for f in plan] == [3, 5]  # (x, w, ws) and (ws, bias, M, S, out)
     src = cuda_source(build_cuda(plan[0], "sm_90", mode="ptx"))
-    assert "blockIdx.z" in src and "m16n8k32.row.col.s32.u8.s8.s32" in src
+    ins = "wgmma.mma_async" if "wgmma" in str(plan[0].attrs["qcompile.knobs"]) else "m16n8k32.row.col.s32.u8.s8.s32"
+    assert "blockIdx.z" in src and ins in src  # the partial GEMM on the tuning log's MMA path
     src = cuda_source(build_cuda(plan[1], "sm_90", mode="ptx"))
     assert "mma" not in src
+    # both MMA paths split the same way
+    for kn, ins in ((GemmKnobs(), "m16n8k32.row.col.s32.u8.s8.s32"), (WG.replace(BM=64, WM=1), "wgmma.mma_async")):
+        p2 = conv2d_int_plan(l4, "sm_90", knobs=kn)
+        assert len(p2) == 2 and int(p2[0].attrs["qcompile.split_k"]) > 1
+        src = cuda_source(build_cuda(p2[0], "sm_90", mode="ptx"))
+        assert "blockIdx.z" in src and ins in src
     assert len(conv2d_int_plan(l4.replace(N=64), "sm_90")) == 1
     # forced by the knob
     forced = conv2d_int_plan(l4.replace(N=64), "sm_90", knobs=GemmKnobs(split_k=2))
