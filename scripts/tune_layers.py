@@ -88,6 +88,13 @@ WGMMA.update({
 })
 WGMMA.update({k + "_ev16": dict(WGMMA[k], ev=16) for k in ("wg128x128_bk128_g0", "wg128x256_bk128_s2g0",
                                                            "wg128x128_bk128_1wg_g0", "wg256x128_bk128_s2g0")})
+WGMMA.update({  # narrow-N (K = 64 output channels) tiles
+    "wg256x64_s2g0": dict(BM=256, BN=64, BK=128, WM=2, WN=1, stages=2, pipe=-1),
+    "wg128x64_1wg_g0": dict(BM=128, BN=64, BK=128, WM=1, WN=1, stages=3, pipe=-1),
+    "wg128x64_bk256_s2g0": dict(BM=128, BN=64, BK=256, WM=2, WN=1, stages=2, pipe=-1),
+    "wg128x64_s4g0": dict(BM=128, BN=64, BK=128, WM=2, WN=1, stages=4, pipe=-1),
+    "wg256x64_4wg_s2g0": dict(BM=256, BN=64, BK=128, WM=4, WN=1, stages=2, pipe=-1),
+})
 WG_SWEEP_G0 = ["wg128x128_bk128_g0", "wg128x256_bk128_s2g0", "wg128x128_bk128_1wg_g0", "wg64x128_bk128_g0",
                "wg128x64_bk128_g0", "wg64x64_bk128_g0", "wg256x128_bk128_s2g0"]
 CAND.update({k: dict(v, mma="wgmma") for k, v in WGMMA.items()})
