@@ -142,12 +142,14 @@ def _use_counts(func: relax.Function) -> dict:
     return uses
 
 
-def _astype_bindings(func: relax.Function):
-    """The bindings of ``func`` whose value is an astype (where every requantize ends)."""
+def _requant_bindings(func: relax.Function, var2val):
+    """(binding, _requant_tail) for the astype bindings of ``func`` that end a requantize."""
     for block in func.body.blocks:
         for b in block.bindings:
             if isinstance(b.value, relax.Call) and b.value.op.name == "relax.astype":
-                yield b
+                tail = _requant_tail(b.value, var2val)
+                if tail is not None:
+                    yield b, tail
 
 
 def find_groups(func: relax.Function) -> dict:
@@ -159,12 +161,7 @@ def _find_groups(func: relax.Function) -> dict:
     var2val = relax.analysis.get_var2val(func)
     uses = _use_counts(func)
     groups = {}
-    for b in _astype_bindings(func):
-        v = b.value
-        tail = _requant_tail(v, var2val)
-        if tail is None:
-            continue
-        e, S, zo, lo, hi = tail
+    for b, (e, S, zo, lo, hi) in _requant_bindings(func, var2val):
         mul = _call(e, var2val, "multiply")
         if mul is None or _const(mul.args[1]) is None:
             continue
@@ -217,14 +214,9 @@ def find_fusions(func: relax.Function):
     var2val = relax.analysis.get_var2val(func)
     uses = _use_counts(func)
     residuals = {}
-    for b in _astype_bindings(func):
+    for b, (e, S2, zo2, lo2, hi2) in _requant_bindings(func, var2val):
         if b.var in groups:
             continue
-        v = b.value
-        tail = _requant_tail(v, var2val)
-        if tail is None:
-            continue
-        e, S2, zo2, lo2, hi2 = tail
         plus = _call(e, var2val, "add")
         if plus is None:
             continue
@@ -247,7 +239,7 @@ def find_fusions(func: relax.Function):
             g.fused = True
             residuals[b.var] = _Residual(b.var, g, other[0], np.stack(rows).astype(np.int32), zo2, lo2, hi2,
                                          _range_dtype(lo2, hi2, str(b.var.ty.dtype)),
-                                         str(v.args[0].ty.dtype) == "int32")
+                                         str(b.value.args[0].ty.dtype) == "int32")
             break
     # A 4-bit output stays packed only when every consumer is a kernel's data or residual operand; for glue
     # consumers (pools, un-fused adds) the kernel writes the same values one per byte (no pack/unpack).

@@ -28,7 +28,8 @@ def _gemm_rule(spec: ConvSpec, arch: str, knobs, layout: str, allow_split: bool)
     except NotApplicable as e:
         if knobs is None or knobs.mma != "wgmma":
             return None
-        # 1. warpgroup MMA knobs the shape cannot take (arch without wgmma, channel bytes % 16, padding value):
+        # 1. warpgroup MMA knobs the shape cannot take (arch without wgmma, channel bytes % 16, padding value,
+        #    shared tiles over the per-block limit):
         #    the mma.sync kernel with this arch's defaults computes the same result
         warnings.warn(f"qcompile.schedules: wgmma knobs do not apply to {tuning_key(spec)} on {arch} ({e}); "
                       "using the mma.sync kernel with default knobs", stacklevel=3)

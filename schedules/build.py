@@ -104,7 +104,8 @@ def _compile_cb(code, *_unused):
         out = os.path.join(td, "k.fatbin")
         with open(cu, "w") as f:
             f.write(code)
-        cmd = ["nvcc", "--fatbin", "-O3", "-std=c++17", *(_gencode(arch, mode, accel="wgmma." in code)), "-o", out, cu, *_STATE["extra"]]
+        gencode = _gencode(arch, mode, accel="wgmma." in code)
+        cmd = ["nvcc", "--fatbin", "-O3", "-std=c++17", *gencode, "-o", out, cu, *_STATE["extra"]]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             errs = [ln for ln in r.stderr.splitlines() if " error" in ln or ln.startswith("error")]

@@ -235,14 +235,14 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     O_SIZE = math.prod(os_)
     SMEM_A = STG * BM * BKP
     SMEM_B = STG * BN * BKP
+    SMEM_C = NWARP * 16 * CSP  # int32 words of the epilogue's staging tiles
     # wgmma: A and B stages live in one buffer (B at B_OFF); as two buffers TVM's shared-memory planner overlapped
     # them (the descriptors' access_ptr outside the loop is the only use it sees of Bs's lifetime)
     B_OFF = SMEM_A if WG else 0
-    if WG and max(SMEM_A + SMEM_B, 4 * NWARP * 16 * (WTN + 8)) > ai.smem_per_block:
+    if WG and max(SMEM_A + SMEM_B, 4 * SMEM_C) > ai.smem_per_block:  # the epilogue's staging reuses the ring
         raise NotApplicable(f"{(SMEM_A + SMEM_B) // 1024} KiB of shared tiles exceed the {ai.smem_per_block // 1024} KiB "
                             f"per block of {arch}")
     A_ALLOC, B_ALLOC = (SMEM_A + SMEM_B, 16) if WG else (SMEM_A, SMEM_B)
-    SMEM_C = NWARP * 16 * CSP
     CS_IT = 16 * WTN // (32 * EV)
     LPR = WTN // EV  # lanes per staged row
     HOIST = 32 % LPR == 0  # then a lane's output channels do not change between the rows it writes
@@ -320,7 +320,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
 
     def tile_off(row, c, rows):  # swizzled byte offset of 16-byte chunk c of a row (wgmma tiles)
         w = AW // 16
-        return (c // w) * (rows * AW) + row * AW + T.bitwise_xor(c % w, T.bitwise_and(T.shift_right(row * AW, 7), SWM)) * 16
+        swz = T.bitwise_and(T.shift_right(row * AW, 7), SWM)
+        return (c // w) * (rows * AW) + row * AW + T.bitwise_xor(c % w, swz) * 16
 
     def unpack_store(S_, soff_lo, soff_hi, rv, v):
         """Packed vector v (rv[4v:4v+4]: 16 bytes, 32 nibbles) -> two 16-byte s8/u8 chunks: even nibbles x16, odd
@@ -383,6 +384,15 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             T.if_then_else(ok, T.uint32(VEC), T.uint32(0)))
 
     @T.macro
+    def load_packed(rv, v, src, gidx, ok):
+        """4-bit wgmma tiles: 16 packed bytes at src[gidx] into rv[4v:4v+4] (zeros where ``ok`` is false)."""
+        for e in T.unroll(4):
+            rv[v * 4 + e] = T.uint32(0)
+        if ok:
+            T.evaluate(T.ptx.ld.global_.v4.b32(rv[v * 4], rv[v * 4 + 1], rv[v * 4 + 2], rv[v * 4 + 3],
+                                               T.address_of(src[gidx])))
+
+    @T.macro
     def load_chunk(xf, wf, rv, As, Bs, tid, m0, n0, kc):
         """Issue the loads of K-chunk ``kc`` into ring stage ``kc % STG`` (cp.async or plain loads)."""
         for it in T.unroll(A_IT):
@@ -401,11 +411,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             soff = (kc % STG) * (BM * BKP) + slot[2]
             gidx = T.meta_var(x_index(dec[0], ih, iw, cb))
             if UNPACK_LD:  # into registers (the whole chunk in flight together); store_chunk unpacks them later
-                for e in T.unroll(4):
-                    rv[it * 4 + e] = T.uint32(0)
-                if ok:
-                    T.evaluate(T.ptx.ld.global_.v4.b32(rv[it * 4], rv[it * 4 + 1], rv[it * 4 + 2], rv[it * 4 + 3],
-                                                       T.address_of(xf[gidx])))
+                load_packed(rv, it, xf, gidx, ok)
             elif use_async:
                 T.evaluate(a_cp(As, xf, soff, gidx, ok))
             else:
@@ -425,12 +431,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             soff = B_OFF + (kc % STG) * (BN * BKP) + slot[2]
             gidx = T.meta_var(w_index(k, kb))
             if UNPACK_LD:
-                for e in T.unroll(4):
-                    rv[(A_IT + it) * 4 + e] = T.uint32(0)
-                if ok:
-                    T.evaluate(T.ptx.ld.global_.v4.b32(rv[(A_IT + it) * 4], rv[(A_IT + it) * 4 + 1],
-                                                       rv[(A_IT + it) * 4 + 2], rv[(A_IT + it) * 4 + 3],
-                                                       T.address_of(wf[gidx])))
+                load_packed(rv, A_IT + it, wf, gidx, ok)
             elif use_async:
                 T.evaluate(a_cp(Bs, wf, soff, gidx, ok))
             else:
@@ -442,21 +443,20 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         Bs[soff + v] = T.int8(0)
 
     @T.macro
+    def store_tile(rv, S_, tid, base, rows, its, v0):
+        """Packed vectors rv[4*v0 ...] of one tile (``its`` per thread) -> unpacked, swizzled, at ``base``."""
+        for it in T.unroll(its):
+            slot = T.meta_var(tile_slot(it * NTH + tid, rows))
+            st2 = T.meta_var(unpack_store(S_, base + slot[2], base + tile_off(slot[0], slot[1] * 2 + 1, rows), rv,
+                                          v0 + it))
+            T.evaluate(st2[0])
+            T.evaluate(st2[1])
+
+    @T.macro
     def store_chunk(rv, As, Bs, tid, kc):
         """4-bit wgmma tiles: the packed vectors load_chunk left in ``rv`` -> unpacked, swizzled, stage kc % STG."""
-        for it in T.unroll(A_IT):
-            slot = T.meta_var(tile_slot(it * NTH + tid, BM))
-            base = (kc % STG) * (BM * BKP)
-            st2 = T.meta_var(unpack_store(As, base + slot[2], base + tile_off(slot[0], slot[1] * 2 + 1, BM), rv, it))
-            T.evaluate(st2[0])
-            T.evaluate(st2[1])
-        for it in T.unroll(B_IT):
-            slot = T.meta_var(tile_slot(it * NTH + tid, BN))
-            base = B_OFF + (kc % STG) * (BN * BKP)
-            st2 = T.meta_var(unpack_store(Bs, base + slot[2], base + tile_off(slot[0], slot[1] * 2 + 1, BN), rv,
-                                          A_IT + it))
-            T.evaluate(st2[0])
-            T.evaluate(st2[1])
+        store_tile(rv, As, tid, (kc % STG) * (BM * BKP), BM, A_IT, 0)
+        store_tile(rv, Bs, tid, B_OFF + (kc % STG) * (BN * BKP), BN, B_IT, A_IT)
 
     @T.macro
     def load_frags(As, Bs, af, bf, lane, wm, wn, stage, ks, buf):
@@ -532,7 +532,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         xf = T.decl_buffer((X_SIZE,), x_st, data=x.data)
         wf = T.decl_buffer((W_SIZE,), w_st, data=w.data)
         rv = T.alloc_buffer((4 * (A_IT + B_IT),), "uint32", scope="local")  # 4-bit wgmma: packed vectors in flight
-        As = T.alloc_buffer((A_ALLOC,), "uint8" if WG else x_st, scope="shared.dyn")  # wgmma: bytes (one name per module)
+        # wgmma: one byte ring whatever the operand type (TVM names a lone dynamic buffer after it, and kernels of
+        # one module must declare it with the same element type)
+        As = T.alloc_buffer((A_ALLOC,), "uint8" if WG else x_st, scope="shared.dyn")
         Bs = T.alloc_buffer((B_ALLOC,), w_st, scope="shared.dyn")
         Cs = T.alloc_buffer((SMEM_C,), "int32", scope="shared.dyn")
         af = T.alloc_buffer((NFB * MT * 4,), "uint32", scope="local")
@@ -559,7 +561,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             acc[e] = T.Cast(ACC_T, 0)
         ksp = T.meta_var(k_span(bz))  # (first K-chunk, number of K-chunks) of this block
         if WG:
-            # ---------------- main loop, wgmma: STG-deep cp.async ring, one MMA group in flight ----------------
+            # ---------------- main loop, wgmma: STG-deep ring, GIF = 1 + pipe MMA groups in flight ----------------
             # iteration kc: chunk kc landed (cp.async) -> proxy fence (generic-proxy writes made visible to wgmma)
             # -> barrier -> MMAs of chunk kc issued asynchronously -> loads of chunk kc+STG-1-GIF into the stage of
             # chunk kc-1-GIF, whose MMAs every warpgroup retired (wait_group GIF at the end of the last iteration)

@@ -212,8 +212,9 @@ class GemmKnobs:
     #                loads run stages-1 chunks ahead)
     fdb: bool = False  # double-buffered fragments: ldmatrix of k-step s+1 issued before the MMAs of step s
     split_k: int = 0  # K split over blocks (schedules/splitk.py); 0 = auto (only where the grid is small)
-    mma: str = "sync"  # "sync": warp mma.sync (WM x WN warps); "wgmma": warpgroup wgmma.mma_async (sm_90a, 8-bit;
-    #                    WM x WN warpgroups of 128 threads, each a (BM/WM) x (BN/WN) tile, rows a multiple of 64)
+    mma: str = "sync"  # "sync": warp mma.sync (WM x WN warps); "wgmma": warpgroup wgmma.mma_async (sm_90a; WM x WN
+    #                    warpgroups of 128 threads, each a (BM/WM) x (BN/WN) tile, rows a multiple of 64; 4-bit
+    #                    tiles are unpacked to 8-bit on their way into shared memory, BK counts packed bytes)
 
     SPACE = {
         "BM": (32, 64, 128, 256),

@@ -106,7 +106,8 @@ def run_check(rec, seed):
     return ok, nuniq, (None if ok else int((got != ref).sum()))
 
 
-def cuda_time(fn, reps=20, warm=3):
+def cuda_time(fn, reps=20, warm=3, launches=1):
+    """Median over ``reps`` rounds of (CUDA-event time of ``launches`` back-to-back calls) / launches, in ms."""
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
@@ -114,10 +115,11 @@ def cuda_time(fn, reps=20, warm=3):
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        for _ in range(launches):
+            fn()
         e.record()
         e.synchronize()
-        ts.append(s.elapsed_time(e))
+        ts.append(s.elapsed_time(e) / launches)
     return float(np.median(ts))
 
 
@@ -127,20 +129,8 @@ def cuda_time(fn, reps=20, warm=3):
 TIMING = os.environ.get("QC_BENCH_TIMING", "b2b")
 
 
-def b2b_time(fn, n=20, rounds=7, warm=3):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rounds):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(n):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / n)
-    return float(np.median(ts))
+def b2b_time(fn):
+    return cuda_time(fn, reps=7, launches=20)
 
 
 def tvm_time(f, targs, reps=20):

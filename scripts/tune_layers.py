@@ -157,20 +157,31 @@ def candidates(spec, n: int, names=None):
 # ------------------------------------------------------------------------------------------------------------
 # build (here)
 # ------------------------------------------------------------------------------------------------------------
-def bench8_cases():
-    """Bench-only ResNet-50 layers at batch 8 with the default knobs (batch 8 is not tuned)."""
-    from qcompile.schedules import DEFAULT_KNOBS, select_strategy
+def r50_layer_specs(batches):
+    """(NAME_bN_DT, spec, is_gemm) for every distinct ResNet-50 conv at each batch, INT8 and INT4; is_gemm is False
+    where the tensor-core rules do not apply (the C=3 INT4 stem: generic fallback, nothing to tune)."""
+    from qcompile.schedules import select_strategy
     from qcompile.schedules.layers import RESNET50, distinct
 
-    cases = []
-    for (name, C, H, K, R, st, pd) in distinct(RESNET50):
-        for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
-            spec = mk(8, C, H, K, R, st, pd)
-            strat = select_strategy(spec, ARCH)
-            cases.append(dict(kind="bench", layer=f"{name}_b8_{dt}", spec=spec, strategy=strat,
-                              knobs=DEFAULT_KNOBS[ARCH] if strat != "fallback" else None, variant="default",
-                              is_default=True))
-    return cases
+    for N in batches:
+        for (name, C, H, K, R, st, pd) in distinct(RESNET50):
+            for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
+                spec = mk(N, C, H, K, R, st, pd)
+                yield f"{name}_b{N}_{dt}", spec, select_strategy(spec, ARCH) == "implicit_gemm"
+
+
+def fallback_case(layer, spec):
+    return dict(kind="bench", layer=layer, spec=spec, strategy="fallback", knobs=None, variant="fallback",
+                is_default=True)
+
+
+def bench8_cases():
+    """Bench-only ResNet-50 layers at batch 8 with the default knobs (batch 8 is not tuned)."""
+    from qcompile.schedules import DEFAULT_KNOBS
+
+    return [dict(kind="bench", layer=layer, spec=spec, strategy="implicit_gemm", knobs=DEFAULT_KNOBS[ARCH],
+                 variant="default", is_default=True) if gemm else fallback_case(layer, spec)
+            for layer, spec, gemm in r50_layer_specs([8])]
 
 
 def make_cases(batches, nvar, names=None, only_r=None, bench8=True, only_c=None):
@@ -189,8 +200,7 @@ def make_cases(batches, nvar, names=None, only_r=None, bench8=True, only_c=None)
                 spec = mk(N, C, H, K, R, st, pd)
                 layer = f"{name}_b{N}_{dt}"
                 if select_strategy(spec, ARCH) != "implicit_gemm":  # C=3 INT4 stem: generic fallback, no knobs
-                    cases.append(dict(kind="bench", layer=layer, spec=spec, strategy="fallback", knobs=None,
-                                      variant="fallback", is_default=True))
+                    cases.append(fallback_case(layer, spec))
                     continue
                 for vname, kn in candidates(spec, nv, names):
                     cases.append(dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=kn,
@@ -256,23 +266,17 @@ def make_cases_wgmma(batches, layers=None, dtypes=("int8", "int4"), names=None):
 
 def make_cases_as_compiled(batches):
     """One kernel per ResNet-50 shape: the knobs a compiled model gets (tuning log, else defaults); no tuning."""
-    from qcompile.schedules import DEFAULT_KNOBS, select_strategy, tuned_knobs
+    from qcompile.schedules import DEFAULT_KNOBS, tuned_knobs
     from qcompile.schedules.igemm import _adapt_knobs
-    from qcompile.schedules.layers import RESNET50, distinct
 
     cases = []
-    for N in batches:
-        for (name, C, H, K, R, st, pd) in distinct(RESNET50):
-            for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
-                spec = mk(N, C, H, K, R, st, pd)
-                layer = f"{name}_b{N}_{dt}"
-                if select_strategy(spec, ARCH) != "implicit_gemm":
-                    cases.append(dict(kind="bench", layer=layer, spec=spec, strategy="fallback", knobs=None,
-                                      variant="fallback", is_default=True))
-                    continue
-                kn = tuned_knobs(spec, ARCH) or _adapt_knobs(spec, DEFAULT_KNOBS[ARCH], "NHWC")
-                cases.append(dict(kind="tune" if N != 8 else "bench", layer=layer, spec=spec, strategy="implicit_gemm",
-                                  knobs=kn, variant="default", is_default=True))
+    for layer, spec, gemm in r50_layer_specs(batches):
+        if not gemm:
+            cases.append(fallback_case(layer, spec))
+            continue
+        kn = tuned_knobs(spec, ARCH) or _adapt_knobs(spec, DEFAULT_KNOBS[ARCH], "NHWC")
+        cases.append(dict(kind="tune" if spec.N != 8 else "bench", layer=layer, spec=spec, strategy="implicit_gemm",
+                          knobs=kn, variant="default", is_default=True))
     return cases
 
 
@@ -280,31 +284,26 @@ def make_cases_loop_ab(batches, alt):
     """Main-loop A/B (schedules/igemm.py ``pipe`` / ``fdb`` knobs) on the ResNet-50 shapes: per spec the knobs it
     builds with now (tuning log or defaults) with the first loop ("default": pipe 0, no fragment double buffer),
     with the one-barrier loop ("p1"), and with both ("p1fdb"); plus ``alt[batch]`` other tiles on the new loop."""
-    from qcompile.schedules import DEFAULT_KNOBS, select_strategy, tuned_knobs
-    from qcompile.schedules.layers import RESNET50, distinct
+    from qcompile.schedules import tuned_knobs
 
     cases = []
-    for N in batches:
-        for (name, C, H, K, R, st, pd) in distinct(RESNET50):
-            for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
-                spec = mk(N, C, H, K, R, st, pd)
-                layer = f"{name}_b{N}_{dt}"
-                if select_strategy(spec, ARCH) != "implicit_gemm":
-                    cases.append(dict(kind="bench", layer=layer, spec=spec, strategy="fallback", knobs=None,
-                                      variant="fallback", is_default=True))
-                    continue
-                base = tuned_knobs(spec, ARCH) or candidates(spec, 1)[0][1]
-                vs = [("default", base.replace(pipe=0, fdb=False)), ("p1", base.replace(pipe=1, fdb=False)),
-                      ("p1fdb", base.replace(pipe=1, fdb=True))]
-                seen = {v for _, v in vs}
-                for vname, kn in candidates(spec, 1 + alt.get(N, 0))[1:]:
-                    kn = kn.replace(pipe=1, fdb=True)
-                    if kn not in seen:
-                        seen.add(kn)
-                        vs.append((vname + "_p1fdb", kn))
-                for vname, kn in vs:
-                    cases.append(dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=kn,
-                                      variant=vname, is_default=vname == "default"))
+    for layer, spec, gemm in r50_layer_specs(batches):
+        if not gemm:
+            cases.append(fallback_case(layer, spec))
+            continue
+        N = spec.N
+        base = tuned_knobs(spec, ARCH) or candidates(spec, 1)[0][1]
+        vs = [("default", base.replace(pipe=0, fdb=False)), ("p1", base.replace(pipe=1, fdb=False)),
+              ("p1fdb", base.replace(pipe=1, fdb=True))]
+        seen = {v for _, v in vs}
+        for vname, kn in candidates(spec, 1 + alt.get(N, 0))[1:]:
+            kn = kn.replace(pipe=1, fdb=True)
+            if kn not in seen:
+                seen.add(kn)
+                vs.append((vname + "_p1fdb", kn))
+        for vname, kn in vs:
+            cases.append(dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=kn,
+                              variant=vname, is_default=vname == "default"))
     return cases + bench8_cases()
 
 
