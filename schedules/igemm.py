@@ -176,7 +176,20 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # wgmma has no 4-bit operands: 4-bit tiles are loaded packed (16 bytes = 32 values per vector, half the global
     # traffic) into registers and stored unpacked to s8/u8 (x16, the nibble-split of the mma.sync path: even values
     # in one 16-byte chunk, odd values in the next; A and B permuted alike), so a stage row holds UBK = 2*BK bytes
+    # in registers one chunk ahead (pstages 0), or through a pstages-deep ring of packed tiles filled by cp.async
+    # (each thread later reads back, unpacks and stores the very vectors it copied: its own cp.async.wait_group
+    # makes them visible, no barrier; global latency is hidden by the ring instead of held in registers)
     UNPACK_LD = WG and spec.x_bits == 4
+    PSTG = kn.pstages if UNPACK_LD else 0
+    PRING = PSTG > 0
+    # areg: the A tile is copied packed (cp.async) into a PSTG-deep swizzled ring shared by the block, and each
+    # thread reads its wgmma A fragment from it (two 32-bit words per m64 instruction and k-step: rows g and g+8,
+    # packed bytes 4q..4q+3 of the step) and unpacks it in registers for the register-A form of wgmma; only B is
+    # stored unpacked. (A's unpacked stores and wgmma's shared-memory reads of A are gone: less shared traffic.)
+    AREG = UNPACK_LD and kn.areg
+    NSET = 2 if kn.pipe == 0 else 1  # areg: A-fragment register sets (pipe 0: chunk kc+1's loaded while kc's MMAs run)
+    if kn.areg and UNPACK_LD and (PSTG < 2 or kn.pipe not in (-1, 0)):
+        raise NotApplicable("areg needs pstages >= 2 and pipe -1 or 0")
     UBK = 2 * BK if UNPACK_LD else BK
     BKP = UBK if WG else BK + 16
     AW = min(UBK, 128)
@@ -201,7 +214,15 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     if not use_async:
         STG = max(2, min(STG, 2))
     EV = _pick_ev(spec, kn.ev)
-    CSP = WTN + 8  # epilogue staging pitch (int32 words)
+    # epilogue staging: column c of a row at word c + 4*(c // 32) (a lane's EV <= 16 columns never straddle a
+    # 32-column group), pitch = 8 mod 32 words. The accumulator stores (8-byte pairs, rows g / g+8) stay
+    # conflict-free, and so do the 16-byte loads of the read-back: without the skew lanes l and l+4 of a
+    # quarter-warp (columns 8l and 8l+32) hit the same banks, a 2-way conflict on every read-back load
+    CSP = -(-(WTN + 4 * (WTN // 32) - 8) // 32) * 32 + 8
+
+    def cs_col(c):
+        return c + 4 * (c // 32)
+
     GRID_M = (Mtot + BM - 1) // BM
     GRID_N = (K + BN - 1) // BN
     HWNC = layout == "HWNC"
@@ -233,16 +254,24 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     X_SIZE = math.prod(xs)
     W_SIZE = math.prod(ws)
     O_SIZE = math.prod(os_)
-    SMEM_A = STG * BM * BKP
+    SMEM_A = 0 if AREG else STG * BM * BKP
     SMEM_B = STG * BN * BKP
     SMEM_C = NWARP * 16 * CSP  # int32 words of the epilogue's staging tiles
     # wgmma: A and B stages live in one buffer (B at B_OFF); as two buffers TVM's shared-memory planner overlapped
     # them (the descriptors' access_ptr outside the loop is the only use it sees of Bs's lifetime)
     B_OFF = SMEM_A if WG else 0
-    if WG and max(SMEM_A + SMEM_B, 4 * SMEM_C) > ai.smem_per_block:  # the epilogue's staging reuses the ring
-        raise NotApplicable(f"{(SMEM_A + SMEM_B) // 1024} KiB of shared tiles exceed the {ai.smem_per_block // 1024} KiB "
-                            f"per block of {arch}")
-    A_ALLOC, B_ALLOC = (SMEM_A + SMEM_B, 16) if WG else (SMEM_A, SMEM_B)
+    AWP = min(BK, 128)  # areg: the packed A ring's swizzle atom (row bytes, up to 128)
+    PA_OFF = SMEM_A + SMEM_B  # areg: packed A ring, PSTG stages of BM x BK bytes
+    SMEM_PA = PSTG * BM * BK if AREG else 0
+    # 4-bit wgmma with pstages: the per-thread packed ring, vector (stage, v, tid) at 16 bytes each (B only with areg)
+    P_OFF = PA_OFF + SMEM_PA
+    PV_IT = B_IT if AREG else A_IT + B_IT
+    SMEM_P = PSTG * PV_IT * NTH * 16
+    SMEM_ALL = SMEM_A + SMEM_B + SMEM_PA + SMEM_P
+    if WG and max(SMEM_ALL, 4 * SMEM_C) > ai.smem_per_block:  # the epilogue's staging reuses the ring
+        raise NotApplicable(f"{SMEM_ALL // 1024} KiB of shared tiles exceed the "
+                            f"{ai.smem_per_block // 1024} KiB per block of {arch}")
+    A_ALLOC, B_ALLOC = (max(SMEM_ALL, 4 * SMEM_C), 16) if WG else (SMEM_A, SMEM_B)
     CS_IT = 16 * WTN // (32 * EV)
     LPR = WTN // EV  # lanes per staged row
     HOIST = 32 % LPR == 0  # then a lane's output channels do not change between the rows it writes
@@ -260,6 +289,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     NFB = 2 if FDB else 1
 
     res_shape = spec.res_shape()
+    MINB_ON = kn.minb > 0
     R_SIZE = math.prod(res_shape)
 
     # ---------------- index helpers (build PrimExprs; called from the script) ----------------
@@ -284,7 +314,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         t = unshift(a) + bias_v
         if spec.shift_ge33:
             # every S >= 33: (t*M + 2^(S-1)) >> S == (hi32(t*M) + 2^(S-33)) >> (S-32), all int32 (mul.hi)
-            hi32 = T.Cast("int32", T.shift_right(T.Cast("int64", t) * T.Cast("int64", m_v), T.int64(32)))
+            # (t is int32, wrapping like the reference; written as a 64-bit product TVM distributes the cast over
+            # t's sum and nvcc multiplies in 64 bits: ~7 instructions per element instead of one IMAD.HI)
+            hi32 = T.call_pure_extern("int32", "__mulhi", t, m_v)
             # shift amount clamped to [1, 30] (a no-op for 33 <= S <= 62): with an unbounded shift TVM's
             # integer-bound analysis narrows the result and drops the clip below
             sh = T.max(T.min(s_v - 32, T.int32(30)), T.int32(1))
@@ -318,10 +350,10 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             return row, kv, tile_off(row, kv * (2 if UNPACK_LD else 1), rows)
         return row, kv, row * BKP + kv * VEC
 
-    def tile_off(row, c, rows):  # swizzled byte offset of 16-byte chunk c of a row (wgmma tiles)
-        w = AW // 16
-        swz = T.bitwise_and(T.shift_right(row * AW, 7), SWM)
-        return (c // w) * (rows * AW) + row * AW + T.bitwise_xor(c % w, swz) * 16
+    def tile_off(row, c, rows, aw=AW):  # swizzled byte offset of 16-byte chunk c of a row (wgmma tiles)
+        w = aw // 16
+        swz = T.bitwise_and(T.shift_right(row * aw, 7), w - 1)
+        return (c // w) * (rows * aw) + row * aw + T.bitwise_xor(c % w, swz) * 16
 
     def unpack_store(S_, soff_lo, soff_hi, rv, v):
         """Packed vector v (rv[4v:4v+4]: 16 bytes, 32 nibbles) -> two 16-byte s8/u8 chunks: even nibbles x16, odd
@@ -334,11 +366,13 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     def kstep_off(ks, rows):  # byte offset of k32 step ks in a swizzled stage of ``rows`` rows
         return (ks * 32 // AW) * (rows * AW) + (ks * 32) % AW
 
-    def wg_mma(acc, base, adesc, bdesc):
-        """One wgmma.mma_async m64nINS_Nk32 on accumulator registers acc[base : base + INS_N/2]."""
+    def wg_mma(acc, base, adesc, bdesc, ar=None):
+        """One wgmma.mma_async m64nINS_Nk32 on accumulator registers acc[base : base + INS_N/2]; A from the shared
+        tile of descriptor ``adesc``, or with ``ar`` from registers ar[adesc : adesc + 4]."""
         a_t = "s8" if spec.x_signed else "u8"
         op = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{INS_N}k32.s32.{a_t}.s8"]
-        return op(*[acc[base + r] for r in range(INS_N // 2)], adesc, bdesc, T.ptx.pred(1))
+        a = [ar[adesc + r] for r in range(4)] if ar is not None else [adesc]
+        return op(*[acc[base + r] for r in range(INS_N // 2)], *a, bdesc, T.ptx.pred(1))
 
     def smem_desc(buf):
         """wgmma matrix descriptor of a shared tile: start >> 4 | LBO >> 4 << 16 | SBO >> 4 << 32 | layout << 62."""
@@ -383,6 +417,12 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             T.address_of(As[soff]), T.address_of(xf[T.if_then_else(ok, gidx, 0)]), VEC,
             T.if_then_else(ok, T.uint32(VEC), T.uint32(0)))
 
+    def p_slot(kc, v, tid):  # byte offset of packed vector v of this thread for chunk kc (packed ring)
+        return P_OFF + (((kc % PSTG) * PV_IT + v) * NTH + tid) * 16
+
+    def pa_off(kc, row, c):  # areg: byte offset of packed 16-byte chunk c of A row ``row`` of chunk kc
+        return PA_OFF + (kc % PSTG) * (BM * BK) + tile_off(row, c, BM, AWP)
+
     @T.macro
     def load_packed(rv, v, src, gidx, ok):
         """4-bit wgmma tiles: 16 packed bytes at src[gidx] into rv[4v:4v+4] (zeros where ``ok`` is false)."""
@@ -410,7 +450,11 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             ok = inb and ih >= 0 and ih < H and iw >= 0 and iw < W
             soff = (kc % STG) * (BM * BKP) + slot[2]
             gidx = T.meta_var(x_index(dec[0], ih, iw, cb))
-            if UNPACK_LD:  # into registers (the whole chunk in flight together); store_chunk unpacks them later
+            if AREG:  # packed, into the block's A ring
+                T.evaluate(a_cp(As, xf, pa_off(kc, row, slot[1]), gidx, ok))
+            elif UNPACK_LD and PRING:  # packed, into this thread's slot of the packed ring
+                T.evaluate(a_cp(As, xf, p_slot(kc, it, tid), gidx, ok))
+            elif UNPACK_LD:  # into registers (the whole chunk in flight together); store_chunk unpacks them later
                 load_packed(rv, it, xf, gidx, ok)
             elif use_async:
                 T.evaluate(a_cp(As, xf, soff, gidx, ok))
@@ -430,7 +474,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             ok = k < K and kb < GKB
             soff = B_OFF + (kc % STG) * (BN * BKP) + slot[2]
             gidx = T.meta_var(w_index(k, kb))
-            if UNPACK_LD:
+            if UNPACK_LD and PRING:
+                T.evaluate(a_cp(Bs, wf, p_slot(kc, it if AREG else A_IT + it, tid), gidx, ok))
+            elif UNPACK_LD:
                 load_packed(rv, A_IT + it, wf, gidx, ok)
             elif use_async:
                 T.evaluate(a_cp(Bs, wf, soff, gidx, ok))
@@ -457,6 +503,33 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         """4-bit wgmma tiles: the packed vectors load_chunk left in ``rv`` -> unpacked, swizzled, stage kc % STG."""
         store_tile(rv, As, tid, (kc % STG) * (BM * BKP), BM, A_IT, 0)
         store_tile(rv, Bs, tid, B_OFF + (kc % STG) * (BN * BKP), BN, B_IT, A_IT)
+
+    @T.macro
+    def unpack_chunk(rv, As, tid, kc):
+        """Packed ring: this thread's vectors of chunk kc (landed: cp.async.wait_group) -> registers -> unpacked."""
+        for v in T.unroll(PV_IT):
+            T.evaluate(T.ptx.ld.shared.v4.b32(rv[v * 4], rv[v * 4 + 1], rv[v * 4 + 2], rv[v * 4 + 3],
+                                              T.address_of(As[p_slot(kc, v, tid)])))
+        if AREG:
+            store_tile(rv, As, tid, B_OFF + (kc % STG) * (BN * BKP), BN, B_IT, 0)
+        else:
+            store_chunk(rv, As, As, tid, kc)
+
+    @T.macro
+    def load_afrag(ar, pw, As, lane, warp, wm, kc, base):
+        """areg: this thread's wgmma A fragments of chunk kc, unpacked: per k-step ks and m64 instruction i,
+        ar[base + (ks*MI + i)*4 + 0..3] = (row g, k 4q..), (row g+8, k 4q..), (row g, k 16+4q..), (row g+8, k 16+4q..)
+        (g = lane/4, q = lane%4): the even values of packed word q of the step in the first two, the odd values in
+        the last two -- the k order the nibble split gives the B tile."""
+        for ks in T.unroll(KS):
+            for i in T.unroll(MI):
+                for h2 in T.unroll(2):
+                    T.evaluate(T.ptx.ld.shared.b32(
+                        pw[h2], T.address_of(As[pa_off(kc, wm * WTM + i * 64 + (warp % 4) * 16 + lane // 4 + 8 * h2,
+                                                       ks) + (lane % 4) * 4])))
+                for h2 in T.unroll(2):
+                    ar[base + (ks * MI + i) * 4 + h2] = T.bitwise_and(T.shift_left(pw[h2], T.uint32(4)), MASK)
+                    ar[base + (ks * MI + i) * 4 + 2 + h2] = T.bitwise_and(pw[h2], MASK)
 
     @T.macro
     def load_frags(As, Bs, af, bf, lane, wm, wn, stage, ks, buf):
@@ -529,9 +602,13 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         bxm = T.launch_thread("blockIdx.y", GRID_M)
         bz = T.launch_thread("blockIdx.z", SPLIT)  # K-split index (extent 1 without split-K)
         tid = T.launch_thread("threadIdx.x", NTH)
+        if MINB_ON:  # __launch_bounds__(NTH, minb): nvcc caps the registers so that minb blocks fit per SM
+            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", kn.minb)
         xf = T.decl_buffer((X_SIZE,), x_st, data=x.data)
         wf = T.decl_buffer((W_SIZE,), w_st, data=w.data)
         rv = T.alloc_buffer((4 * (A_IT + B_IT),), "uint32", scope="local")  # 4-bit wgmma: packed vectors in flight
+        ar = T.alloc_buffer((NSET * KS * MI * 4 if AREG else 1,), "uint32", scope="local")  # areg: A fragments
+        pw = T.alloc_buffer((2,), "uint32", scope="local")  # areg: packed A words
         # wgmma: one byte ring whatever the operand type (TVM names a lone dynamic buffer after it, and kernels of
         # one module must declare it with the same element type)
         As = T.alloc_buffer((A_ALLOC,), "uint8" if WG else x_st, scope="shared.dyn")
@@ -568,7 +645,26 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             # before this barrier
             ad[0] = smem_desc(As)
             ad[1] = ad[0] + T.uint64(B_OFF // 16)
-            if UNPACK_LD:  # register pipeline: chunk j is loaded in iteration j-2 and stored in iteration j-1
+            if AREG:  # A ring + B slots: chunks 0 .. PSTG-2 in flight, chunk 0's B unpacked
+                for s0 in T.unroll(PSTG - 1):
+                    if s0 < ksp[1]:
+                        load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + s0)
+                    T.ptx.cp.async_.commit_group()
+                if ksp[1] > 0:
+                    T.ptx.cp.async_.wait_group(PSTG - 2)
+                    unpack_chunk(rv, As, tid, ksp[0])
+            elif PRING:  # packed ring: chunks 0 .. PSTG-1 in flight, chunk 0 unpacked, its slots refilled
+                for s0 in T.unroll(PSTG):
+                    if s0 < ksp[1]:
+                        load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + s0)
+                    T.ptx.cp.async_.commit_group()
+                if ksp[1] > 0:
+                    T.ptx.cp.async_.wait_group(PSTG - 1)
+                    unpack_chunk(rv, As, tid, ksp[0])
+                    if PSTG < ksp[1]:
+                        load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + PSTG)
+                T.ptx.cp.async_.commit_group()
+            elif UNPACK_LD:  # register pipeline: chunk j is loaded in iteration j-2 and stored in iteration j-1
                 if ksp[1] > 0:
                     load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0])
                     store_chunk(rv, As, As, tid, ksp[0])
@@ -579,7 +675,38 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     if s0 < ksp[1]:
                         load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + s0)
                     T.ptx.cp.async_.commit_group()
-            for kc in T.serial(ksp[1]):
+            if AREG:  # unrolled by two: the A-fragment register set of chunk kc is kc % NSET, a constant
+                for kc2 in T.serial((ksp[1] + 1) // 2):
+                    for par in T.unroll(2):
+                        kc = kc2 * 2 + par
+                        if kc < ksp[1]:
+                            T.ptx.fence.proxy.async_.shared__cta()
+                            T.tvm_storage_sync("shared")
+                            # set par % NSET: its last MMAs (chunk kc-NSET) retired by wait_group(NSET - 1) below
+                            load_afrag(ar, pw, As, lane, warp, wm, ksp[0] + kc, (par % NSET) * (KS * MI * 4))
+                            T.ptx.wgmma.fence.sync.aligned()
+                            for ks in T.unroll(KS):
+                                for i in T.unroll(MI):
+                                    for h in T.unroll(NI):
+                                        T.evaluate(wg_mma(
+                                            acc, (i * NT + h * (INS_N // 8)) * 4,
+                                            (par % NSET) * (KS * MI * 4) + (ks * MI + i) * 4,
+                                            ad[1] + T.Cast("uint64", ((ksp[0] + kc) % STG * (BN * BKP)
+                                                                      + (wn * WTN + h * INS_N) // 8 * SBO
+                                                                      + kstep_off(ks, BN)) // 16), ar))
+                            T.ptx.wgmma.commit_group.sync.aligned()
+                            # chunk kc+PSTG-1 into the stages of chunk kc-1: its A was read by every thread before
+                            # this iteration's barrier, its B slots were unpacked (by their own thread) in iteration kc-2
+                            if kc + PSTG - 1 < ksp[1]:
+                                load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + kc + PSTG - 1)
+                            T.ptx.cp.async_.commit_group()
+                            # chunk kc+1 landed (the next barrier publishes its A); its B into the stage of chunk
+                            # kc+1-STG, retired by every warpgroup before this iteration's barrier (STG >= 2 + GIF)
+                            if kc + 1 < ksp[1]:
+                                T.ptx.cp.async_.wait_group(PSTG - 2)
+                                unpack_chunk(rv, As, tid, ksp[0] + kc + 1)
+                            T.ptx.wgmma.wait_group.sync.aligned(GIF)
+            for kc in T.serial(0 if AREG else ksp[1]):
                 if not UNPACK_LD:
                     T.ptx.cp.async_.wait_group(STG - 2 - GIF)
                 T.ptx.fence.proxy.async_.shared__cta()
@@ -590,12 +717,19 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         for h in T.unroll(NI):
                             T.evaluate(wg_mma(
                                 acc, (i * NT + h * (INS_N // 8)) * 4,
-                                ad[0] + T.Cast("uint64", ((ksp[0] + kc) % STG * (BM * BKP) + (wm * WTM + i * 64) // 8 * SBO
-                                                          + kstep_off(ks, BM)) // 16),
-                                ad[1] + T.Cast("uint64", ((ksp[0] + kc) % STG * (BN * BKP) + (wn * WTN + h * INS_N) // 8
-                                                          * SBO + kstep_off(ks, BN)) // 16)))
+                                ad[0] + T.Cast("uint64", ((ksp[0] + kc) % STG * (BM * BKP) + (wm * WTM + i * 64) // 8
+                                                          * SBO + kstep_off(ks, BM)) // 16),
+                                ad[1] + T.Cast("uint64", ((ksp[0] + kc) % STG * (BN * BKP) + (wn * WTN + h * INS_N)
+                                                          // 8 * SBO + kstep_off(ks, BN)) // 16)))
                 T.ptx.wgmma.commit_group.sync.aligned()
-                if UNPACK_LD:  # stage of chunk kc+1 held chunk kc+1-STG, retired (STG >= 2 + GIF)
+                if PRING:  # while the MMAs run: unpack chunk kc+1 (stage of chunk kc+1-STG, retired), refill its slots
+                    if kc + 1 < ksp[1]:
+                        T.ptx.cp.async_.wait_group(PSTG - 1)  # one group per chunk: kc+1 landed, kc+2.. in flight
+                        unpack_chunk(rv, As, tid, ksp[0] + kc + 1)
+                        if kc + 1 + PSTG < ksp[1]:
+                            load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + kc + 1 + PSTG)
+                    T.ptx.cp.async_.commit_group()
+                elif UNPACK_LD:  # stage of chunk kc+1 held chunk kc+1-STG, retired (STG >= 2 + GIF)
                     if kc + 1 < ksp[1]:
                         store_chunk(rv, As, As, tid, ksp[0] + kc + 1)
                     if kc + 2 < ksp[1]:
@@ -648,9 +782,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         for i in T.serial(EMT):
             for j in T.unroll(NT):
                 for e in T.unroll(4):
-                    Cs[cbase + (lane // 4 + 8 * (e // 2)) * CSP + j * 8 + (lane % 4) * 2 + e % 2] = \
+                    Cs[cbase + (lane // 4 + 8 * (e // 2)) * CSP + cs_col(j * 8) + (lane % 4) * 2 + e % 2] = \
                         acc_val(acc, (i * NT + j) * 4 + e)
-            T.tvm_storage_sync("warp")
+            T.evaluate(T.cuda.warp_sync())  # (tvm_storage_sync("warp") emits __syncthreads)
             for it in T.serial(CS_IT):
                 L = it * 32 + lane
                 row = L // LPR
@@ -660,7 +794,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 if SPLIT > 1:  # split-K partial sums: int32, no epilogue (schedules/splitk.py)
                     if m < Mtot and k < K:
                         for e in T.unroll(EV):
-                            yb[e] = unshift(Cs[cbase + row * CSP + cc + e])
+                            yb[e] = unshift(Cs[cbase + row * CSP + cs_col(cc) + e])
                         for e in T.vectorized(EV):
                             of[(bz * Mtot + m) * K + k + e] = yb[e]
                 else:
@@ -680,7 +814,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                                 for e in T.unroll(RBV):
                                     rb[e] = rf[res_base(m, k) + e]
                         for e in T.unroll(EV):
-                            yb[e] = requant(Cs[cbase + row * CSP + cc + e], pb[e], pm[e], ps[e], q2, e,
+                            yb[e] = requant(Cs[cbase + row * CSP + cs_col(cc) + e], pb[e], pm[e], ps[e], q2, e,
                                             res_value(rb, rbw, e))
                         if OB == 4:
                             for e in T.unroll(OUT_VEC):
@@ -693,7 +827,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                                 ob[e] = T.Cast(o_st, yb[e])
                             for e in T.vectorized(OUT_VEC):
                                 of[m * K + k + e] = ob[e]
-            T.tvm_storage_sync("warp")
+            T.evaluate(T.cuda.warp_sync())  # (tvm_storage_sync("warp") emits __syncthreads)
 
     if SPLIT > 1:
         @T.prim_func

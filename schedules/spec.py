@@ -215,6 +215,11 @@ class GemmKnobs:
     mma: str = "sync"  # "sync": warp mma.sync (WM x WN warps); "wgmma": warpgroup wgmma.mma_async (sm_90a; WM x WN
     #                    warpgroups of 128 threads, each a (BM/WM) x (BN/WN) tile, rows a multiple of 64; 4-bit
     #                    tiles are unpacked to 8-bit on their way into shared memory, BK counts packed bytes)
+    pstages: int = 0  # 4-bit wgmma tiles: 0 = packed vectors loaded into registers one chunk ahead; n > 0 = an
+    #                   n-deep ring of packed tiles filled by cp.async, each thread unpacking the vectors it copied
+    areg: bool = False  # 4-bit wgmma with pstages >= 2, pipe -1 or 0: the A tile stays packed in shared memory and is
+    #                     unpacked into wgmma's register A operand (only the B tile is stored unpacked)
+    minb: int = 0  # __launch_bounds__ minimum blocks per SM (nvcc caps registers to fit them); 0 = none
 
     SPACE = {
         "BM": (32, 64, 128, 256),
@@ -229,6 +234,9 @@ class GemmKnobs:
         "fdb": (False, True),
         "split_k": (0, 1, 2, 4, 8, 16),
         "mma": ("sync", "wgmma"),
+        "pstages": (0, 2, 3, 4, 5, 6),
+        "areg": (False, True),
+        "minb": (0, 2, 3, 4),
     }
 
     def replace(self, **kw) -> "GemmKnobs":
@@ -242,9 +250,10 @@ class GemmKnobs:
         wtm, wtn = self.BM // self.WM, self.BN // self.WN
         nth = self.threads
         if self.mma == "wgmma":  # warpgroup tiles: 64-row multiples, one m64nN instruction per 128 (or fewer) cols
-            tile_ok = wtm % 64 == 0 and wtn in (64, 128, 256) and self.vec == 16 and self.stages >= 3 + self.pipe
+            tile_ok = (wtm % 64 == 0 and wtn in (64, 128, 256) and self.vec == 16 and self.stages >= 3 + self.pipe
+                       and (not self.areg or (self.pstages >= 2 and self.pipe in (-1, 0))))
         else:
-            tile_ok = wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1)
+            tile_ok = wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg
         return (
             self.BM % self.WM == 0 and self.BN % self.WN == 0 and tile_ok
             and self.BK % 32 == 0 and (self.BM * self.BK) % (self.vec * nth) == 0

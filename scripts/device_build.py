@@ -97,6 +97,23 @@ def make_cases(quick=False, bench=True):
             knobs=dict(wg, BK=64, BM=64, WM=1, pipe=0))
     for (name, N, C, H, K, R, st, pd) in ODD:
         add("check", f"wg_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 1), None, knobs=wg)
+    # 4-bit wgmma through the packed ring (pstages) and with register A (areg), forced on the other half of the
+    # shapes: both layouts, every epilogue variant, split-K plans at batch 1, and the odd shapes (fallback)
+    wgp = dict(wg, BK=64, stages=2, pstages=3)
+    wga = dict(wgp, areg=True)
+    for li, (name, C, H, K, R, st, pd) in enumerate(layers):
+        if not li % 2:
+            continue
+        v = li % 3
+        for lay in ("NHWC", "HWNC"):
+            add("check", f"wgp_{name}_b8_int4_{lay.lower()}", int4_spec(8, C, H, K, R, st, pd, v, lay), None, knobs=wgp)
+            add("check", f"wga_{name}_b8_int4_{lay.lower()}", int4_spec(8, C, H, K, R, st, pd, v, lay), None, knobs=wga)
+        add("check", f"wga_plan_{name}_b1_int4", int4_spec(1, C, H, K, R, st, pd, v), None, plan=True,
+            knobs=dict(wga, BM=64, WM=1, pstages=2))
+        add("check", f"wga1_{name}_b8_int4", int4_spec(8, C, H, K, R, st, pd, v), None,  # two A-fragment sets
+            knobs=dict(wga, pipe=0, stages=3))
+    for (name, N, C, H, K, R, st, pd) in ODD:
+        add("check", f"wga_{name}_int4", int4_spec(N, C, H, K, R, st, pd, 1), None, knobs=wga)
     if bench and not quick:
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for N in (8, 64, 256):

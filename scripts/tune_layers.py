@@ -120,6 +120,10 @@ def int4_spec(N, C, H, K, R, st, pd):
 def smem_bytes(kn, spec=None) -> int:
     pitch = kn.BK * (2 if spec is not None and spec.x_bits == 4 else 1) if kn.mma == "wgmma" else kn.BK + 16
     ring, stage_c = kn.stages * (kn.BM + kn.BN) * pitch, kn.threads // 32 * 16 * (kn.BN // kn.WN + 8) * 4
+    if kn.mma == "wgmma" and spec is not None and spec.x_bits == 4:
+        ring += kn.pstages * (kn.BM + kn.BN) * kn.BK  # the packed ring
+        if kn.areg:  # no unpacked A stages
+            ring -= kn.stages * kn.BM * pitch
     return max(ring, stage_c) if kn.mma == "wgmma" else ring + stage_c  # wgmma: one ring buffer, reused by the epilogue
 
 
@@ -237,9 +241,13 @@ def make_cases_targeted(targets):
     return cases
 
 
-def make_cases_wgmma(batches, layers=None, dtypes=("int8", "int4"), names=None):
+def make_cases_wgmma(batches, layers=None, dtypes=("int8", "int4"), names=None, pstages=(), areg=False,
+                     areg_pipes=(-1,)):
     """Every ResNet-50 layer as compiled now (``make_cases_as_compiled``) plus, for the ``dtypes`` ones at each
-    batch (or only ``layers``, NAME_bN_DT), the wgmma candidates of WGMMA as tuning variants."""
+    batch (or only ``layers``, NAME_bN_DT), the wgmma candidates of WGMMA as tuning variants. With ``pstages``
+    the 4-bit layers get each candidate, and the knobs they compile with now when those are wgmma, once per
+    packed-ring depth in ``pstages`` instead (``GemmKnobs.pstages``), with ``areg`` as register-A kernels instead
+    (``GemmKnobs.areg``) for each pipe in ``areg_pipes`` (-1: 2 unpacked B stages; 0: 3, two A-fragment sets)."""
     from qcompile.schedules import DEFAULT_KNOBS
     from qcompile.schedules.igemm import _adapt_knobs
 
@@ -252,15 +260,44 @@ def make_cases_wgmma(batches, layers=None, dtypes=("int8", "int4"), names=None):
             continue
         c["kind"] = "tune"
         seen = {c["knobs"]}
+        four = c["spec"].x_bits == 4
+        base = [("now", c["knobs"])] if four and pstages and c["knobs"].mma == "wgmma" else []
         for cname in names or WG_SWEEP:
             kw = WGMMA[cname]
-            if c["spec"].x_bits == 4:  # BK counts packed bytes: half of them fill the same unpacked shared tile
+            if four:  # BK counts packed bytes: half of them fill the same unpacked shared tile
                 kw = dict(kw, BK=kw["BK"] // 2)
-            kn = _adapt_knobs(c["spec"], DEFAULT_KNOBS[ARCH].replace(mma="wgmma", **kw), "NHWC")
-            if kn in seen or not kn.valid() or smem_bytes(kn, c["spec"]) > 220 * 1024 or c["spec"].C * c["spec"].x_bits // 8 % 16:
-                continue
-            seen.add(kn)
-            extra.append(dict(c, knobs=kn, variant=cname, is_default=False))
+            base.append((cname, _adapt_knobs(c["spec"], DEFAULT_KNOBS[ARCH].replace(mma="wgmma", **kw), "NHWC")))
+        for cname, kn0 in base:
+            ring = [kn0.replace(pstages=p) for p in pstages] + [kn0.replace(pstages=p, stages=3 + kn0.pipe)
+                                                                 for p in pstages]  # (2 unpacked stages suffice)
+            if areg:  # (only these)
+                ring = [kn0.replace(pstages=p, areg=True, pipe=pp, stages=3 + pp) for p in pstages if p >= 2
+                        for pp in areg_pipes]
+            for kn in (ring if four and pstages else [kn0]):
+                p = kn.pstages
+                if kn in seen or not kn.valid() or smem_bytes(kn, c["spec"]) > 220 * 1024 or c["spec"].C * c["spec"].x_bits // 8 % 16:
+                    continue
+                seen.add(kn)
+                extra.append(dict(c, knobs=kn, variant=cname + (f"_p{p}" if p else "") + (("_ar" + ("g1" if kn.pipe == 0 else "")) if kn.areg else ""),
+                                  is_default=False))
+    return cases + extra
+
+
+def make_cases_minb(batches, dtypes=("int8", "int4"), minb=(2, 3, 4)):
+    """Every ResNet-50 layer as compiled now plus, for the ``dtypes`` ones, its knobs with each
+    ``__launch_bounds__`` minimum of blocks per SM in ``minb`` (``GemmKnobs.minb``) as tuning variants."""
+    cases = make_cases_as_compiled(batches)
+    extra = []
+    for c in cases:
+        if c["strategy"] != "implicit_gemm" or not c["layer"].endswith(tuple(f"_{d}" for d in dtypes)):
+            continue
+        c["kind"] = "tune"
+        kn = c["knobs"]
+        acc = (kn.BM // kn.WM) * (kn.BN // kn.WN) // (128 if kn.mma == "wgmma" else 32)  # accumulator registers
+        for m in minb:  # (ptxas refuses a wgmma whose accumulators do not fit the register cap)
+            if m != kn.minb and 65536 // (kn.threads * m) >= acc + 40:
+                extra.append(dict(c, knobs=c["knobs"].replace(minb=m), variant=f"{c['variant']}_minb{m}",
+                                  is_default=False))
     return cases + extra
 
 
@@ -343,9 +380,11 @@ def cmd_build(a):
         for f in list(TUNE_DIR.glob("*.so")) + list(TUNE_DIR.glob("manifest.json")):
             f.unlink()
     if a.wgmma:
-        cases = make_cases_wgmma(a.batches, a.only_layers, a.dtypes, a.cands)
+        cases = make_cases_wgmma(a.batches, a.only_layers, a.dtypes, a.cands, a.pstages, a.areg, a.areg_pipes)
         if a.only_layers:
             cases = [c for c in cases if c["layer"] in a.only_layers]
+    elif a.minb:
+        cases = make_cases_minb(a.batches, a.dtypes, a.minb)
     elif a.targets:
         cases = make_cases_targeted(a.targets)
     elif a.as_compiled:
@@ -838,6 +877,12 @@ def main():
     b.add_argument("--wgmma", action="store_true", help="as compiled + wgmma candidates for the INT8 layers")
     b.add_argument("--only-layers", nargs="+", default=None, help="with --wgmma: only these NAME_bN_DT")
     b.add_argument("--dtypes", nargs="+", default=["int8", "int4"], help="with --wgmma: candidates for these")
+    b.add_argument("--pstages", type=int, nargs="+", default=[],
+                   help="with --wgmma: 4-bit candidates (and their wgmma knobs now) with these packed-ring depths")
+    b.add_argument("--minb", type=int, nargs="+", default=None,
+                   help="as compiled + these __launch_bounds__ minimum blocks per SM (GemmKnobs.minb) as variants")
+    b.add_argument("--areg-pipes", type=int, nargs="+", default=[-1], help="with --areg: pipe values (-1, 0)")
+    b.add_argument("--areg", action="store_true", help="with --pstages: as register-A kernels (GemmKnobs.areg)")
     b.add_argument("--as-compiled", action="store_true",
                    help="no tuning: one kernel per ResNet-50 shape with the knobs compiled models get (bench only)")
     d = sub.add_parser("device")

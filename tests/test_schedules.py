@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import random
 import shutil
 import subprocess
@@ -148,6 +149,35 @@ def test_cuda_wgmma_sm90():
     assert "st.shared.v4.b32" in src and "cp.async" not in src.split("main_kernel")[-1]
 
 
+def test_cuda_wgmma_int4_loaders():
+    """4-bit wgmma loaders: the packed ring (cp.async of packed vectors, read back by the thread that copied them)
+    and register A (A packed in shared memory, fragments loaded as 32-bit words and unpacked for the register form
+    of wgmma; with pipe 0 two fragment sets); invalid combinations are refused."""
+    spec = ConvSpec(**L3, x_dtype="uint4", w_bits=4, out_dtype="uint4", lo=0, hi=15)
+    wg4 = WG.replace(BK=64, stages=2, pipe=-1, pstages=3)
+    src = _src(spec, "sm_90", knobs=wg4)  # (the asm helpers are emitted only when the kernel calls them)
+    assert "cp.async.cg.shared.global" in src and "ld.shared.v4.b32" in src and "st.shared.v4.b32" in src
+    assert "ld.shared.b32" not in src
+    for kn in (wg4.replace(areg=True), wg4.replace(areg=True, pipe=0, stages=3)):
+        assert kn.valid()
+        src = _src(spec, "sm_90", knobs=kn)
+        assert "ld.shared.b32" in src and "wgmma.mma_async.sync.aligned.m64n128k32.s32.u8.s8" in src
+        # register A: the asm takes the four A registers as "r" operands before the B descriptor ("l")
+        rs = [ln for ln in src.splitlines() if "wgmma.mma_async.sync.aligned" in ln and "asm" in ln]
+        assert rs and all('"r"(' in ln for ln in rs)
+    assert not wg4.replace(areg=True, pstages=0).valid() and not wg4.replace(areg=True, pipe=1, stages=4).valid()
+    assert not GemmKnobs(areg=True, pstages=3).valid()  # mma.sync: no 4-bit loader knobs
+
+
+def test_cuda_epilogue_and_launch_bounds():
+    """Requantize with S >= 33 is one multiply-high on the int32 sum; the epilogue syncs per warp; ``minb`` becomes
+    __launch_bounds__(threads, minb)."""
+    spec = ConvSpec(**L3, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255, shift_ge33=True)
+    src = _src(spec, "sm_90", knobs=WG.replace(minb=2))
+    assert "__mulhi(" in src and "__syncwarp()" in src and "__launch_bounds__(256, 2)" in src
+    assert "__launch_bounds__(256)" in _src(spec, "sm_90", knobs=WG)
+
+
 def test_wgmma_knobs_fall_back():
     """wgmma knobs on an arch without wgmma, or a shape the 16-byte tile loader cannot take: the mma.sync kernel,
     with a warning that says so."""
@@ -183,6 +213,12 @@ def test_sass(tmp_path):
     build_cuda(conv2d_int_kernel(ConvSpec(**L3, x_dtype="uint8"), "sm_90", knobs=WG), "sm_90", mode="sass", keep=str(d))
     s = subprocess.run([tool, "-sass", str(d / "kernel.fatbin")], capture_output=True, text=True, env=env).stdout
     assert "IGMMA.64x128x32.U8.S8" in s and "arch = sm_90a" in s and "IMMA" not in s
+    d = tmp_path / "wgmma_areg"  # register A: IGMMA's A operand is a register, B a descriptor
+    kn = WG.replace(BK=64, stages=2, pipe=-1, pstages=3, areg=True)
+    build_cuda(conv2d_int_kernel(ConvSpec(**L3, x_dtype="uint4", w_bits=4), "sm_90", knobs=kn), "sm_90", mode="sass",
+               keep=str(d))
+    s = subprocess.run([tool, "-sass", str(d / "kernel.fatbin")], capture_output=True, text=True, env=env).stdout
+    assert re.search(r"IGMMA\.64x128x32\.U8\.S8 R\d+, R\d+, gdesc", s) and "S4" not in s
 
 
 @pytest.mark.parametrize("spec", [
