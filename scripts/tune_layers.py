@@ -106,13 +106,19 @@ ORDER_SMALL = ["bk128", "64x128", "8warp", "128x64", "64x64", "256x128", "128x25
 def int8_spec(N, C, H, K, R, st, pd):
     from qcompile.schedules import ConvSpec
 
-    return ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8", w_bits=8,
+    return ConvSpec(N=N, H=H, W=H, C=C + (-C % 4), K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8", w_bits=8,
                     out_dtype="uint8", zo=3, lo=0, hi=255, shift_ge33=True)  # the epilogue compiled models get
 
 
 def int4_spec(N, C, H, K, R, st, pd):
+    """The conv a compiled INT4 model runs: 4-bit in and out -- except a few input channels (the RGB stem), which
+    the dispatcher pads to a multiple of 4 with zero weights and runs with 8-bit inputs and weights (as int8_spec
+    does, relay_passes/dispatch_tensor_core.py)."""
     from qcompile.schedules import ConvSpec
 
+    if C % 4:
+        return ConvSpec(N=N, H=H, W=H, C=C + (-C % 4), K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
+                        w_bits=8, out_dtype="uint4", zo=1, lo=0, hi=15, shift_ge33=True)
     return ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint4", w_bits=4,
                     out_dtype="uint4", zo=1, lo=0, hi=15, shift_ge33=True)
 
@@ -162,8 +168,9 @@ def candidates(spec, n: int, names=None):
 # build (here)
 # ------------------------------------------------------------------------------------------------------------
 def r50_layer_specs(batches):
-    """(NAME_bN_DT, spec, is_gemm) for every distinct ResNet-50 conv at each batch, INT8 and INT4; is_gemm is False
-    where the tensor-core rules do not apply (the C=3 INT4 stem: generic fallback, nothing to tune)."""
+    """(NAME_bN_DT, spec, is_gemm) for every distinct ResNet-50 conv at each batch, INT8 and INT4, as compiled
+    models run it (int8_spec / int4_spec: the C=3 stem padded to 4 channels, 8-bit inputs in both); is_gemm is False
+    where the tensor-core rules do not apply (generic fallback, nothing to tune)."""
     from qcompile.schedules import select_strategy
     from qcompile.schedules.layers import RESNET50, distinct
 
@@ -561,14 +568,14 @@ def cmd_device(a):
         by_layer.setdefault(r["layer"], []).append(r)
         sp = r["spec"]
         by_shape[(sp["N"], sp["C"], sp["H"], sp["K"], sp["R"], sp["stride"], sp["padding"],
-                  "int4" if sp["w_bits"] == 4 else "int8")] = r["layer"]
+                  r["layer"].rsplit("_", 1)[1])] = r["layer"]  # (the INT4 stem row runs an 8-bit kernel)
     from layers import RESNET18, RESNET50, distinct  # schedules/layers.py as a plain module (device_run's path)
 
     shapes = {l[0]: l[1:] for l in RESNET18 + RESNET50}
 
     def layer_for(name, N, dt):
         C, H, K, R_, st, pd = shapes[name]
-        return by_shape[(N, C, H, K, R_, st, pd, dt)]
+        return by_shape[(N, C + (-C % 4), H, K, R_, st, pd, dt)]  # (int8_spec / int4_spec pad C to 4)
     tune_layers = [k for k, rs in by_layer.items() if rs[0]["kind"] == "tune"]
     # batch 64 first (then 256): the time guard drops the tail, never the main batch
     tune_layers.sort(key=lambda k: (0 if "_b64_" in k else 1))

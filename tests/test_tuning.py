@@ -21,11 +21,15 @@ def _fresh_cache(monkeypatch):
 
 
 def _specs():
-    """The shapes tune_layers.py tunes (ResNet-18/50 at batch 64/256, ResNet-50 at batch 1 and 8; INT8 and INT4 NHWC)."""
+    """The shapes tune_layers.py tunes (ResNet-18/50 at batch 64/256, ResNet-50 at batch 1 and 8; INT8 and INT4 NHWC;
+    the RGB stem also as compiled models run it, padded to 4 channels)."""
     for N in (1, 8, 64, 256):
         for (_, C, H, K, R, st, pd) in ALL_RESNET:
             yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
                            out_dtype="uint8", lo=0, hi=255)
+            if C % 4:
+                yield ConvSpec(N=N, H=H, W=H, C=C + (-C % 4), K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
+                               out_dtype="uint8", lo=0, hi=255)
             if C % 2 == 0:
                 yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint4", w_bits=4,
                                out_dtype="uint4", lo=0, hi=15)
