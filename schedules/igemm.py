@@ -187,6 +187,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # packed bytes 4q..4q+3 of the step) and unpacks it in registers for the register-A form of wgmma; only B is
     # stored unpacked. (A's unpacked stores and wgmma's shared-memory reads of A are gone: less shared traffic.)
     AREG = UNPACK_LD and kn.areg
+    PD = PSTG - 1 if AREG else PSTG  # packed chunks the prologue puts in flight (areg: A's stage frees one later)
     NSET = 2 if kn.pipe == 0 else 1  # areg: A-fragment register sets (pipe 0: chunk kc+1's loaded while kc's MMAs run)
     if kn.areg and UNPACK_LD and (PSTG < 2 or kn.pipe not in (-1, 0)):
         raise NotApplicable("areg needs pstages >= 2 and pipe -1 or 0")
@@ -532,6 +533,22 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     ar[base + (ks * MI + i) * 4 + 2 + h2] = T.bitwise_and(pw[h2], MASK)
 
     @T.macro
+    def mma_chunk(acc, ad, ar, wm, wn, kc, aset):
+        """The wgmma instructions of chunk kc: A through descriptor ad[0], or with areg from fragment set ``aset``."""
+        for ks in T.unroll(KS):
+            for i in T.unroll(MI):
+                for h in T.unroll(NI):
+                    bdesc = T.meta_var(ad[1] + T.Cast("uint64", (kc % STG * (BN * BKP) + (wn * WTN + h * INS_N) // 8
+                                                                 * SBO + kstep_off(ks, BN)) // 16))
+                    if AREG:
+                        T.evaluate(wg_mma(acc, (i * NT + h * (INS_N // 8)) * 4, aset * (KS * MI * 4) + (ks * MI + i) * 4,
+                                          bdesc, ar))
+                    else:
+                        T.evaluate(wg_mma(acc, (i * NT + h * (INS_N // 8)) * 4,
+                                          ad[0] + T.Cast("uint64", (kc % STG * (BM * BKP) + (wm * WTM + i * 64) // 8 * SBO
+                                                                    + kstep_off(ks, BM)) // 16), bdesc))
+
+    @T.macro
     def load_frags(As, Bs, af, bf, lane, wm, wn, stage, ks, buf):
         """ldmatrix.x4 the warp's A and B fragments of k-step ``ks`` into fragment buffer ``buf``."""
         for i in T.unroll(MT):
@@ -645,25 +662,18 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             # before this barrier
             ad[0] = smem_desc(As)
             ad[1] = ad[0] + T.uint64(B_OFF // 16)
-            if AREG:  # A ring + B slots: chunks 0 .. PSTG-2 in flight, chunk 0's B unpacked
-                for s0 in T.unroll(PSTG - 1):
+            if PRING:  # packed ring (areg: A ring + B slots): chunks 0 .. PD-1 in flight, chunk 0 (its B) unpacked
+                for s0 in T.unroll(PD):
                     if s0 < ksp[1]:
                         load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + s0)
                     T.ptx.cp.async_.commit_group()
                 if ksp[1] > 0:
-                    T.ptx.cp.async_.wait_group(PSTG - 2)
+                    T.ptx.cp.async_.wait_group(PD - 1)
                     unpack_chunk(rv, As, tid, ksp[0])
-            elif PRING:  # packed ring: chunks 0 .. PSTG-1 in flight, chunk 0 unpacked, its slots refilled
-                for s0 in T.unroll(PSTG):
-                    if s0 < ksp[1]:
-                        load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + s0)
-                    T.ptx.cp.async_.commit_group()
-                if ksp[1] > 0:
-                    T.ptx.cp.async_.wait_group(PSTG - 1)
-                    unpack_chunk(rv, As, tid, ksp[0])
+                if not AREG:  # chunk 0's slots refilled at once (each thread consumed the vectors it copied)
                     if PSTG < ksp[1]:
                         load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + PSTG)
-                T.ptx.cp.async_.commit_group()
+                    T.ptx.cp.async_.commit_group()
             elif UNPACK_LD:  # register pipeline: chunk j is loaded in iteration j-2 and stored in iteration j-1
                 if ksp[1] > 0:
                     load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0])
@@ -685,15 +695,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                             # set par % NSET: its last MMAs (chunk kc-NSET) retired by wait_group(NSET - 1) below
                             load_afrag(ar, pw, As, lane, warp, wm, ksp[0] + kc, (par % NSET) * (KS * MI * 4))
                             T.ptx.wgmma.fence.sync.aligned()
-                            for ks in T.unroll(KS):
-                                for i in T.unroll(MI):
-                                    for h in T.unroll(NI):
-                                        T.evaluate(wg_mma(
-                                            acc, (i * NT + h * (INS_N // 8)) * 4,
-                                            (par % NSET) * (KS * MI * 4) + (ks * MI + i) * 4,
-                                            ad[1] + T.Cast("uint64", ((ksp[0] + kc) % STG * (BN * BKP)
-                                                                      + (wn * WTN + h * INS_N) // 8 * SBO
-                                                                      + kstep_off(ks, BN)) // 16), ar))
+                            mma_chunk(acc, ad, ar, wm, wn, ksp[0] + kc, par % NSET)
                             T.ptx.wgmma.commit_group.sync.aligned()
                             # chunk kc+PSTG-1 into the stages of chunk kc-1: its A was read by every thread before
                             # this iteration's barrier, its B slots were unpacked (by their own thread) in iteration kc-2
@@ -712,15 +714,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 T.ptx.fence.proxy.async_.shared__cta()
                 T.tvm_storage_sync("shared")
                 T.ptx.wgmma.fence.sync.aligned()
-                for ks in T.unroll(KS):
-                    for i in T.unroll(MI):
-                        for h in T.unroll(NI):
-                            T.evaluate(wg_mma(
-                                acc, (i * NT + h * (INS_N // 8)) * 4,
-                                ad[0] + T.Cast("uint64", ((ksp[0] + kc) % STG * (BM * BKP) + (wm * WTM + i * 64) // 8
-                                                          * SBO + kstep_off(ks, BM)) // 16),
-                                ad[1] + T.Cast("uint64", ((ksp[0] + kc) % STG * (BN * BKP) + (wn * WTN + h * INS_N)
-                                                          // 8 * SBO + kstep_off(ks, BN)) // 16)))
+                mma_chunk(acc, ad, ar, wm, wn, ksp[0] + kc, 0)
                 T.ptx.wgmma.commit_group.sync.aligned()
                 if PRING:  # while the MMAs run: unpack chunk kc+1 (stage of chunk kc+1-STG, retired), refill its slots
                     if kc + 1 < ksp[1]:
