@@ -290,6 +290,7 @@ class _Dispatcher(PyExprMutator):
 
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
         from qcompile.schedules import ConvSpec, conv2d_int_plan, select_strategy
+        from qcompile.schedules.spec import operand_plan
 
         x_dtype = _x_dtype(g.x, self.var2val)
         xs = [int(s) for s in g.x.ty.shape]
@@ -305,17 +306,7 @@ class _Dispatcher(PyExprMutator):
             w = g.w
             K, R, S_ = (w.shape[0], w.shape[1], w.shape[2]) if layout == "NHWC" else (w.shape[2], w.shape[0], w.shape[1])
             stride, dil = tuple(int(s) for s in a.strides), tuple(int(d) for d in a.dilation)
-        c_pad = 0
-        if not g.dense and x_dtype in ("int8", "uint8", "int4", "uint4") and C % 4:
-            # a few input channels (the RGB stem): pad C with zeros (zero weights too, so the sum is
-            # unchanged) to a multiple of 4, so the GEMM loads 4-byte vectors instead of single bytes
-            if x_dtype in ("int4", "uint4"):
-                x_dtype = "int8" if x_dtype == "int4" else "uint8"
-            c_pad = -C % 4
-        packable = lambda dt, n: dt in ("int4", "uint4") and n % 2 == 0
-        if x_dtype in ("int4", "uint4") and not packable(x_dtype, C):
-            x_dtype = "int8" if x_dtype == "int4" else "uint8"
-        w_bits = g.w_bits if (g.w_bits == 8 or C % 2 == 0) else 8
+        c_pad, x_dtype, w_bits = operand_plan(C, x_dtype, g.w_bits, g.dense)  # (the RGB stem: C padded to 4)
         out_dtype = (r or g).out_dtype
         if out_dtype in ("int4", "uint4") and K % 2:
             out_dtype = str(var.ty.dtype)

@@ -142,6 +142,20 @@ class ConvSpec:
         return dataclasses.replace(self, **kw)
 
 
+def operand_plan(C: int, x_dtype: str, w_bits: int, dense: bool = False) -> tuple[int, str, int]:
+    """(channel padding, x dtype, weight bits) a compiled conv runs with for C input channels: a few channels (the
+    RGB stem) are zero-padded to a multiple of 4 (zero weights too: the sum is unchanged) so the GEMM loads 4-byte
+    vectors instead of single bytes, with 8-bit inputs; 4-bit operands need an even C to be packed two per byte."""
+    c_pad = 0
+    if not dense and x_dtype in ("int8", "uint8", "int4", "uint4") and C % 4:
+        if x_dtype in ("int4", "uint4"):
+            x_dtype = "int8" if x_dtype == "int4" else "uint8"
+        c_pad = -C % 4
+    if x_dtype in ("int4", "uint4") and C % 2:
+        x_dtype = "int8" if x_dtype == "int4" else "uint8"
+    return c_pad, x_dtype, (w_bits if (w_bits == 8 or C % 2 == 0) else 8)
+
+
 # ---------------------------------------------------------------------------------------------
 # MMA shapes per architecture (a table, not branches).
 # ---------------------------------------------------------------------------------------------

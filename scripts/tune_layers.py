@@ -103,24 +103,23 @@ ORDER_LARGE = ["bk128", "256x128", "8warp", "256x128bk128", "128x256", "128x64",
 ORDER_SMALL = ["bk128", "64x128", "8warp", "128x64", "64x64", "256x128", "128x256", "256x128bk128"]
 
 
-def int8_spec(N, C, H, K, R, st, pd):
+def _compiled_spec(N, C, H, K, R, st, pd, x_dtype, w_bits, **epi):
+    """The conv a compiled model runs for this layer: channels / operand widths as the dispatcher plans them
+    (``operand_plan``: the RGB stem padded to 4 channels with 8-bit operands)."""
     from qcompile.schedules import ConvSpec
+    from qcompile.schedules.spec import operand_plan
 
-    return ConvSpec(N=N, H=H, W=H, C=C + (-C % 4), K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8", w_bits=8,
-                    out_dtype="uint8", zo=3, lo=0, hi=255, shift_ge33=True)  # the epilogue compiled models get
+    c_pad, x_dtype, w_bits = operand_plan(C, x_dtype, w_bits)
+    return ConvSpec(N=N, H=H, W=H, C=C + c_pad, K=K, R=R, S=R, stride=st, padding=pd, x_dtype=x_dtype, w_bits=w_bits,
+                    shift_ge33=True, **epi)  # (the epilogue compiled models get)
+
+
+def int8_spec(N, C, H, K, R, st, pd):
+    return _compiled_spec(N, C, H, K, R, st, pd, "uint8", 8, out_dtype="uint8", zo=3, lo=0, hi=255)
 
 
 def int4_spec(N, C, H, K, R, st, pd):
-    """The conv a compiled INT4 model runs: 4-bit in and out -- except a few input channels (the RGB stem), which
-    the dispatcher pads to a multiple of 4 with zero weights and runs with 8-bit inputs and weights (as int8_spec
-    does, relay_passes/dispatch_tensor_core.py)."""
-    from qcompile.schedules import ConvSpec
-
-    if C % 4:
-        return ConvSpec(N=N, H=H, W=H, C=C + (-C % 4), K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
-                        w_bits=8, out_dtype="uint4", zo=1, lo=0, hi=15, shift_ge33=True)
-    return ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint4", w_bits=4,
-                    out_dtype="uint4", zo=1, lo=0, hi=15, shift_ge33=True)
+    return _compiled_spec(N, C, H, K, R, st, pd, "uint4", 4, out_dtype="uint4", zo=1, lo=0, hi=15)
 
 
 def smem_bytes(kn, spec=None) -> int:
@@ -258,47 +257,50 @@ def make_cases_wgmma(batches, layers=None, dtypes=("int8", "int4"), names=None, 
     from qcompile.schedules import DEFAULT_KNOBS
     from qcompile.schedules.igemm import _adapt_knobs
 
-    cases = make_cases_as_compiled(batches)
-    extra = []
-    for c in cases:
-        if c["strategy"] != "implicit_gemm" or not c["layer"].endswith(tuple(f"_{d}" for d in dtypes)):
-            continue
-        if layers and c["layer"] not in layers:
-            continue
-        c["kind"] = "tune"
-        seen = {c["knobs"]}
-        four = c["spec"].x_bits == 4
+    def loaders(kn0):  # the 4-bit loader variants of one tile
+        if areg:  # register A: two unpacked B stages with pipe -1, three (two fragment sets) with pipe 0
+            return [kn0.replace(pstages=p, areg=True, pipe=pp, stages=3 + pp) for p in pstages if p >= 2
+                    for pp in areg_pipes]
+        return [kn0.replace(pstages=p, stages=st) for st in (kn0.stages, 3 + kn0.pipe)
+                for p in pstages]  # (2 unpacked stages suffice behind a packed ring)
+
+    def suffix(kn):
+        return (f"_p{kn.pstages}" if kn.pstages else "") + ("_ar" + ("g1" if kn.pipe == 0 else "") if kn.areg else "")
+
+    cases, extra = make_cases_as_compiled(batches), []
+    for c in _tunable(cases, dtypes, layers):
+        seen, spec = {c["knobs"]}, c["spec"]
+        four = spec.x_bits == 4
         base = [("now", c["knobs"])] if four and pstages and c["knobs"].mma == "wgmma" else []
         for cname in names or WG_SWEEP:
             kw = WGMMA[cname]
             if four:  # BK counts packed bytes: half of them fill the same unpacked shared tile
                 kw = dict(kw, BK=kw["BK"] // 2)
-            base.append((cname, _adapt_knobs(c["spec"], DEFAULT_KNOBS[ARCH].replace(mma="wgmma", **kw), "NHWC")))
+            base.append((cname, _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(mma="wgmma", **kw), "NHWC")))
+        if spec.C * spec.x_bits // 8 % 16:  # wgmma tiles take 16-byte channel vectors
+            continue
         for cname, kn0 in base:
-            ring = [kn0.replace(pstages=p) for p in pstages] + [kn0.replace(pstages=p, stages=3 + kn0.pipe)
-                                                                 for p in pstages]  # (2 unpacked stages suffice)
-            if areg:  # (only these)
-                ring = [kn0.replace(pstages=p, areg=True, pipe=pp, stages=3 + pp) for p in pstages if p >= 2
-                        for pp in areg_pipes]
-            for kn in (ring if four and pstages else [kn0]):
-                p = kn.pstages
-                if kn in seen or not kn.valid() or smem_bytes(kn, c["spec"]) > 220 * 1024 or c["spec"].C * c["spec"].x_bits // 8 % 16:
-                    continue
-                seen.add(kn)
-                extra.append(dict(c, knobs=kn, variant=cname + (f"_p{p}" if p else "") + (("_ar" + ("g1" if kn.pipe == 0 else "")) if kn.areg else ""),
-                                  is_default=False))
+            for kn in (loaders(kn0) if four and pstages else [kn0]):
+                if kn not in seen and kn.valid() and smem_bytes(kn, spec) <= 220 * 1024:
+                    seen.add(kn)
+                    extra.append(dict(c, knobs=kn, variant=cname + suffix(kn), is_default=False))
     return cases + extra
+
+
+def _tunable(cases, dtypes, layers=None):
+    """The tensor-core cases of ``dtypes`` (and of ``layers`` when given), marked as tuning rows."""
+    for c in cases:
+        if c["strategy"] == "implicit_gemm" and c["layer"].endswith(tuple(f"_{d}" for d in dtypes)) and (
+                not layers or c["layer"] in layers):
+            c["kind"] = "tune"
+            yield c
 
 
 def make_cases_minb(batches, dtypes=("int8", "int4"), minb=(2, 3, 4)):
     """Every ResNet-50 layer as compiled now plus, for the ``dtypes`` ones, its knobs with each
     ``__launch_bounds__`` minimum of blocks per SM in ``minb`` (``GemmKnobs.minb``) as tuning variants."""
-    cases = make_cases_as_compiled(batches)
-    extra = []
-    for c in cases:
-        if c["strategy"] != "implicit_gemm" or not c["layer"].endswith(tuple(f"_{d}" for d in dtypes)):
-            continue
-        c["kind"] = "tune"
+    cases, extra = make_cases_as_compiled(batches), []
+    for c in _tunable(cases, dtypes):
         kn = c["knobs"]
         acc = (kn.BM // kn.WM) * (kn.BN // kn.WN) // (128 if kn.mma == "wgmma" else 32)  # accumulator registers
         for m in minb:  # (ptxas refuses a wgmma whose accumulators do not fit the register cap)
@@ -881,7 +883,7 @@ def main():
     b.add_argument("--only-c", type=int, default=None, help="only shapes with this many input channels")
     b.add_argument("--loop-ab", action="store_true", help="main-loop A/B on the ResNet-50 shapes (see make_cases_loop_ab)")
     b.add_argument("--targets", nargs="+", default=None, help="wide candidate sets for these layers (NAME_bN_DT)")
-    b.add_argument("--wgmma", action="store_true", help="as compiled + wgmma candidates for the INT8 layers")
+    b.add_argument("--wgmma", action="store_true", help="as compiled + wgmma candidates (--cands) for the --dtypes layers")
     b.add_argument("--only-layers", nargs="+", default=None, help="with --wgmma: only these NAME_bN_DT")
     b.add_argument("--dtypes", nargs="+", default=["int8", "int4"], help="with --wgmma: candidates for these")
     b.add_argument("--pstages", type=int, nargs="+", default=[],
