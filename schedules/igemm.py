@@ -103,9 +103,9 @@ def _adapt_knobs(spec: ConvSpec, kn: GemmKnobs, layout: str) -> GemmKnobs:
         BM //= 2
     WM = max(1, min(WM, BM // lo))
     WN = max(1, min(WN, BN // lo))
-    nth = (128 if kn.mma == "wgmma" else 32) * WM * WN
     BK = kn.BK
     kn = kn.replace(BM=BM, BN=BN, WM=WM, WN=WN, vec=vec, BK=BK)
+    nth = kn.load_threads
     # keep every thread busy with whole vectors
     while (BM * BK) % (vec * nth) or (BN * BK) % (vec * nth):
         BK *= 2
@@ -164,7 +164,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     Mtot = N * P * Q
     BM, BN, BK, WM, WN, STG = kn.BM, kn.BN, kn.BK, kn.WM, kn.WN, kn.stages
     NTH = kn.threads
-    NWARP = NTH // 32
+    LNTH = kn.load_threads  # threads that load (and unpack) the tiles
+    NPROD = 128 * kn.wsp  # wsp: producer threads (the last warpgroups)
+    NWARP = (NTH - NPROD) // 32  # warps with accumulators (wsp: the consumers)
     WTM, WTN = BM // WM, BN // WN
     MT, NT = WTM // 16, WTN // 8
     KS = (2 * BK if WG and spec.x_bits == 4 else BK) // 32  # 32-byte k-steps per chunk (of the MMA operand bytes)
@@ -188,9 +190,20 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # stored unpacked. (A's unpacked stores and wgmma's shared-memory reads of A are gone: less shared traffic.)
     AREG = UNPACK_LD and kn.areg
     PD = PSTG - 1 if AREG else PSTG  # packed chunks the prologue puts in flight (areg: A's stage frees one later)
-    NSET = 2 if kn.pipe == 0 else 1  # areg: A-fragment register sets (pipe 0: chunk kc+1's loaded while kc's MMAs run)
+    # awarp: each warp copies the packed A rows (16 per m64 instruction) its own fragments read, so their arrival
+    # needs only the warp's cp.async.wait_group + __syncwarp, not the block barrier: chunk kc+1's fragments are
+    # loaded into the other register set while chunk kc's MMAs run (pipe -1: chunk kc-1's MMAs have retired)
+    AWARP = AREG and kn.awarp
+    WSP = bool(UNPACK_LD and kn.wsp)  # warp-specialized (see GemmKnobs.wsp)
+    NSET = 2 if (kn.pipe == 0 or AWARP) else 1  # areg: A-fragment register sets (chunk kc+1's loaded during kc's MMAs)
     if kn.areg and UNPACK_LD and (PSTG < 2 or kn.pipe not in (-1, 0)):
         raise NotApplicable("areg needs pstages >= 2 and pipe -1 or 0")
+    if kn.awarp and UNPACK_LD and (not AREG or kn.pipe != -1 or kn.WN != 1):
+        raise NotApplicable("awarp needs areg, pipe -1 and WN == 1")
+    if kn.wsp and not UNPACK_LD:
+        raise NotApplicable("wsp is a 4-bit wgmma loader")
+    if WSP and (AREG or PSTG < 2 or kn.stages < 2 or kn.pipe not in (-1, 0) or 2 * kn.stages > 15):
+        raise NotApplicable("wsp needs pstages >= 2, 2 <= stages <= 7, pipe -1 or 0, no areg")
     UBK = 2 * BK if UNPACK_LD else BK
     BKP = UBK if WG else BK + 16
     AW = min(UBK, 128)
@@ -204,8 +217,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     EMT = MI if WG else MT  # 16-row accumulator blocks per warp (the epilogue's row loop)
     VEC = kn.vec
     VPR = BK // VEC  # vectors per tile row
-    A_IT = BM * BK // VEC // NTH
-    B_IT = BN * BK // VEC // NTH
+    A_IT = BM * BK // VEC // LNTH
+    B_IT = BN * BK // VEC // LNTH
     NK = (GKB + BK - 1) // BK
     CPS = -(-NK // SPLIT)  # K-chunks per split
     PAD = spec.pad_value
@@ -267,12 +280,14 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # 4-bit wgmma with pstages: the per-thread packed ring, vector (stage, v, tid) at 16 bytes each (B only with areg)
     P_OFF = PA_OFF + SMEM_PA
     PV_IT = B_IT if AREG else A_IT + B_IT
-    SMEM_P = PSTG * PV_IT * NTH * 16
+    SMEM_P = PSTG * PV_IT * LNTH * 16
     SMEM_ALL = SMEM_A + SMEM_B + SMEM_PA + SMEM_P
     if WG and max(SMEM_ALL, 4 * SMEM_C) > ai.smem_per_block:  # the epilogue's staging reuses the ring
         raise NotApplicable(f"{SMEM_ALL // 1024} KiB of shared tiles exceed the "
                             f"{ai.smem_per_block // 1024} KiB per block of {arch}")
-    A_ALLOC, B_ALLOC = (max(SMEM_ALL, 4 * SMEM_C), 16) if WG else (SMEM_A, SMEM_B)
+    # the epilogue's staging tile aliases the A ring (after the main loop's last barrier): declared as a view of As,
+    # since its stores are opaque st.shared that TVM's shared-memory planner cannot place on their own
+    A_ALLOC, B_ALLOC = (max(SMEM_ALL, 4 * SMEM_C), 16) if WG else (max(SMEM_A, 4 * SMEM_C), SMEM_B)
     CS_IT = 16 * WTN // (32 * EV)
     LPR = WTN // EV  # lanes per staged row
     HOIST = 32 % LPR == 0  # then a lane's output channels do not change between the rows it writes
@@ -381,8 +396,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         fields = T.uint64(((LBO // 16) << 16) | ((SBO // 16) << 32))
         return T.bitwise_or(T.bitwise_or(addr, fields), T.shift_left(T.uint64(LAYOUT_TYPE), T.uint64(62)))
 
-    def acc_val(acc, idx):
-        return T.reinterpret("int32", acc[idx]) if WG else acc[idx]
+    def acc_u32(acc, idx):
+        return acc[idx] if WG else T.reinterpret("uint32", acc[idx])
 
     def k_span(bz):
         if SPLIT == 1:
@@ -419,7 +434,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             T.if_then_else(ok, T.uint32(VEC), T.uint32(0)))
 
     def p_slot(kc, v, tid):  # byte offset of packed vector v of this thread for chunk kc (packed ring)
-        return P_OFF + (((kc % PSTG) * PV_IT + v) * NTH + tid) * 16
+        return P_OFF + (((kc % PSTG) * PV_IT + v) * LNTH + tid) * 16
 
     def pa_off(kc, row, c):  # areg: byte offset of packed 16-byte chunk c of A row ``row`` of chunk kc
         return PA_OFF + (kc % PSTG) * (BM * BK) + tile_off(row, c, BM, AWP)
@@ -433,12 +448,19 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             T.evaluate(T.ptx.ld.global_.v4.b32(rv[v * 4], rv[v * 4 + 1], rv[v * 4 + 2], rv[v * 4 + 3],
                                                T.address_of(src[gidx])))
 
+    def awarp_slot(it, tid):
+        """awarp: (row, 16-byte column, -) of A vector ``it`` of thread tid: the warp's rows wm*WTM + 64i + 16*(warp % 4)
+        + 0..15 (i < MI), VPR consecutive lanes per row (coalesced)."""
+        L = it * 32 + tid % 32
+        lr = L // VPR
+        return ((tid // 128) * WTM + (lr // 16) * 64 + (tid // 32 % 4) * 16 + lr % 16, L % VPR, 0)
+
     @T.macro
     def load_chunk(xf, wf, rv, As, Bs, tid, m0, n0, kc):
         """Issue the loads of K-chunk ``kc`` into ring stage ``kc % STG`` (cp.async or plain loads)."""
         for it in T.unroll(A_IT):
-            L = it * NTH + tid
-            slot = T.meta_var(tile_slot(L, BM))
+            L = it * LNTH + tid
+            slot = T.meta_var(awarp_slot(it, tid) if AWARP else tile_slot(L, BM))
             row = slot[0]
             kb = kc * BK + slot[1] * VEC
             m = m0 + row
@@ -467,7 +489,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     for v in T.unroll(VEC):
                         As[soff + v] = T.if_then_else(inb, T.Cast(x_st, PAD), T.Cast(x_st, 0))
         for it in T.unroll(B_IT):
-            L = it * NTH + tid
+            L = it * LNTH + tid
             slot = T.meta_var(tile_slot(L, BN))
             row = slot[0]
             kb = kc * BK + slot[1] * VEC
@@ -493,7 +515,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     def store_tile(rv, S_, tid, base, rows, its, v0):
         """Packed vectors rv[4*v0 ...] of one tile (``its`` per thread) -> unpacked, swizzled, at ``base``."""
         for it in T.unroll(its):
-            slot = T.meta_var(tile_slot(it * NTH + tid, rows))
+            slot = T.meta_var(tile_slot(it * LNTH + tid, rows))
             st2 = T.meta_var(unpack_store(S_, base + slot[2], base + tile_off(slot[0], slot[1] * 2 + 1, rows), rv,
                                           v0 + it))
             T.evaluate(st2[0])
@@ -630,7 +652,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         # one module must declare it with the same element type)
         As = T.alloc_buffer((A_ALLOC,), "uint8" if WG else x_st, scope="shared.dyn")
         Bs = T.alloc_buffer((B_ALLOC,), w_st, scope="shared.dyn")
-        Cs = T.alloc_buffer((SMEM_C,), "int32", scope="shared.dyn")
+        Cs = T.decl_buffer((SMEM_C,), "int32", data=As.data, scope="shared.dyn")
         af = T.alloc_buffer((NFB * MT * 4,), "uint32", scope="local")
         bf = T.alloc_buffer((NFB * NT * 2,), "uint32", scope="local")
         al = T.alloc_buffer((MT * 8,), "uint32", scope="local")
@@ -662,7 +684,37 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             # before this barrier
             ad[0] = smem_desc(As)
             ad[1] = ad[0] + T.uint64(B_OFF // 16)
-            if PRING:  # packed ring (areg: A ring + B slots): chunks 0 .. PD-1 in flight, chunk 0 (its B) unpacked
+            if WSP:
+                # warp-specialized: named barrier 1 + s = stage s full (the producer arrives after unpacking a chunk
+                # into it), 1 + STG + s = stage s empty (the consumers arrive when its MMAs have retired)
+                if tid >= NTH - NPROD:  # producer warpgroups: packed ring of PSTG chunks (cp.async, one group per chunk)
+                    for s0 in T.unroll(PSTG):
+                        if s0 < ksp[1]:
+                            load_chunk(xf, wf, rv, As, As, tid - (NTH - NPROD), m0, n0, ksp[0] + s0)
+                        T.ptx.cp.async_.commit_group()
+                    for kc in T.serial(ksp[1]):
+                        T.ptx.cp.async_.wait_group(PSTG - 1)  # chunk kc landed (this thread's vectors)
+                        if kc >= STG:  # its stage held chunk kc-STG: wait until every consumer retired those MMAs
+                            T.evaluate(T.ptx.bar.sync(T.uint32(1 + STG) + T.Cast("uint32", kc % STG), T.uint32(NTH)))
+                        unpack_chunk(rv, As, tid - (NTH - NPROD), ksp[0] + kc)
+                        if kc + PSTG < ksp[1]:  # refill the ring slots just read back
+                            load_chunk(xf, wf, rv, As, As, tid - (NTH - NPROD), m0, n0, ksp[0] + kc + PSTG)
+                        T.ptx.cp.async_.commit_group()
+                        T.ptx.fence.proxy.async_.shared__cta()  # the unpacked stores, visible to wgmma
+                        T.evaluate(T.ptx.bar.arrive(T.uint32(1) + T.Cast("uint32", kc % STG), T.uint32(NTH)))
+                else:  # consumers: wait full, MMAs, and once chunk kc-GIF retired its stage is empty
+                    for kc in T.serial(ksp[1]):
+                        T.evaluate(T.ptx.bar.sync(T.uint32(1) + T.Cast("uint32", kc % STG), T.uint32(NTH)))
+                        T.ptx.wgmma.fence.sync.aligned()
+                        mma_chunk(acc, ad, ar, wm, wn, ksp[0] + kc, 0)
+                        T.ptx.wgmma.commit_group.sync.aligned()
+                        T.ptx.wgmma.wait_group.sync.aligned(GIF)
+                        if kc >= GIF and kc - GIF + STG < ksp[1]:  # (only the arrivals the producer waits for)
+                            T.evaluate(T.ptx.bar.arrive(T.uint32(1 + STG) + T.Cast("uint32", (kc - GIF) % STG),
+                                                        T.uint32(NTH)))
+                    # (closed inside the branch: left open across the join, ptxas serializes every wgmma)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+            elif PRING:  # packed ring (areg: A ring + B slots): chunks 0 .. PD-1 in flight, chunk 0 (its B) unpacked
                 for s0 in T.unroll(PD):
                     if s0 < ksp[1]:
                         load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + s0)
@@ -670,6 +722,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 if ksp[1] > 0:
                     T.ptx.cp.async_.wait_group(PD - 1)
                     unpack_chunk(rv, As, tid, ksp[0])
+                    if AWARP:  # chunk 0's A rows (copied by this warp) -> fragment set 0
+                        T.evaluate(T.cuda.warp_sync())
+                        load_afrag(ar, pw, As, lane, warp, wm, ksp[0], 0)
                 if not AREG:  # chunk 0's slots refilled at once (each thread consumed the vectors it copied)
                     if PSTG < ksp[1]:
                         load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + PSTG)
@@ -692,8 +747,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         if kc < ksp[1]:
                             T.ptx.fence.proxy.async_.shared__cta()
                             T.tvm_storage_sync("shared")
-                            # set par % NSET: its last MMAs (chunk kc-NSET) retired by wait_group(NSET - 1) below
-                            load_afrag(ar, pw, As, lane, warp, wm, ksp[0] + kc, (par % NSET) * (KS * MI * 4))
+                            if not AWARP:  # set par % NSET: its last MMAs (chunk kc-NSET) retired by the wait below
+                                load_afrag(ar, pw, As, lane, warp, wm, ksp[0] + kc, (par % NSET) * (KS * MI * 4))
                             T.ptx.wgmma.fence.sync.aligned()
                             mma_chunk(acc, ad, ar, wm, wn, ksp[0] + kc, par % NSET)
                             T.ptx.wgmma.commit_group.sync.aligned()
@@ -707,8 +762,12 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                             if kc + 1 < ksp[1]:
                                 T.ptx.cp.async_.wait_group(PSTG - 2)
                                 unpack_chunk(rv, As, tid, ksp[0] + kc + 1)
+                                if AWARP:  # the warp's A rows of chunk kc+1 landed: its fragments into the other set
+                                    T.evaluate(T.cuda.warp_sync())
+                                    load_afrag(ar, pw, As, lane, warp, wm, ksp[0] + kc + 1,
+                                               ((par + 1) % 2) * (KS * MI * 4))
                             T.ptx.wgmma.wait_group.sync.aligned(GIF)
-            for kc in T.serial(0 if AREG else ksp[1]):
+            for kc in T.serial(0 if (AREG or WSP) else ksp[1]):
                 if not UNPACK_LD:
                     T.ptx.cp.async_.wait_group(STG - 2 - GIF)
                 T.ptx.fence.proxy.async_.shared__cta()
@@ -768,60 +827,65 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     compute_chunk(As, Bs, af, bf, al, bl, acc, lane, wm, wn, (ksp[0] + kc - (STG - 1)) % STG)
                 T.tvm_storage_sync("shared")
         # ---------------- fused epilogue, staged through shared memory ----------------
-        cbase = warp * (16 * CSP)
-        if HOIST and SPLIT == 1:  # a lane's channels are the same for every row it writes: load them once
-            k0 = n0 + wn * WTN + (lane % LPR) * EV
-            if k0 < K:
-                load_params(bias, Mq, Sq, pb, pm, ps, k0)
-        for i in T.serial(EMT):
-            for j in T.unroll(NT):
-                for e in T.unroll(4):
-                    Cs[cbase + (lane // 4 + 8 * (e // 2)) * CSP + cs_col(j * 8) + (lane % 4) * 2 + e % 2] = \
-                        acc_val(acc, (i * NT + j) * 4 + e)
-            T.evaluate(T.cuda.warp_sync())  # (tvm_storage_sync("warp") emits __syncthreads)
-            for it in T.serial(CS_IT):
-                L = it * 32 + lane
-                row = L // LPR
-                cc = (L % LPR) * EV
-                m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + row
-                k = n0 + wn * WTN + cc
-                if SPLIT > 1:  # split-K partial sums: int32, no epilogue (schedules/splitk.py)
-                    if m < Mtot and k < K:
-                        for e in T.unroll(EV):
-                            yb[e] = unshift(Cs[cbase + row * CSP + cs_col(cc) + e])
-                        for e in T.vectorized(EV):
-                            of[(bz * Mtot + m) * K + k + e] = yb[e]
-                else:
-                    if m < Mtot and k < K:
-                        if not HOIST:
-                            load_params(bias, Mq, Sq, pb, pm, ps, k)
-                        if HAS_RES and not spec.rq2_uniform:
-                            for j in T.unroll(5):
-                                for h in T.unroll(EV // PV):
-                                    for e in T.vectorized(PV):
-                                        q2[j * EV + h * PV + e] = rq2[j * K + k + h * PV + e]
-                        if HAS_RES:
-                            if RW > 0:  # whole 32-bit words: one vector load
-                                for e in T.vectorized(RW):
-                                    rbw[e] = rfw[res_base(m, k) // 4 + e]
-                            else:
-                                for e in T.unroll(RBV):
-                                    rb[e] = rf[res_base(m, k) + e]
-                        for e in T.unroll(EV):
-                            yb[e] = requant(Cs[cbase + row * CSP + cs_col(cc) + e], pb[e], pm[e], ps[e], q2, e,
-                                            res_value(rb, rbw, e))
-                        if OB == 4:
-                            for e in T.unroll(OUT_VEC):
-                                ob[e] = T.Cast(o_st, T.bitwise_or(T.bitwise_and(yb[2 * e], 15),
-                                                                  T.shift_left(T.bitwise_and(yb[2 * e + 1], 15), 4)))
-                            for e in T.vectorized(OUT_VEC):
-                                of[(m * K + k) // 2 + e] = ob[e]
-                        else:
+        if (not WSP) or tid < NTH - NPROD:  # (wsp: the producer warpgroup has no accumulators)
+            cbase = warp * (16 * CSP)
+            if HOIST and SPLIT == 1:  # a lane's channels are the same for every row it writes: load them once
+                k0 = n0 + wn * WTN + (lane % LPR) * EV
+                if k0 < K:
+                    load_params(bias, Mq, Sq, pb, pm, ps, k0)
+            for i in T.serial(EMT):
+                # (the staging tile is the warp's own: __syncwarp orders it. Written through st.shared, which TVM's
+                # sync planner does not track: as buffer stores it added a __syncthreads per row block. The read-back
+                # stays a buffer load: through ld.shared.v4 ptxas used 150 instead of 122 registers with pipe 0)
+                for j in T.unroll(NT):
+                    for e2 in T.unroll(2):  # rows g and g+8: two adjacent columns each, one 8-byte store
+                        T.evaluate(T.ptx.st.shared.v2.b32(
+                            T.address_of(Cs[cbase + (lane // 4 + 8 * e2) * CSP + cs_col(j * 8) + (lane % 4) * 2]),
+                            acc_u32(acc, (i * NT + j) * 4 + 2 * e2), acc_u32(acc, (i * NT + j) * 4 + 2 * e2 + 1)))
+                T.evaluate(T.cuda.warp_sync())
+                for it in T.serial(CS_IT):
+                    L = it * 32 + lane
+                    row = L // LPR
+                    cc = (L % LPR) * EV
+                    m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + row
+                    k = n0 + wn * WTN + cc
+                    if SPLIT > 1:  # split-K partial sums: int32, no epilogue (schedules/splitk.py)
+                        if m < Mtot and k < K:
                             for e in T.unroll(EV):
-                                ob[e] = T.Cast(o_st, yb[e])
-                            for e in T.vectorized(OUT_VEC):
-                                of[m * K + k + e] = ob[e]
-            T.evaluate(T.cuda.warp_sync())  # (tvm_storage_sync("warp") emits __syncthreads)
+                                yb[e] = unshift(Cs[cbase + row * CSP + cs_col(cc) + e])
+                            for e in T.vectorized(EV):
+                                of[(bz * Mtot + m) * K + k + e] = yb[e]
+                    else:
+                        if m < Mtot and k < K:
+                            if not HOIST:
+                                load_params(bias, Mq, Sq, pb, pm, ps, k)
+                            if HAS_RES and not spec.rq2_uniform:
+                                for j in T.unroll(5):
+                                    for h in T.unroll(EV // PV):
+                                        for e in T.vectorized(PV):
+                                            q2[j * EV + h * PV + e] = rq2[j * K + k + h * PV + e]
+                            if HAS_RES:
+                                if RW > 0:  # whole 32-bit words: one vector load
+                                    for e in T.vectorized(RW):
+                                        rbw[e] = rfw[res_base(m, k) // 4 + e]
+                                else:
+                                    for e in T.unroll(RBV):
+                                        rb[e] = rf[res_base(m, k) + e]
+                            for e in T.unroll(EV):
+                                yb[e] = requant(Cs[cbase + row * CSP + cs_col(cc) + e], pb[e], pm[e], ps[e], q2, e,
+                                                res_value(rb, rbw, e))
+                            if OB == 4:
+                                for e in T.unroll(OUT_VEC):
+                                    ob[e] = T.Cast(o_st, T.bitwise_or(T.bitwise_and(yb[2 * e], 15),
+                                                                      T.shift_left(T.bitwise_and(yb[2 * e + 1], 15), 4)))
+                                for e in T.vectorized(OUT_VEC):
+                                    of[(m * K + k) // 2 + e] = ob[e]
+                            else:
+                                for e in T.unroll(EV):
+                                    ob[e] = T.Cast(o_st, yb[e])
+                                for e in T.vectorized(OUT_VEC):
+                                    of[m * K + k + e] = ob[e]
+                T.evaluate(T.cuda.warp_sync())  # (tvm_storage_sync("warp") emits __syncthreads)
 
     if SPLIT > 1:
         @T.prim_func

@@ -234,6 +234,12 @@ class GemmKnobs:
     areg: bool = False  # 4-bit wgmma with pstages >= 2, pipe -1 or 0: the A tile stays packed in shared memory and is
     #                     unpacked into wgmma's register A operand (only the B tile is stored unpacked)
     minb: int = 0  # __launch_bounds__ minimum blocks per SM (nvcc caps registers to fit them); 0 = none
+    wsp: int = 0  # 4-bit wgmma, warp-specialized: wsp extra producer warpgroups fill a pstages-deep packed ring
+    #               (cp.async) and unpack A and B into the ``stages`` shared stages (named barriers full/empty per
+    #               stage); the WM x WN consumer warpgroups only wait, issue wgmma and run the epilogue
+    awarp: bool = False  # areg with pipe -1 and one warpgroup along N: each warp copies the packed A rows its own
+    #                      fragments read, so chunk kc+1's fragments are loaded (after a __syncwarp, no block barrier)
+    #                      into a second register set while chunk kc's MMAs run, off the barrier-to-MMA path
 
     SPACE = {
         "BM": (32, 64, 128, 256),
@@ -248,9 +254,11 @@ class GemmKnobs:
         "fdb": (False, True),
         "split_k": (0, 1, 2, 4, 8, 16),
         "mma": ("sync", "wgmma"),
-        "pstages": (0, 2, 3, 4, 5, 6),
+        "pstages": (0, 2, 3, 4, 5, 6, 7, 8),
         "areg": (False, True),
         "minb": (0, 2, 3, 4),
+        "awarp": (False, True),
+        "wsp": (0, 1, 2),
     }
 
     def replace(self, **kw) -> "GemmKnobs":
@@ -258,20 +266,30 @@ class GemmKnobs:
 
     @property
     def threads(self) -> int:
-        return (128 if self.mma == "wgmma" else 32) * self.WM * self.WN
+        return (128 if self.mma == "wgmma" else 32) * self.WM * self.WN + 128 * self.wsp
+
+    @property
+    def load_threads(self) -> int:
+        """Threads that load the tiles (wsp: the producer warpgroups)."""
+        return 128 * self.wsp if self.wsp else self.threads
 
     def valid(self) -> bool:
         wtm, wtn = self.BM // self.WM, self.BN // self.WN
         nth = self.threads
         if self.mma == "wgmma":  # warpgroup tiles: 64-row multiples, one m64nN instruction per 128 (or fewer) cols
             tile_ok = (wtm % 64 == 0 and wtn in (64, 128, 256) and self.vec == 16 and self.stages >= 3 + self.pipe
-                       and (not self.areg or (self.pstages >= 2 and self.pipe in (-1, 0))))
+                       and (not self.areg or (self.pstages >= 2 and self.pipe in (-1, 0)))
+                       and (not self.awarp or (self.areg and self.pipe == -1 and self.WN == 1))
+                       and (not self.wsp or (not self.areg and self.pstages >= 2 and self.stages >= 2
+                                             and self.pipe in (-1, 0))))
         else:
-            tile_ok = wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg
+            tile_ok = (wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg
+                       and not self.awarp and not self.wsp)
+        lth = self.load_threads
         return (
             self.BM % self.WM == 0 and self.BN % self.WN == 0 and tile_ok
-            and self.BK % 32 == 0 and (self.BM * self.BK) % (self.vec * nth) == 0
-            and (self.BN * self.BK) % (self.vec * nth) == 0 and nth <= 1024
+            and self.BK % 32 == 0 and (self.BM * self.BK) % (self.vec * lth) == 0
+            and (self.BN * self.BK) % (self.vec * lth) == 0 and nth <= 1024
         )
 
     @classmethod

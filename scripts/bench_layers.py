@@ -23,8 +23,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def table(path, device="NVIDIA H100 80GB HBM3", date="2026-11-22"):
     res = json.loads(pathlib.Path(path).read_text())
     rows = res["bench"]
-    timing = ("per launch, from 20 back-to-back launches between two CUDA events (median of 7 rounds)"
-              if res.get("timing") == "b2b" else "median of 20 launches, each timed alone (including its host launch)")
+    timing = {"b2b": "per launch, from 20 back-to-back launches between two CUDA events (median of 7 rounds)",
+              "graph": "per launch, from 20 launches captured in one CUDA graph (no host launch cost), median of 7 "
+                       "replays"}.get(res.get("timing"), "median of 20 launches, each timed alone (including its host "
+                                                         "launch)")
     out = [f"## Tensor-core INT8/INT4 conv2d kernels, per ResNet-50 layer ({date})", "",
            f"Device: {device} (sm_90). Command: `python scripts/device_build.py && scripts/make_runtime_bundle.sh 3.12`, "
            "then one device call `bash scripts/device_run.sh` (carry `.device`, `.bundle`), then "

@@ -114,6 +114,20 @@ def make_cases(quick=False, bench=True):
             knobs=dict(wga, pipe=0, stages=3))
     for (name, N, C, H, K, R, st, pd) in ODD:
         add("check", f"wga_{name}_int4", int4_spec(N, C, H, K, R, st, pd, 1), None, knobs=wga)
+    # warp-owned A rows (awarp) on the even shapes at batch 8 and batch 1 (split-K plans); warp-specialized kernels
+    # (wsp: one and two producer warpgroups) on the odd ones, both layouts
+    waw = dict(wga, awarp=True)
+    wsp = dict(wg, BK=64, stages=4, pstages=4, pipe=0, wsp=1)
+    for li, (name, C, H, K, R, st, pd) in enumerate(layers):
+        v = li % 3
+        if not li % 2:
+            add("check", f"waw_{name}_b8_int4", int4_spec(8, C, H, K, R, st, pd, v), None, knobs=waw)
+            add("check", f"waw_plan_{name}_b1_int4", int4_spec(1, C, H, K, R, st, pd, v), None, plan=True,
+                knobs=dict(waw, BM=64, WM=1, pstages=2))
+        else:
+            for lay in ("NHWC", "HWNC"):
+                add("check", f"wsp_{name}_b8_int4_{lay.lower()}", int4_spec(8, C, H, K, R, st, pd, v, lay), None,
+                    knobs=dict(wsp, wsp=1 + li % 4 // 2))
     if bench and not quick:
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for N in (8, 64, 256):

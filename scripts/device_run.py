@@ -124,13 +124,51 @@ def cuda_time(fn, reps=20, warm=3, launches=1):
 
 
 # Layer-bench timing (both our kernels and the torch baselines): "b2b" = N back-to-back launches between two
-# events, per launch (kernel time; the GPU never waits for the host), "launch" = one launch between two events,
-# median of 20 (includes each call's host launch latency: the first two rounds' method)
-TIMING = os.environ.get("QC_BENCH_TIMING", "b2b")
+# events, per launch (kernel time as long as the host keeps ahead of the GPU: not so for kernels of a few
+# microseconds, whose Python launch costs as much), "graph" = the same N launches captured in one CUDA graph and
+# replayed (no host launch cost at all: kernel to kernel, for ours through tvm_ffi.use_torch_stream), "launch" = one
+# launch between two events, median of 20 (includes each call's host launch latency: the first two rounds' method)
+TIMING = os.environ.get("QC_BENCH_TIMING", "graph")
 
 
 def b2b_time(fn):
     return cuda_time(fn, reps=7, launches=20)
+
+
+def graph_time(fn, launches=20, reps=7, check=None):
+    """Per-launch ms of ``launches`` calls of fn captured in one CUDA graph, median of ``reps`` replays. ``check``
+    (optional): a pair (reset, ran): reset() before the first replay, ran() after it returns False when the captured
+    launches did not run (then an error)."""
+    import tvm_ffi
+
+    for _ in range(3):  # (cudnn.benchmark picks its algorithm outside the capture)
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with tvm_ffi.use_torch_stream(torch.cuda.graph(g)):
+        for _ in range(launches):
+            fn()
+    if check is not None:
+        check[0]()
+    torch.cuda.synchronize()
+    g.replay()
+    torch.cuda.synchronize()
+    if check is not None and not check[1]():
+        raise RuntimeError("graph replay did not run the captured kernels")
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / launches)
+    del g
+    return float(np.median(ts))
+
+
+def bench_timer(fn, check=None):
+    return graph_time(fn, check=check) if TIMING == "graph" else b2b_time(fn)
 
 
 def tvm_time(f, targs, reps=20):
@@ -186,8 +224,9 @@ def run_bench(rec, func=None):
                  torch.tensor(np.stack([np.zeros(K), np.full(K, 1 << 20), np.zeros(K), np.full(K, 1 << 20),
                                         np.full(K, 21)]).astype(np.int32), device=TDEV)]
     targs = [to_tvm(t) for t in (xt, wt, b, M, S, *extra, o)]
-    if TIMING == "b2b":
-        ms = b2b_time(lambda: f(*targs))
+    if TIMING in ("b2b", "graph"):
+        # graph: the output, zeroed before the first replay, must be written by it (random inputs: not all zero)
+        ms = bench_timer(lambda: f(*targs), check=(o.zero_, lambda: bool(o.any())))
         del xt, wt, o, targs
         return ms
     ms = tvm_time(f, targs)
@@ -203,7 +242,7 @@ def baselines(spec):
     w = torch.randn(K, C, R_, spec.S, device=TDEV).half().to(memory_format=torch.channels_last)
     pt = spec.pads[0]
     torch.backends.cudnn.benchmark = True
-    timer = b2b_time if TIMING == "b2b" else cuda_time
+    timer = bench_timer if TIMING in ("b2b", "graph") else cuda_time
     t_cudnn = timer(lambda: torch.nn.functional.conv2d(x, w, stride=spec.strides, padding=pt))
     del x, w
     Mg, Ng, Kg = spec.gemm_shape()

@@ -124,7 +124,7 @@ def int4_spec(N, C, H, K, R, st, pd):
 
 def smem_bytes(kn, spec=None) -> int:
     pitch = kn.BK * (2 if spec is not None and spec.x_bits == 4 else 1) if kn.mma == "wgmma" else kn.BK + 16
-    ring, stage_c = kn.stages * (kn.BM + kn.BN) * pitch, kn.threads // 32 * 16 * (kn.BN // kn.WN + 8) * 4
+    ring, stage_c = kn.stages * (kn.BM + kn.BN) * pitch, (kn.threads - 128 * kn.wsp) // 32 * 16 * (kn.BN // kn.WN + 8) * 4
     if kn.mma == "wgmma" and spec is not None and spec.x_bits == 4:
         ring += kn.pstages * (kn.BM + kn.BN) * kn.BK  # the packed ring
         if kn.areg:  # no unpacked A stages
@@ -310,6 +310,90 @@ def make_cases_minb(batches, dtypes=("int8", "int4"), minb=(2, 3, 4)):
     return cases + extra
 
 
+AWARP_TILES = ["wg128x128_bk128_g0", "wg128x128_bk128_1wg_g0", "wg64x128_bk128_g0", "wg128x64_bk128_g0",
+               "wg64x64_bk128_g0", "wg256x128_bk128_s2g0", "wg128x64_1wg_g0"]
+
+
+def make_cases_awarp(batches, layers=None, tiles=None, minb=(0, 2), pstages=(4,)):
+    """Every ResNet-50 layer as compiled now plus, for the 4-bit ones (or only ``layers``, NAME_bN_DT), register-A
+    kernels whose warps copy their own A rows (``GemmKnobs.awarp``: pipe -1, two unpacked B stages) on the tile they
+    compile with now and on each of ``tiles`` (WGMMA names, BK halved: packed bytes), with each packed-ring depth in
+    ``pstages`` and each ``__launch_bounds__`` minimum in ``minb``, as tuning variants."""
+    from qcompile.schedules import DEFAULT_KNOBS
+    from qcompile.schedules.igemm import _adapt_knobs
+
+    cases, extra = make_cases_as_compiled(batches), []
+    for c in _tunable(cases, ("int4",), layers):
+        spec, kn_now = c["spec"], c["knobs"]
+        if spec.x_bits != 4 or spec.C * spec.x_bits // 8 % 16:  # wgmma tiles take 16-byte channel vectors
+            continue
+        base = [("now", kn_now)] if kn_now.mma == "wgmma" else []
+        for cname in tiles or AWARP_TILES:
+            kw = dict(WGMMA[cname], BK=WGMMA[cname]["BK"] // 2)
+            base.append((cname, _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(mma="wgmma", **kw), "NHWC")))
+        seen = {kn_now}
+        for cname, kn0 in base:
+            for p in ((kn0.pstages,) if cname == "now" and kn0.areg else pstages):
+                for m in minb:
+                    kn = kn0.replace(areg=True, awarp=True, pipe=-1, stages=2, pstages=p, minb=m)
+                    acc = (kn.BM // kn.WM) * (kn.BN // kn.WN) // 128  # (ptxas: accumulators within the cap)
+                    if m and 65536 // (kn.threads * m) < acc + 40:
+                        continue
+                    if kn not in seen and kn.valid() and smem_bytes(kn, spec) <= 220 * 1024:
+                        seen.add(kn)
+                        extra.append(dict(c, knobs=kn, variant=f"{cname}_aw_p{p}" + (f"_minb{m}" if m else ""),
+                                          is_default=False))
+    return cases + extra
+
+
+# warp-specialized 4-bit wgmma (GemmKnobs.wsp): (name, tile, [(stages, pstages, pipe, minb)]); BK = 64 packed bytes.
+# Registers (ptxas, 384 / 256 threads): 128x128 2 WGs 155, 256x128 168, 128x64 88 (80 with minb 2), 64x128 134,
+# 64x64 74, 128x128 1 WG 167
+WSP_TILES2 = [  # two producer warpgroups
+    ("wsp2_128x128", dict(BM=128, BN=128, WM=2), [(4, 4, 0, 0), (3, 3, 0, 0), (4, 4, -1, 0)]),
+    ("wsp2_64x128", dict(BM=64, BN=128, WM=1), [(3, 3, 0, 0), (4, 4, 0, 0)]),
+    ("wsp2_128x64", dict(BM=128, BN=64, WM=2), [(3, 3, 0, 0), (4, 4, 0, 0)]),
+]
+WSP_DEEP = [  # deeper packed rings (one block per SM: more chunks in flight per block)
+    ("wspd128x128", dict(BM=128, BN=128, WM=2), [(3, 6, 0, 0), (2, 7, 0, 0)], 1),
+    ("wspd2_128x128", dict(BM=128, BN=128, WM=2), [(3, 6, 0, 0), (2, 7, 0, 0)], 2),
+    ("wspd256x128", dict(BM=256, BN=128, WM=2), [(2, 5, 0, 0), (2, 5, -1, 0)], 1),
+]
+WSP_TILES = [
+    ("wsp128x128", dict(BM=128, BN=128, WM=2), [(4, 4, 0, 0), (3, 3, 0, 0), (4, 4, -1, 0)]),
+    ("wsp256x128", dict(BM=256, BN=128, WM=2), [(3, 2, 0, 0), (2, 3, -1, 0)]),
+    ("wsp128x64", dict(BM=128, BN=64, WM=2), [(3, 3, 0, 2), (3, 3, -1, 2)]),
+    ("wsp64x128", dict(BM=64, BN=128, WM=1), [(3, 3, 0, 0), (3, 3, 0, 2)]),
+    ("wsp64x64", dict(BM=64, BN=64, WM=1), [(4, 4, 0, 0), (3, 3, -1, 0)]),
+    ("wsp128x128_1wg", dict(BM=128, BN=128, WM=1), [(4, 4, 0, 0)]),
+]
+
+
+def make_cases_wsp(batches, layers=None, names=None):
+    """Every ResNet-50 layer as compiled now plus, for the 4-bit ones (or only ``layers``, NAME_bN_DT), the
+    warp-specialized kernels of WSP_TILES (``GemmKnobs.wsp``) as tuning variants."""
+    from qcompile.schedules import DEFAULT_KNOBS
+    from qcompile.schedules.igemm import _adapt_knobs
+
+    cases, extra = make_cases_as_compiled(batches), []
+    for c in _tunable(cases, ("int4",), layers):
+        spec = c["spec"]
+        if spec.x_bits != 4 or spec.C * spec.x_bits // 8 % 16:  # wgmma tiles take 16-byte channel vectors
+            continue
+        seen = {c["knobs"]}
+        for tname, tile, plans, nprod in [(*t, 1) for t in WSP_TILES] + [(*t, 2) for t in WSP_TILES2] + WSP_DEEP:
+            if names and tname not in names:
+                continue
+            for stg, pst, pipe, minb in plans:
+                kn = _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(
+                    mma="wgmma", BK=64, WN=1, stages=stg, pstages=pst, pipe=pipe, minb=minb, wsp=nprod, **tile), "NHWC")
+                if kn not in seen and kn.valid() and smem_bytes(kn, spec) <= 220 * 1024:
+                    seen.add(kn)
+                    extra.append(dict(c, knobs=kn, variant=f"{tname}_s{stg}p{pst}" + ("g1" if pipe == 0 else "")
+                                      + (f"_minb{minb}" if minb else ""), is_default=False))
+    return cases + extra
+
+
 def make_cases_as_compiled(batches):
     """One kernel per ResNet-50 shape: the knobs a compiled model gets (tuning log, else defaults); no tuning."""
     from qcompile.schedules import DEFAULT_KNOBS, tuned_knobs
@@ -390,6 +474,14 @@ def cmd_build(a):
             f.unlink()
     if a.wgmma:
         cases = make_cases_wgmma(a.batches, a.only_layers, a.dtypes, a.cands, a.pstages, a.areg, a.areg_pipes)
+        if a.only_layers:
+            cases = [c for c in cases if c["layer"] in a.only_layers]
+    elif a.wsp:
+        cases = make_cases_wsp(a.batches, a.only_layers, a.cands)
+        if a.only_layers:
+            cases = [c for c in cases if c["layer"] in a.only_layers]
+    elif a.awarp:
+        cases = make_cases_awarp(a.batches, a.only_layers, a.cands, tuple(a.minb or (0, 2)), tuple(a.pstages or (4,)))
         if a.only_layers:
             cases = [c for c in cases if c["layer"] in a.only_layers]
     elif a.minb:
@@ -672,8 +764,11 @@ def cmd_device(a):
                 break
             key = f"{name}_b{N}"
             row = None
-            for dt in ("int8", "int4"):
-                layer = layer_for(name, N, dt)
+            try:
+                layers = [layer_for(name, N, dt) for dt in ("int8", "int4")]
+            except KeyError:  # a partial build (--only-layers): bench the layers it has
+                continue
+            for dt, layer in zip(("int8", "int4"), layers):
                 rec = best_rec.get(layer) or dflt_rec.get(layer) or by_layer[layer][0]
                 spec = DR.to_spec(rec["spec"])
                 if row is None:
@@ -892,6 +987,12 @@ def main():
                    help="as compiled + these __launch_bounds__ minimum blocks per SM (GemmKnobs.minb) as variants")
     b.add_argument("--areg-pipes", type=int, nargs="+", default=[-1], help="with --areg: pipe values (-1, 0)")
     b.add_argument("--areg", action="store_true", help="with --pstages: as register-A kernels (GemmKnobs.areg)")
+    b.add_argument("--wsp", action="store_true",
+                   help="as compiled + warp-specialized kernels (GemmKnobs.wsp, WSP_TILES) for the 4-bit layers "
+                        "(--only-layers)")
+    b.add_argument("--awarp", action="store_true",
+                   help="as compiled + register-A kernels with warp-owned A rows (GemmKnobs.awarp) for the 4-bit layers "
+                        "(--only-layers, --cands tiles, --minb, --pstages)")
     b.add_argument("--as-compiled", action="store_true",
                    help="no tuning: one kernel per ResNet-50 shape with the knobs compiled models get (bench only)")
     d = sub.add_parser("device")

@@ -17,6 +17,7 @@ from qcompile.schedules import (MMA_SHAPES, ConvSpec, GemmKnobs, conv2d_int_kern
 from qcompile.schedules import reference as R
 from qcompile.schedules.build import build_cuda, cuda_source, nvcc_options
 from qcompile.schedules.fallback import make_fallback
+from qcompile.schedules.igemm import NotApplicable, make_gemm_conv
 
 
 def test_mma_table():
@@ -167,6 +168,35 @@ def test_cuda_wgmma_int4_loaders():
         assert rs and all('"r"(' in ln for ln in rs)
     assert not wg4.replace(areg=True, pstages=0).valid() and not wg4.replace(areg=True, pipe=1, stages=4).valid()
     assert not GemmKnobs(areg=True, pstages=3).valid()  # mma.sync: no 4-bit loader knobs
+    # awarp: each warp copies its own A rows, its next fragments are loaded behind a __syncwarp into a second set
+    aw = wg4.replace(areg=True, awarp=True)
+    assert aw.valid()
+    src, base = _src(spec, "sm_90", knobs=aw), _src(spec, "sm_90", knobs=wg4.replace(areg=True))
+    assert "ld.shared.b32" in src and src != base
+    body = src.split("main_kernel(")[-1]
+    assert body.count("tvm_builtin_cuda_warp_sync()") > base.split("main_kernel(")[-1].count("tvm_builtin_cuda_warp_sync()")
+    for bad in (aw.replace(areg=False), aw.replace(pipe=0, stages=3), aw.replace(BN=256, WN=2)):
+        assert not bad.valid()
+
+
+def test_cuda_wgmma_warp_specialized():
+    """wsp: producer warpgroups (after the consumers) fill the packed ring and unpack into the stages; named barriers
+    1 + s (full) and 1 + STG + s (empty) count every thread; the producers skip the epilogue."""
+    spec = ConvSpec(**L3, x_dtype="uint4", w_bits=4, out_dtype="uint4", lo=0, hi=15)
+    for nprod in (1, 2):
+        kn = WG.replace(BK=64, stages=4, pstages=4, pipe=0, wsp=nprod)
+        assert kn.valid() and kn.threads == 256 + 128 * nprod and kn.load_threads == 128 * nprod
+        src = _src(spec, "sm_90", knobs=kn)
+        nth = kn.threads
+        assert f"__launch_bounds__({nth})" in src
+        assert "bar.sync %0, %1;" in src and "bar.arrive %0, %1;" in src and f"(uint){nth})" in src
+        assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.u8.s8" in src and "cp.async.cg.shared.global" in src
+        assert f"threadIdx.x) < {nth - 128 * nprod})" in src  # the epilogue: consumers only
+    wsp = WG.replace(BK=64, stages=4, pstages=4, pipe=0, wsp=1)
+    for bad in (wsp.replace(pstages=0), wsp.replace(pipe=1), wsp.replace(areg=True, pipe=-1), GemmKnobs(wsp=1)):
+        assert not bad.valid()
+    with pytest.raises(NotApplicable, match="4-bit wgmma loader"):  # an 8-bit conv: no packed tiles to unpack
+        make_gemm_conv(ConvSpec(**L3, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255), "sm_90", wsp, adapt=False)
 
 
 def test_cuda_epilogue_and_launch_bounds():
@@ -176,6 +206,12 @@ def test_cuda_epilogue_and_launch_bounds():
     src = _src(spec, "sm_90", knobs=WG.replace(minb=2))
     assert "__mulhi(" in src and "__syncwarp()" in src and "__launch_bounds__(256, 2)" in src
     assert "__launch_bounds__(256)" in _src(spec, "sm_90", knobs=WG)
+    # the staging tile is written (8-byte st.shared) and read back by its own warp: after the main loop's last
+    # __syncthreads only __syncwarp (TVM's sync planner used to add a __syncthreads per 16-row block)
+    for kn in (WG, GemmKnobs()):
+        body = _src(spec, "sm_90", knobs=kn).split("main_kernel(")[-1]
+        epi = body[body.rindex("__syncthreads()"):]
+        assert "tvm_builtin_ptx_st_vec_shared_v2_b32(" in epi and "tvm_builtin_cuda_warp_sync()" in epi
 
 
 def test_wgmma_knobs_fall_back():

@@ -155,3 +155,23 @@ def test_tuned_kernel_builds_for_cuda():
     # both paths are in the log (the wgmma rounds kept mma.sync where it measured faster)
     kinds = {r["knobs"]["mma"] for r in TU.load_log("sm_90")["records"].values()}
     assert kinds == {"sync", "wgmma"}
+
+
+def test_loader_round_candidates():
+    """scripts/tune_layers.py's 4-bit loader rounds (--awarp, --wsp) propose valid, distinct knobs that fit the H100's
+    shared memory, for 4-bit layers only, next to the as-compiled kernel of every layer."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tune_layers.py"
+    spec = importlib.util.spec_from_file_location("tune_layers", path)
+    tl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tl)
+    layers = ["r50_l4_3x3_b64_int4", "r50_l3_3x3_b64_int8"]
+    for cases, flag in ((tl.make_cases_awarp([64], layers), "awarp"), (tl.make_cases_wsp([64], layers), "wsp")):
+        extra = [c for c in cases if c["variant"] != "default"]
+        assert extra and all(c["layer"] == "r50_l4_3x3_b64_int4" for c in extra)
+        knobs = [c["knobs"] for c in extra]
+        assert len(set(knobs)) == len(knobs) and all(k.valid() and getattr(k, flag) for k in knobs)
+        assert all(tl.smem_bytes(k, c["spec"]) <= 220 * 1024 for k, c in zip(knobs, extra))
+        assert len([c for c in cases if c["variant"] == "default"]) == 2 * 24  # every ResNet-50 layer, both widths
