@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-pack-int4", action="store_true", help="keep 4-bit tensors one per byte")
     ap.add_argument("--weights-beside", action="store_true",
                     help="write the weights to NAME.weights.npz beside NAME.so (one file for every batch size) "
-                         "instead of compiling them into the .so")
+                         "instead of compiling them into the .so; each call then passes them as arguments, which "
+                         "costs host time (~0.4 ms per ResNet-50 call on an H100 host: keep the default for latency)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     return ap
 

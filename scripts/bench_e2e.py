@@ -148,12 +148,13 @@ def main():
             continue
         net, bits = tag.rsplit("_", 1)
         d = root / tag
-        if not (d / "weights.npz").exists():
-            continue
-        for b in sorted(int(k) for k in entry["batches"]):
-            row = {"net": net, "bits": bits, "batch": b}
+        runs = [(b, f"b{b}.so") for b in sorted(int(k) for k in entry["batches"])
+                if (d / f"b{b}.so").exists() and (d / "weights.npz").exists()]  # (what the call carried)
+        runs += [(int(p.stem[3:]), p.name) for p in sorted(d.glob("emb*.so"))]  # weights inside the .so
+        for b, so in runs:
+            row = {"net": net, "bits": bits, "batch": b, "weights": "embedded" if so.startswith("emb") else "beside"}
             try:
-                m = Module(str(d / f"b{b}.so"), "cuda", weights=str(d / "weights.npz"))
+                m = Module(str(d / so), "cuda", weights=str(d / "weights.npz") if row["weights"] == "beside" else None)
                 xf = d / f"x{b}.npy" if (d / f"x{b}.npy").exists() else root / f"x{b}.npy"  # inputs may be shared
                 if (d / f"y{b}.npy").exists():
                     x, y_ref = np.load(xf), np.load(d / f"y{b}.npy")

@@ -9,7 +9,8 @@ file is shared by all batch sizes), and write a fixed input with the reference o
 batches (``--check-batch``): the output of the llvm build of the same model (and, as a cross-check, whether
 the NumPy integer reference agrees with it at batch 1).
 
-Layout of ``-o``: NET_BITS/bN.so, NET_BITS/weights.npz, NET_BITS/xN.npy, NET_BITS/yN.npy, manifest.json.
+Layout of ``-o``: NET_BITS/bN.so, NET_BITS/weights.npz, NET_BITS/xN.npy, NET_BITS/yN.npy, manifest.json
+(with ``--embedded-batch B``: NET_BITS/embB.so, weights inside, timed by bench_e2e.py as its own row).
 """
 import argparse
 import hashlib
@@ -41,6 +42,10 @@ def main():
     ap.add_argument("--profile-batch", nargs="*", type=int, default=[],
                     help="also build profN.so without the CUDA graph, for a per-kernel time breakdown")
     ap.add_argument("--only-profile", action="store_true", help="build only the profN.so files (weights exist)")
+    ap.add_argument("--embedded-batch", nargs="*", type=int, default=[],
+                    help="also build embN.so with the weights inside the .so (the CLI's default): a call then passes "
+                         "only the input, where a weights-beside module passes (and the VM checks) ~190 weight arrays")
+    ap.add_argument("--only-embedded", action="store_true", help="build only the embN.so files")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     man_path = os.path.join(a.out, "manifest.json")
@@ -71,7 +76,13 @@ def main():
                     ref = os.path.join(d, "weights.npz")
                     assert not os.path.exists(ref) or h == hashlib.sha1(open(ref, "rb").read()).hexdigest()
                     print(f"{tag} prof{b}: built", flush=True)
-                if a.only_profile:
+                for b in a.embedded_batch:
+                    res = compile_model(onnx_path, CompileOptions(target="cuda", arch=a.arch, layout=a.layout, batch=b),
+                                        log=lambda s: None)
+                    res.export(os.path.join(d, f"emb{b}.so"))
+                    print(f"{tag} emb{b}: built ({os.path.getsize(os.path.join(d, f'emb{b}.so')) / 2**20:.1f} MB)",
+                          flush=True)
+                if a.only_profile or a.only_embedded:
                     continue
                 for b in a.batch:
                     tb = time.time()
@@ -105,7 +116,7 @@ def main():
                             info["reference_equals_llvm"] = bool(np.array_equal(Reference(r2.integer_mod)(x), y))
                     entry["batches"][str(b)] = info
                     print(f"{tag} b{b}: {info}", flush=True)
-            if a.only_profile:
+            if a.only_profile or a.only_embedded:
                 continue
             entry["quantize_and_build_s"] = time.time() - t0
             entry["weights_mb"] = os.path.getsize(os.path.join(d, "weights.npz")) / 2**20

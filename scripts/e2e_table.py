@@ -36,12 +36,13 @@ def main():
         results += d["results"]
         profiles.update(d.get("profiles", {}))
     order = {"8": 0, "4": 1, "mixed": 2}
-    results.sort(key=lambda r: (r["net"], order.get(r["bits"], 9), r["batch"]))
+    results.sort(key=lambda r: (r["net"], order.get(r["bits"], 9), r["batch"], r.get("weights", "beside")))
     print("| net | bits | batch | GPU = llvm, bit for bit | qcompile ms | img/s | PyTorch fp16 ms | img/s | speed-up |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ex = {True: "yes", False: "**NO**"}.get(r.get("exact"), "")
-        print(f"| {r['net']} | {r['bits']} | {r['batch']} | {ex} | {r['ms']:.3f} | {r['img_s']:,.0f} | "
+        b = f"{r['batch']} (weights in .so)" if r.get("weights") == "embedded" else r["batch"]
+        print(f"| {r['net']} | {r['bits']} | {b} | {ex} | {r['ms']:.3f} | {r['img_s']:,.0f} | "
               f"{r['torch_fp16_ms']:.3f} | {r['torch_img_s']:,.0f} | {r['speedup']:.2f}x |")
     for tag, p in profiles.items():
         cats = {}
