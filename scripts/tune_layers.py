@@ -11,7 +11,7 @@
   2. GPU:   run(command="python3 scripts/tune_layers.py device", carry=[".device/tune", ".bundle"])
               every variant is checked bit-exactly (fresh random inputs per variant, float64 GPU conv + int64
               requant reference cross-checked against the NumPy reference, output poisoned twice), the passing ones
-              are timed (median of 7 rounds x 10 back-to-back launches, interleaved across variants); then the
+              are timed (median of 7 rounds x 10 launches, one CUDA-graph replay each, interleaved across variants); then the
               ResNet-50 layer bench of bench_layers.py (best kernel per shape vs cuDNN fp16 / torch._int_mm, and the
               default kernel again), then ncu on one 3x3 layer. Writes $OUT/tune_results.json, $OUT/results.json,
               $OUT/ncu_*.txt, $OUT/tune_log.txt.
@@ -679,17 +679,32 @@ def cmd_device(a):
         (out / "tune_results.json").write_text(json.dumps(results, indent=1))
 
     def timed(funcs, targs, rounds=7, inner=10):
+        """Per-launch ms of each variant: ``inner`` launches per sample, variants interleaved, median of ``rounds``;
+        with graph timing (device_run.TIMING, the default) the launches of a sample are one CUDA-graph replay, so
+        kernels of a few microseconds are not timed by the host's launch rate."""
         for f in funcs:
             for _ in range(3):
                 f(*targs)
         torch.cuda.synchronize()
+        if DR.TIMING == "graph":
+            import tvm_ffi
+
+            graphs = []
+            for f in funcs:
+                g = torch.cuda.CUDAGraph()
+                with tvm_ffi.use_torch_stream(torch.cuda.graph(g)):
+                    for _ in range(inner):
+                        f(*targs)
+                graphs.append(g)
+            samples = [g.replay for g in graphs]
+        else:
+            samples = [lambda f=f: [f(*targs) for _ in range(inner)] for f in funcs]
         ts = [[] for _ in funcs]
         for _ in range(rounds):
-            for i, f in enumerate(funcs):
+            for i, run in enumerate(samples):
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
-                for _ in range(inner):
-                    f(*targs)
+                run()
                 e.record()
                 e.synchronize()
                 ts[i].append(s.elapsed_time(e) / inner)
@@ -921,7 +936,8 @@ def cmd_log(a):
     data = {"format": LOG_FORMAT, "arch": ARCH, "key_fields": list(KEY_FIELDS), "knob_fields": list(KNOB_FIELDS),
             "generated_by": "python scripts/tune_layers.py build && (device) python3 scripts/tune_layers.py device "
                             "&& python scripts/tune_layers.py log tune_results.json",
-            "timing": "median of 7 rounds x 10 back-to-back launches (CUDA events), variants interleaved",
+            "timing": "median of 7 rounds x 10 launches (CUDA events; one CUDA-graph replay from 2026-11-23 on), "
+                      "variants interleaved",
             "records": dict(sorted(recs.items()))}
     dst.write_text(json.dumps(data, indent=1) + "\n")
     ntuned = sum(r["variant"] != "default" for r in recs.values())
