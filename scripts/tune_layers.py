@@ -394,6 +394,46 @@ def make_cases_wsp(batches, layers=None, names=None):
     return cases + extra
 
 
+def make_cases_r18(batches, names=None):
+    """The ResNet-18 shapes ResNet-50 does not have (3x3 / 1x1 stride 2 with C != K, fc 512 -> 1000), INT8 and INT4,
+    at each batch: the knobs they compile with now ("default") plus the wgmma tiles of ``names`` (WGMMA, default
+    WG_SWEEP_G0); 4-bit tiles as register-A kernels (pstages 4), also with warp-owned A rows."""
+    from qcompile.schedules import DEFAULT_KNOBS, select_strategy, tuned_knobs
+    from qcompile.schedules.igemm import _adapt_knobs
+    from qcompile.schedules.layers import ALL_RESNET, RESNET50, distinct
+
+    r50 = {tuple(l[1:]) for l in distinct(RESNET50)}
+    cases = []
+    for N in batches:
+        for (name, C, H, K, R, st, pd) in distinct(ALL_RESNET):
+            if (C, H, K, R, st, pd) in r50:
+                continue
+            for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
+                spec = mk(N, C, H, K, R, st, pd)
+                if select_strategy(spec, ARCH) != "implicit_gemm":
+                    continue
+                layer = f"{name}_b{N}_{dt}"
+                now = tuned_knobs(spec, ARCH) or _adapt_knobs(spec, DEFAULT_KNOBS[ARCH], "NHWC")
+                vs, seen = [("default", now)], {now}
+                for cname in names or WG_SWEEP_G0:
+                    kw = dict(WGMMA[cname])
+                    if spec.x_bits == 4:
+                        kw["BK"] //= 2
+                    kn0 = _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(mma="wgmma", **kw), "NHWC")
+                    kns = [(cname, kn0)] if spec.x_bits == 8 else [
+                        (cname + "_ar", kn0.replace(pstages=4, areg=True, pipe=-1, stages=2)),
+                        (cname + "_aw", kn0.replace(pstages=4, areg=True, awarp=True, pipe=-1, stages=2))]
+                    for vname, kn in kns:
+                        if kn not in seen and kn.valid() and smem_bytes(kn, spec) <= 220 * 1024 \
+                                and spec.C * spec.x_bits // 8 % 16 == 0:
+                            seen.add(kn)
+                            vs.append((vname, kn))
+                for vname, kn in vs:
+                    cases.append(dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=kn,
+                                      variant=vname, is_default=vname == "default"))
+    return cases
+
+
 def make_cases_as_compiled(batches):
     """One kernel per ResNet-50 shape: the knobs a compiled model gets (tuning log, else defaults); no tuning."""
     from qcompile.schedules import DEFAULT_KNOBS, tuned_knobs
@@ -476,6 +516,8 @@ def cmd_build(a):
         cases = make_cases_wgmma(a.batches, a.only_layers, a.dtypes, a.cands, a.pstages, a.areg, a.areg_pipes)
         if a.only_layers:
             cases = [c for c in cases if c["layer"] in a.only_layers]
+    elif a.r18:
+        cases = make_cases_r18(a.batches, a.cands)
     elif a.wsp:
         cases = make_cases_wsp(a.batches, a.only_layers, a.cands)
         if a.only_layers:
@@ -1003,6 +1045,8 @@ def main():
                    help="as compiled + these __launch_bounds__ minimum blocks per SM (GemmKnobs.minb) as variants")
     b.add_argument("--areg-pipes", type=int, nargs="+", default=[-1], help="with --areg: pipe values (-1, 0)")
     b.add_argument("--areg", action="store_true", help="with --pstages: as register-A kernels (GemmKnobs.areg)")
+    b.add_argument("--r18", action="store_true",
+                   help="the ResNet-18-only shapes (not in ResNet-50): as compiled + wgmma tiles (--cands), INT8 and INT4")
     b.add_argument("--wsp", action="store_true",
                    help="as compiled + warp-specialized kernels (GemmKnobs.wsp, WSP_TILES) for the 4-bit layers "
                         "(--only-layers)")
