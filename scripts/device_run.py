@@ -135,19 +135,25 @@ def b2b_time(fn):
     return cuda_time(fn, reps=7, launches=20)
 
 
-def graph_time(fn, launches=20, reps=7, check=None):
-    """Per-launch ms of ``launches`` calls of fn captured in one CUDA graph, median of ``reps`` replays. ``check``
-    (optional): a pair (reset, ran): reset() before the first replay, ran() after it returns False when the captured
-    launches did not run (then an error)."""
+def capture(fn, launches):
+    """A CUDA graph of ``launches`` calls of fn (TVM kernels on torch's capture stream through tvm_ffi)."""
     import tvm_ffi
 
-    for _ in range(3):  # (cudnn.benchmark picks its algorithm outside the capture)
-        fn()
-    torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with tvm_ffi.use_torch_stream(torch.cuda.graph(g)):
         for _ in range(launches):
             fn()
+    return g
+
+
+def graph_time(fn, launches=20, reps=7, check=None):
+    """Per-launch ms of ``launches`` calls of fn captured in one CUDA graph, median of ``reps`` replays. ``check``
+    (optional): a pair (reset, ran): reset() before the first replay, ran() after it returns False when the captured
+    launches did not run (then an error)."""
+    for _ in range(3):  # (cudnn.benchmark picks its algorithm outside the capture)
+        fn()
+    torch.cuda.synchronize()
+    g = capture(fn, launches)
     if check is not None:
         check[0]()
     torch.cuda.synchronize()

@@ -132,6 +132,34 @@ def smem_bytes(kn, spec=None) -> int:
     return max(ring, stage_c) if kn.mma == "wgmma" else ring + stage_c  # wgmma: one ring buffer, reused by the epilogue
 
 
+def _wg_tile(spec, cname):
+    """The wgmma tile WGMMA[cname] for ``spec``, adapted (4-bit: BK counts packed bytes, half of them fill the same
+    unpacked shared tile)."""
+    from qcompile.schedules import DEFAULT_KNOBS
+    from qcompile.schedules.igemm import _adapt_knobs
+
+    kw = dict(WGMMA[cname])
+    if spec.x_bits == 4:
+        kw["BK"] //= 2
+    return _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(mma="wgmma", **kw), "NHWC")
+
+
+def _wg_ok(spec) -> bool:
+    """wgmma tiles take 16-byte channel vectors."""
+    return spec.C * spec.x_bits // 8 % 16 == 0
+
+
+def _fits(kn, spec, seen) -> bool:
+    """A new, valid variant whose shared tiles fit the H100 (and, with ``minb``, whose accumulators fit the register
+    cap: ptxas refuses a wgmma otherwise); added to ``seen``."""
+    acc = (kn.BM // kn.WM) * (kn.BN // kn.WN) // (128 if kn.mma == "wgmma" else 32)  # accumulator registers
+    if kn in seen or not kn.valid() or smem_bytes(kn, spec) > 220 * 1024 or (
+            kn.minb and 65536 // (kn.threads * kn.minb) < acc + 40):
+        return False
+    seen.add(kn)
+    return True
+
+
 def candidates(spec, n: int, names=None):
     """[(name, effective GemmKnobs)]: default first, then up to n-1 distinct adapted candidates (from ``names``
     when given, else by the prior order)."""
@@ -254,9 +282,6 @@ def make_cases_wgmma(batches, layers=None, dtypes=("int8", "int4"), names=None, 
     the 4-bit layers get each candidate, and the knobs they compile with now when those are wgmma, once per
     packed-ring depth in ``pstages`` instead (``GemmKnobs.pstages``), with ``areg`` as register-A kernels instead
     (``GemmKnobs.areg``) for each pipe in ``areg_pipes`` (-1: 2 unpacked B stages; 0: 3, two A-fragment sets)."""
-    from qcompile.schedules import DEFAULT_KNOBS
-    from qcompile.schedules.igemm import _adapt_knobs
-
     def loaders(kn0):  # the 4-bit loader variants of one tile
         if areg:  # register A: two unpacked B stages with pipe -1, three (two fragment sets) with pipe 0
             return [kn0.replace(pstages=p, areg=True, pipe=pp, stages=3 + pp) for p in pstages if p >= 2
@@ -271,18 +296,13 @@ def make_cases_wgmma(batches, layers=None, dtypes=("int8", "int4"), names=None, 
     for c in _tunable(cases, dtypes, layers):
         seen, spec = {c["knobs"]}, c["spec"]
         four = spec.x_bits == 4
-        base = [("now", c["knobs"])] if four and pstages and c["knobs"].mma == "wgmma" else []
-        for cname in names or WG_SWEEP:
-            kw = WGMMA[cname]
-            if four:  # BK counts packed bytes: half of them fill the same unpacked shared tile
-                kw = dict(kw, BK=kw["BK"] // 2)
-            base.append((cname, _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(mma="wgmma", **kw), "NHWC")))
-        if spec.C * spec.x_bits // 8 % 16:  # wgmma tiles take 16-byte channel vectors
+        if not _wg_ok(spec):
             continue
+        base = [("now", c["knobs"])] if four and pstages and c["knobs"].mma == "wgmma" else []
+        base += [(cname, _wg_tile(spec, cname)) for cname in names or WG_SWEEP]
         for cname, kn0 in base:
             for kn in (loaders(kn0) if four and pstages else [kn0]):
-                if kn not in seen and kn.valid() and smem_bytes(kn, spec) <= 220 * 1024:
-                    seen.add(kn)
+                if _fits(kn, spec, seen):
                     extra.append(dict(c, knobs=kn, variant=cname + suffix(kn), is_default=False))
     return cases + extra
 
@@ -301,10 +321,9 @@ def make_cases_minb(batches, dtypes=("int8", "int4"), minb=(2, 3, 4)):
     ``__launch_bounds__`` minimum of blocks per SM in ``minb`` (``GemmKnobs.minb``) as tuning variants."""
     cases, extra = make_cases_as_compiled(batches), []
     for c in _tunable(cases, dtypes):
-        kn = c["knobs"]
-        acc = (kn.BM // kn.WM) * (kn.BN // kn.WN) // (128 if kn.mma == "wgmma" else 32)  # accumulator registers
-        for m in minb:  # (ptxas refuses a wgmma whose accumulators do not fit the register cap)
-            if m != kn.minb and 65536 // (kn.threads * m) >= acc + 40:
+        seen = {c["knobs"]}
+        for m in minb:
+            if _fits(c["knobs"].replace(minb=m), None, seen):
                 extra.append(dict(c, knobs=c["knobs"].replace(minb=m), variant=f"{c['variant']}_minb{m}",
                                   is_default=False))
     return cases + extra
@@ -319,28 +338,19 @@ def make_cases_awarp(batches, layers=None, tiles=None, minb=(0, 2), pstages=(4,)
     kernels whose warps copy their own A rows (``GemmKnobs.awarp``: pipe -1, two unpacked B stages) on the tile they
     compile with now and on each of ``tiles`` (WGMMA names, BK halved: packed bytes), with each packed-ring depth in
     ``pstages`` and each ``__launch_bounds__`` minimum in ``minb``, as tuning variants."""
-    from qcompile.schedules import DEFAULT_KNOBS
-    from qcompile.schedules.igemm import _adapt_knobs
-
     cases, extra = make_cases_as_compiled(batches), []
     for c in _tunable(cases, ("int4",), layers):
         spec, kn_now = c["spec"], c["knobs"]
-        if spec.x_bits != 4 or spec.C * spec.x_bits // 8 % 16:  # wgmma tiles take 16-byte channel vectors
+        if spec.x_bits != 4 or not _wg_ok(spec):
             continue
         base = [("now", kn_now)] if kn_now.mma == "wgmma" else []
-        for cname in tiles or AWARP_TILES:
-            kw = dict(WGMMA[cname], BK=WGMMA[cname]["BK"] // 2)
-            base.append((cname, _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(mma="wgmma", **kw), "NHWC")))
+        base += [(cname, _wg_tile(spec, cname)) for cname in tiles or AWARP_TILES]
         seen = {kn_now}
         for cname, kn0 in base:
             for p in ((kn0.pstages,) if cname == "now" and kn0.areg else pstages):
                 for m in minb:
                     kn = kn0.replace(areg=True, awarp=True, pipe=-1, stages=2, pstages=p, minb=m)
-                    acc = (kn.BM // kn.WM) * (kn.BN // kn.WN) // 128  # (ptxas: accumulators within the cap)
-                    if m and 65536 // (kn.threads * m) < acc + 40:
-                        continue
-                    if kn not in seen and kn.valid() and smem_bytes(kn, spec) <= 220 * 1024:
-                        seen.add(kn)
+                    if _fits(kn, spec, seen):
                         extra.append(dict(c, knobs=kn, variant=f"{cname}_aw_p{p}" + (f"_minb{m}" if m else ""),
                                           is_default=False))
     return cases + extra
@@ -349,23 +359,21 @@ def make_cases_awarp(batches, layers=None, tiles=None, minb=(0, 2), pstages=(4,)
 # warp-specialized 4-bit wgmma (GemmKnobs.wsp): (name, tile, [(stages, pstages, pipe, minb)]); BK = 64 packed bytes.
 # Registers (ptxas, 384 / 256 threads): 128x128 2 WGs 155, 256x128 168, 128x64 88 (80 with minb 2), 64x128 134,
 # 64x64 74, 128x128 1 WG 167
-WSP_TILES2 = [  # two producer warpgroups
-    ("wsp2_128x128", dict(BM=128, BN=128, WM=2), [(4, 4, 0, 0), (3, 3, 0, 0), (4, 4, -1, 0)]),
-    ("wsp2_64x128", dict(BM=64, BN=128, WM=1), [(3, 3, 0, 0), (4, 4, 0, 0)]),
-    ("wsp2_128x64", dict(BM=128, BN=64, WM=2), [(3, 3, 0, 0), (4, 4, 0, 0)]),
-]
-WSP_DEEP = [  # deeper packed rings (one block per SM: more chunks in flight per block)
+WSP_TILES = [  # (name, tile, [(stages, pstages, pipe, minb)], producer warpgroups)
+    ("wsp128x128", dict(BM=128, BN=128, WM=2), [(4, 4, 0, 0), (3, 3, 0, 0), (4, 4, -1, 0)], 1),
+    ("wsp256x128", dict(BM=256, BN=128, WM=2), [(3, 2, 0, 0), (2, 3, -1, 0)], 1),
+    ("wsp128x64", dict(BM=128, BN=64, WM=2), [(3, 3, 0, 2), (3, 3, -1, 2)], 1),
+    ("wsp64x128", dict(BM=64, BN=128, WM=1), [(3, 3, 0, 0), (3, 3, 0, 2)], 1),
+    ("wsp64x64", dict(BM=64, BN=64, WM=1), [(4, 4, 0, 0), (3, 3, -1, 0)], 1),
+    ("wsp128x128_1wg", dict(BM=128, BN=128, WM=1), [(4, 4, 0, 0)], 1),
+    # two producer warpgroups
+    ("wsp2_128x128", dict(BM=128, BN=128, WM=2), [(4, 4, 0, 0), (3, 3, 0, 0), (4, 4, -1, 0)], 2),
+    ("wsp2_64x128", dict(BM=64, BN=128, WM=1), [(3, 3, 0, 0), (4, 4, 0, 0)], 2),
+    ("wsp2_128x64", dict(BM=128, BN=64, WM=2), [(3, 3, 0, 0), (4, 4, 0, 0)], 2),
+    # deeper packed rings (one block per SM: more chunks in flight per block)
     ("wspd128x128", dict(BM=128, BN=128, WM=2), [(3, 6, 0, 0), (2, 7, 0, 0)], 1),
     ("wspd2_128x128", dict(BM=128, BN=128, WM=2), [(3, 6, 0, 0), (2, 7, 0, 0)], 2),
     ("wspd256x128", dict(BM=256, BN=128, WM=2), [(2, 5, 0, 0), (2, 5, -1, 0)], 1),
-]
-WSP_TILES = [
-    ("wsp128x128", dict(BM=128, BN=128, WM=2), [(4, 4, 0, 0), (3, 3, 0, 0), (4, 4, -1, 0)]),
-    ("wsp256x128", dict(BM=256, BN=128, WM=2), [(3, 2, 0, 0), (2, 3, -1, 0)]),
-    ("wsp128x64", dict(BM=128, BN=64, WM=2), [(3, 3, 0, 2), (3, 3, -1, 2)]),
-    ("wsp64x128", dict(BM=64, BN=128, WM=1), [(3, 3, 0, 0), (3, 3, 0, 2)]),
-    ("wsp64x64", dict(BM=64, BN=64, WM=1), [(4, 4, 0, 0), (3, 3, -1, 0)]),
-    ("wsp128x128_1wg", dict(BM=128, BN=128, WM=1), [(4, 4, 0, 0)]),
 ]
 
 
@@ -378,17 +386,16 @@ def make_cases_wsp(batches, layers=None, names=None):
     cases, extra = make_cases_as_compiled(batches), []
     for c in _tunable(cases, ("int4",), layers):
         spec = c["spec"]
-        if spec.x_bits != 4 or spec.C * spec.x_bits // 8 % 16:  # wgmma tiles take 16-byte channel vectors
+        if spec.x_bits != 4 or not _wg_ok(spec):
             continue
         seen = {c["knobs"]}
-        for tname, tile, plans, nprod in [(*t, 1) for t in WSP_TILES] + [(*t, 2) for t in WSP_TILES2] + WSP_DEEP:
+        for tname, tile, plans, nprod in WSP_TILES:
             if names and tname not in names:
                 continue
             for stg, pst, pipe, minb in plans:
                 kn = _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(
                     mma="wgmma", BK=64, WN=1, stages=stg, pstages=pst, pipe=pipe, minb=minb, wsp=nprod, **tile), "NHWC")
-                if kn not in seen and kn.valid() and smem_bytes(kn, spec) <= 220 * 1024:
-                    seen.add(kn)
+                if _fits(kn, spec, seen):
                     extra.append(dict(c, knobs=kn, variant=f"{tname}_s{stg}p{pst}" + ("g1" if pipe == 0 else "")
                                       + (f"_minb{minb}" if minb else ""), is_default=False))
     return cases + extra
@@ -415,19 +422,12 @@ def make_cases_r18(batches, names=None):
                 layer = f"{name}_b{N}_{dt}"
                 now = tuned_knobs(spec, ARCH) or _adapt_knobs(spec, DEFAULT_KNOBS[ARCH], "NHWC")
                 vs, seen = [("default", now)], {now}
-                for cname in names or WG_SWEEP_G0:
-                    kw = dict(WGMMA[cname])
-                    if spec.x_bits == 4:
-                        kw["BK"] //= 2
-                    kn0 = _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(mma="wgmma", **kw), "NHWC")
+                for cname in (names or WG_SWEEP_G0) if _wg_ok(spec) else ():
+                    kn0 = _wg_tile(spec, cname)
                     kns = [(cname, kn0)] if spec.x_bits == 8 else [
                         (cname + "_ar", kn0.replace(pstages=4, areg=True, pipe=-1, stages=2)),
                         (cname + "_aw", kn0.replace(pstages=4, areg=True, awarp=True, pipe=-1, stages=2))]
-                    for vname, kn in kns:
-                        if kn not in seen and kn.valid() and smem_bytes(kn, spec) <= 220 * 1024 \
-                                and spec.C * spec.x_bits // 8 % 16 == 0:
-                            seen.add(kn)
-                            vs.append((vname, kn))
+                    vs += [(vname, kn) for vname, kn in kns if _fits(kn, spec, seen)]
                 for vname, kn in vs:
                     cases.append(dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=kn,
                                       variant=vname, is_default=vname == "default"))
@@ -514,18 +514,12 @@ def cmd_build(a):
             f.unlink()
     if a.wgmma:
         cases = make_cases_wgmma(a.batches, a.only_layers, a.dtypes, a.cands, a.pstages, a.areg, a.areg_pipes)
-        if a.only_layers:
-            cases = [c for c in cases if c["layer"] in a.only_layers]
     elif a.r18:
         cases = make_cases_r18(a.batches, a.cands)
     elif a.wsp:
         cases = make_cases_wsp(a.batches, a.only_layers, a.cands)
-        if a.only_layers:
-            cases = [c for c in cases if c["layer"] in a.only_layers]
     elif a.awarp:
         cases = make_cases_awarp(a.batches, a.only_layers, a.cands, tuple(a.minb or (0, 2)), tuple(a.pstages or (4,)))
-        if a.only_layers:
-            cases = [c for c in cases if c["layer"] in a.only_layers]
     elif a.minb:
         cases = make_cases_minb(a.batches, a.dtypes, a.minb)
     elif a.targets:
@@ -536,6 +530,8 @@ def cmd_build(a):
         cases = make_cases_loop_ab(a.batches, {1: 2, 64: 1})
     else:
         cases = make_cases(a.batches, a.variants, a.cands, a.only_r, bench8=not a.append, only_c=a.only_c)
+    if a.only_layers:
+        cases = [c for c in cases if c["layer"] in a.only_layers]
     if a.append:
         have = {(r["layer"], json.dumps(r["knobs_dict"], sort_keys=True)) for r in old}
         from qcompile.schedules.tuning import knobs_to_dict
@@ -729,16 +725,7 @@ def cmd_device(a):
                 f(*targs)
         torch.cuda.synchronize()
         if DR.TIMING == "graph":
-            import tvm_ffi
-
-            graphs = []
-            for f in funcs:
-                g = torch.cuda.CUDAGraph()
-                with tvm_ffi.use_torch_stream(torch.cuda.graph(g)):
-                    for _ in range(inner):
-                        f(*targs)
-                graphs.append(g)
-            samples = [g.replay for g in graphs]
+            samples = [DR.capture(lambda f=f: f(*targs), inner).replay for f in funcs]
         else:
             samples = [lambda f=f: [f(*targs) for _ in range(inner)] for f in funcs]
         ts = [[] for _ in funcs]
@@ -1037,7 +1024,7 @@ def main():
     b.add_argument("--loop-ab", action="store_true", help="main-loop A/B on the ResNet-50 shapes (see make_cases_loop_ab)")
     b.add_argument("--targets", nargs="+", default=None, help="wide candidate sets for these layers (NAME_bN_DT)")
     b.add_argument("--wgmma", action="store_true", help="as compiled + wgmma candidates (--cands) for the --dtypes layers")
-    b.add_argument("--only-layers", nargs="+", default=None, help="with --wgmma: only these NAME_bN_DT")
+    b.add_argument("--only-layers", nargs="+", default=None, help="build only these NAME_bN_DT")
     b.add_argument("--dtypes", nargs="+", default=["int8", "int4"], help="with --wgmma: candidates for these")
     b.add_argument("--pstages", type=int, nargs="+", default=[],
                    help="with --wgmma: 4-bit candidates (and their wgmma knobs now) with these packed-ring depths")
