@@ -240,6 +240,11 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     GRID_M = (Mtot + BM - 1) // BM
     GRID_N = (K + BN - 1) // BN
     HWNC = layout == "HWNC"
+    # 1x1, stride 1, no padding: the implicit GEMM's A is the input itself, [N*H*W, C] in NHWC and HWNC alike
+    POINTWISE = R == 1 and S == 1 and (sh, sw) == (1, 1) and tuple(spec.pads) == (0, 0, 0, 0) and (P, Q) == (H, W)
+    # (with the short pointwise addressing nvcc unrolls a long K loop whole and keeps every chunk's addresses live:
+    # 167 instead of 116 registers on r50_l3_1x1c, one block per SM, 24% slower; unrolled by two: 106)
+    MAIN_UNROLL = 2 if POINTWISE else None
     # MMA instruction(s) per 16x8x32-byte macro step
     is4 = xbits == 4
     unpack = is4 and not ai.s4_native
@@ -282,18 +287,41 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     PV_IT = B_IT if AREG else A_IT + B_IT
     SMEM_P = PSTG * PV_IT * LNTH * 16
     SMEM_ALL = SMEM_A + SMEM_B + SMEM_PA + SMEM_P
-    if WG and max(SMEM_ALL, 4 * SMEM_C) > ai.smem_per_block:  # the epilogue's staging reuses the ring
-        raise NotApplicable(f"{SMEM_ALL // 1024} KiB of shared tiles exceed the "
+    # erq: stage 1 of the requantize runs on the accumulator registers (each lane: rows g / g+8, column pairs
+    # 8j + 2q); the staging tile holds its 8-bit result, CPB = WTN + 16 bytes per row (16-byte aligned read-back;
+    # the 2-byte stores of rows g = 0..7 land 4 banks apart). Needs stage 1's clamp range to fit a byte.
+    # (a hint: where it cannot apply -- split-K partial sums, an intermediate wider than a byte, fewer than 4 output
+    # channels per lane -- the int32 staging computes the same bits; the tuner only proposes it where it applies)
+    ERQ = (bool(kn.erq) and SPLIT == 1 and EV % 4 == 0
+           and ((lo >= -128 and hi <= 127) or (lo >= 0 and hi <= 255)))
+    CPB = WTN + 16
+    STAGE_BYTES = NWARP * 16 * CPB if ERQ else 4 * SMEM_C
+    # persist: GP blocks walk the tiles (tile = block + t * GP, output channels fastest); the staging tile lives
+    # beside the ring at C_OFF, since the next tile's loads are in flight while a tile's epilogue runs
+    # (split-K pairs and the 4-bit loaders: one block per tile, the same bits)
+    PERSIST = bool(kn.persist) and SPLIT == 1 and WG and not UNPACK_LD
+    NTILES = GRID_M * GRID_N
+    GP = min(NTILES, kn.persist * ai.sms) if PERSIST else 0
+    C_OFF = -(-SMEM_ALL // 16) * 16 if PERSIST else 0
+    if WG and max(SMEM_ALL, C_OFF + STAGE_BYTES) > ai.smem_per_block:  # the staging tile: on the ring or beside it
+        raise NotApplicable(f"{max(SMEM_ALL, C_OFF + STAGE_BYTES) // 1024} KiB of shared tiles exceed the "
                             f"{ai.smem_per_block // 1024} KiB per block of {arch}")
-    # the epilogue's staging tile aliases the A ring (after the main loop's last barrier): declared as a view of As,
-    # since its stores are opaque st.shared that TVM's shared-memory planner cannot place on their own
-    A_ALLOC, B_ALLOC = (max(SMEM_ALL, 4 * SMEM_C), 16) if WG else (max(SMEM_A, 4 * SMEM_C), SMEM_B)
+    if PERSIST and kn.persist * (C_OFF + STAGE_BYTES + 1024) > ai.smem_per_block + 1024:  # (1 KiB reserved per block)
+        raise NotApplicable(f"persist={kn.persist}: {kn.persist} blocks of {(C_OFF + STAGE_BYTES) // 1024} KiB do not "
+                            f"fit one SM of {arch}")
+    # the epilogue's staging tile aliases the A ring (after the main loop's last barrier) or sits beside it: declared
+    # as a view of As, since its stores are opaque st.shared that TVM's shared-memory planner cannot place on their own
+    A_ALLOC, B_ALLOC = ((max(SMEM_ALL, C_OFF + STAGE_BYTES), 16) if WG else (max(SMEM_A, STAGE_BYTES), SMEM_B))
     CS_IT = 16 * WTN // (32 * EV)
     LPR = WTN // EV  # lanes per staged row
     HOIST = 32 % LPR == 0  # then a lane's output channels do not change between the rows it writes
     PV = min(4, EV)  # vector width (int32 elements) of the per-channel parameter loads
     RBV = max(1, EV * spec.res_bits // 8)  # residual bytes per lane and row
     RW = RBV // 4 if RBV % 4 == 0 else 0  # ... as 32-bit words (vector-loadable)
+    # the residual words of a lane's CS_IT rows are loaded together before the staging round trip (one DRAM latency
+    # per 16-row block instead of one per row: as loads beside their use they left r50_l1_1x1b with a residual add
+    # at 2.7x the time without one) and the read-back loop is unrolled to keep them in registers
+    PREF = HAS_RES and RW in (1, 2, 4) and SPLIT == 1
     assert CS_IT * 32 * EV == 16 * WTN, (WTN, EV)
     OUT_VEC = EV * OB // 8 if OB < 32 else EV  # storage elements per lane store
     MASK = T.uint32(_MASK_HI)
@@ -305,14 +333,16 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     NFB = 2 if FDB else 1
 
     res_shape = spec.res_shape()
-    MINB_ON = kn.minb > 0
+    MINB = kn.minb or (kn.persist if PERSIST else 0)  # persist: its blocks must be co-resident (register cap)
+    MINB_ON = MINB > 0
     R_SIZE = math.prod(res_shape)
 
     # ---------------- index helpers (build PrimExprs; called from the script) ----------------
-    def row_decode(m):
+    def row_decode(m):  # (truncating division: m >= 0, and TVM's floor division adds sign fix-ups per division)
+        dv, md = T.truncdiv, T.truncmod
         if HWNC:
-            return (m % N, (m // N) // Q, (m // N) % Q)
-        return (m // (P * Q), (m // Q) % P, m % Q)
+            return (md(m, N), dv(dv(m, N), Q), md(dv(m, N), Q))
+        return (dv(m, P * Q), md(dv(m, Q), P), md(m, Q))
 
     def x_index(n, ih, iw, cb):
         if HWNC:
@@ -324,9 +354,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             return ((kb // CB) * K + k) * CB + kb % CB
         return k * GKB + kb
 
-    def requant(a, bias_v, m_v, s_v, q2, e, res_v):
-        """Stage 1 (int64 fixed point) and, with a residual, stage 2 (int32 when the graph's own residual
-        requantize is int32: no intermediate can overflow then, so int32 gives the same bits)."""
+    def requant1(a, bias_v, m_v, s_v):
+        """Stage 1: out = clip(round((acc + bias) * M / 2^S) + zo, lo, hi) in int64 fixed point (int32 ops
+        when every S >= 33)."""
         t = unshift(a) + bias_v
         if spec.shift_ge33:
             # every S >= 33: (t*M + 2^(S-1)) >> S == (hi32(t*M) + 2^(S-33)) >> (S-32), all int32 (mul.hi)
@@ -337,12 +367,15 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             # integer-bound analysis narrows the result and drops the clip below
             sh = T.max(T.min(s_v - 32, T.int32(30)), T.int32(1))
             v = T.shift_right(hi32 + T.shift_left(T.int32(1), sh - 1), sh)
-            v = T.max(T.min(v + T.int32(zo), T.int32(hi)), T.int32(lo))
-        else:
-            v = T.Cast("int64", t) * T.Cast("int64", m_v)
-            v = T.shift_right(v + T.shift_left(T.int64(1), T.Cast("int64", s_v - 1)), T.Cast("int64", s_v))
-            v = T.max(T.min(v + T.int64(zo), T.int64(hi)), T.int64(lo))
-        if HAS_RES:  # second stage: the quantized residual add (see ConvSpec)
+            return T.max(T.min(v + T.int32(zo), T.int32(hi)), T.int32(lo))
+        v = T.Cast("int64", t) * T.Cast("int64", m_v)
+        v = T.shift_right(v + T.shift_left(T.int64(1), T.Cast("int64", s_v - 1)), T.Cast("int64", s_v))
+        return T.max(T.min(v + T.int64(zo), T.int64(hi)), T.int64(lo))
+
+    def requant2(v, q2, e, res_v):
+        """With a residual, stage 2 on stage 1's ``v``: the quantized residual add (see ConvSpec; int32 when the
+        graph's own residual requantize is int32: no intermediate can overflow then, so int32 gives the same bits)."""
+        if HAS_RES:
             wd = "int32" if spec.res_i32 else "int64"
             c = lambda x: T.Cast(wd, x)
             if spec.rq2_uniform:  # the same for every channel (per-tensor activation scales): immediates
@@ -353,6 +386,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             v = T.shift_right(v + T.shift_left(c(1), p[4] - c(1)), p[4]) + c(spec.zo2)
             v = T.max(T.min(v, c(spec.hi2)), c(spec.lo2))
         return T.Cast("int32", v)
+
+    def requant(a, bias_v, m_v, s_v, q2, e, res_v):
+        return requant2(requant1(a, bias_v, m_v, s_v), q2, e, res_v)
 
     def unshift(a):  # Hopper INT4 accumulators hold 256 x the sum
         return T.shift_right(a, acc_shift) if acc_shift else a
@@ -398,6 +434,27 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
 
     def acc_u32(acc, idx):
         return acc[idx] if WG else T.reinterpret("uint32", acc[idx])
+
+    def acc_i32(acc, idx):
+        return T.reinterpret("int32", acc[idx]) if WG else acc[idx]
+
+    def ld_staged(sb, addr):
+        """erq: this lane's EV staged bytes -> sb (one 4/8/16-byte ld.shared)."""
+        if EV == 16:
+            return T.ptx.ld.shared.v4.b32(sb[0], sb[1], sb[2], sb[3], addr)
+        if EV == 8:
+            return T.ptx.ld.shared.v2.b32(sb[0], sb[1], addr)
+        return T.ptx.ld.shared.b32(sb[0], addr)
+
+    def staged(sb, e):
+        """erq: staged byte e of this lane (stage 1's value, sign-extended when its range is signed)."""
+        v = T.Cast("int32", T.bitwise_and(T.shift_right(sb[e // 4], T.uint32(8 * (e % 4))), T.uint32(255)))
+        return T.if_then_else(v >= 128, v - 256, v) if lo < 0 else v
+
+    def tile_origin(g, bid):
+        """persist: (m0, n0) of the tile that K-chunk ``g`` of block ``bid``'s chunk stream belongs to."""
+        tile = bid + (g // NK) * GP
+        return ((tile // GRID_N) * BM, (tile % GRID_N) * BN)
 
     def k_span(bz):
         if SPLIT == 1:
@@ -462,17 +519,19 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             L = it * LNTH + tid
             slot = T.meta_var(awarp_slot(it, tid) if AWARP else tile_slot(L, BM))
             row = slot[0]
-            kb = kc * BK + slot[1] * VEC
+            kb = (kc % NK if PERSIST else kc) * BK + slot[1] * VEC
             m = m0 + row
-            rs = kb // CB
-            cb = kb % CB
+            rs = T.truncdiv(kb, CB)  # (kb >= 0)
+            cb = T.truncmod(kb, CB)
             dec = T.meta_var(row_decode(m))
-            ih = dec[1] * sh - pt + (rs // S) * dh
-            iw = dec[2] * sw - pl + (rs % S) * dw
+            ih = dec[1] * sh - pt + T.truncdiv(rs, S) * dh
+            iw = dec[2] * sw - pl + T.truncmod(rs, S) * dw
             inb = m < Mtot and kb < GKB
-            ok = inb and ih >= 0 and ih < H and iw >= 0 and iw < W
+            # (pointwise: row m of the GEMM is pixel m of the input in either layout, always in bounds -- no im2col
+            # decode, whose divisions were ~150 of a 128x128 tile's ~1100 instructions per warp on ResNet's 1x1s)
+            ok = T.meta_var(inb if POINTWISE else (inb and ih >= 0 and ih < H and iw >= 0 and iw < W))
             soff = (kc % STG) * (BM * BKP) + slot[2]
-            gidx = T.meta_var(x_index(dec[0], ih, iw, cb))
+            gidx = T.meta_var(m * CB + kb if POINTWISE else x_index(dec[0], ih, iw, cb))
             if AREG:  # packed, into the block's A ring
                 T.evaluate(a_cp(As, xf, pa_off(kc, row, slot[1]), gidx, ok))
             elif UNPACK_LD and PRING:  # packed, into this thread's slot of the packed ring
@@ -492,7 +551,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             L = it * LNTH + tid
             slot = T.meta_var(tile_slot(L, BN))
             row = slot[0]
-            kb = kc * BK + slot[1] * VEC
+            kb = (kc % NK if PERSIST else kc) * BK + slot[1] * VEC
             k = n0 + row
             ok = k < K and kb < GKB
             soff = B_OFF + (kc % STG) * (BN * BKP) + slot[2]
@@ -636,13 +695,157 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 ps[h * PV + e] = Sq[k + h * PV + e]
 
     @T.macro
-    def body(x, w, bias, Mq, Sq, rf, rfw, rq2, of):
-        bxn = T.launch_thread("blockIdx.x", GRID_N)
-        bxm = T.launch_thread("blockIdx.y", GRID_M)
+    def res_prefetch(rfw, rpre, m0, n0, i, tid):
+        """PREF: this lane's residual words of every row it writes in 16-row block i -> rpre (8/16-byte loads)."""
+        lane = tid % 32
+        warp = tid // 32
+        wm = (warp // 4 if WG else warp) // WN
+        wn = (warp // 4 if WG else warp) % WN
+        for it in T.unroll(CS_IT):
+            m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + (it * 32 + lane) // LPR
+            k = n0 + wn * WTN + ((it * 32 + lane) % LPR) * EV
+            if m < Mtot and k < K:
+                if RW == 4:
+                    T.evaluate(T.ptx.ld.global_.nc.v4.b32(rpre[it * 4], rpre[it * 4 + 1], rpre[it * 4 + 2],
+                                                          rpre[it * 4 + 3], T.address_of(rfw[res_base(m, k) // 4])))
+                elif RW == 2:
+                    T.evaluate(T.ptx.ld.global_.nc.v2.b32(rpre[it * 2], rpre[it * 2 + 1],
+                                                          T.address_of(rfw[res_base(m, k) // 4])))
+                else:
+                    T.evaluate(T.ptx.ld.global_.nc.b32(rpre[it], T.address_of(rfw[res_base(m, k) // 4])))
+
+    @T.macro
+    def load_residual(rq2, rfw, rf, q2, rb, rbw, rpre, m, k, it):
+        """The residual stage's inputs for output (m, k..k+EV): per-channel rq2 (unless compiled in) and the residual
+        bytes or words (PREF: from the block's prefetched words)."""
+        if HAS_RES and not spec.rq2_uniform:
+            for j in T.unroll(5):
+                for h in T.unroll(EV // PV):
+                    for e in T.vectorized(PV):
+                        q2[j * EV + h * PV + e] = rq2[j * K + k + h * PV + e]
+        if HAS_RES:
+            if PREF:
+                for e in T.unroll(RW):
+                    rbw[e] = rpre[it * RW + e]
+            elif RW > 0:  # whole 32-bit words: one vector load
+                for e in T.vectorized(RW):
+                    rbw[e] = rfw[res_base(m, k) // 4 + e]
+            else:
+                for e in T.unroll(RBV):
+                    rb[e] = rf[res_base(m, k) + e]
+
+    @T.macro
+    def store_out(of, ob, yb, m, k):
+        """Output (m, k..k+EV) from yb: packed to 4-bit pairs, or cast, and stored as one vector."""
+        if OB == 4:
+            for e in T.unroll(OUT_VEC):
+                ob[e] = T.Cast(o_st, T.bitwise_or(T.bitwise_and(yb[2 * e], 15),
+                                                  T.shift_left(T.bitwise_and(yb[2 * e + 1], 15), 4)))
+            for e in T.vectorized(OUT_VEC):
+                of[(m * K + k) // 2 + e] = ob[e]
+        else:
+            for e in T.unroll(EV):
+                ob[e] = T.Cast(o_st, yb[e])
+            for e in T.vectorized(OUT_VEC):
+                of[m * K + k + e] = ob[e]
+
+    @T.macro
+    def epilogue(bias, Mq, Sq, rf, rfw, rq2, of, ofw, Cs, Cb, acc, pb, pm, ps, q2, rb, rbw, yb, ob, sb, tid, m0, n0, bz,
+                 rpre):
+        """The fused epilogue of one output tile, staged through the warp's own shared-memory tile."""
+        warp = tid // 32
+        lane = tid % 32
+        wm = (warp // 4 if WG else warp) // WN
+        wn = (warp // 4 if WG else warp) % WN
+        if ERQ:
+            # stage 1 on the accumulators (column pair k, k+1 of rows g and g+8: one 2-byte store each), then the
+            # warp reads its 16 staged rows back EV bytes per lane: residual stage / 4-bit pack / plain copy out
+            cb0 = C_OFF + warp * (16 * CPB)
+            for i in T.serial(EMT):
+                if PREF:
+                    res_prefetch(rfw, rpre, m0, n0, i, tid)
+                for j in T.unroll(NT):
+                    kp = n0 + wn * WTN + j * 8 + (lane % 4) * 2
+                    if kp < K:  # (8-byte loads through the PTX helpers: TVM emits vector loads as gathers)
+                        T.evaluate(T.ptx.ld.global_.nc.v2.b32(pb[0], pb[1], T.address_of(bias[kp])))
+                        T.evaluate(T.ptx.ld.global_.nc.v2.b32(pm[0], pm[1], T.address_of(Mq[kp])))
+                        T.evaluate(T.ptx.ld.global_.nc.v2.b32(ps[0], ps[1], T.address_of(Sq[kp])))
+                    for e2 in T.unroll(2):
+                        v0 = T.meta_var(T.Cast("int32", requant1(acc_i32(acc, (i * NT + j) * 4 + 2 * e2), pb[0], pm[0],
+                                                                 ps[0])))
+                        v1 = T.meta_var(T.Cast("int32", requant1(acc_i32(acc, (i * NT + j) * 4 + 2 * e2 + 1), pb[1],
+                                                                 pm[1], ps[1])))
+                        T.evaluate(T.ptx.st.shared.b16(
+                            T.address_of(Cb[cb0 + (lane // 4 + 8 * e2) * CPB + j * 8 + (lane % 4) * 2]),
+                            T.Cast("uint32", T.bitwise_or(T.bitwise_and(v0, 255),
+                                                          T.shift_left(T.bitwise_and(v1, 255), 8)))))
+                T.evaluate(T.cuda.warp_sync())
+                for it in (T.unroll(CS_IT) if PREF else T.serial(CS_IT)):
+                    L = it * 32 + lane
+                    row = L // LPR
+                    cc = (L % LPR) * EV
+                    m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + row
+                    k = n0 + wn * WTN + cc
+                    if m < Mtot and k < K:
+                        T.evaluate(ld_staged(sb, T.address_of(Cb[cb0 + row * CPB + cc])))
+                        if OB == 8 and not HAS_RES:  # the staged bytes are the output
+                            for e in T.vectorized(EV // 4):
+                                ofw[(m * K + k) // 4 + e] = sb[e]
+                        else:
+                            load_residual(rq2, rfw, rf, q2, rb, rbw, rpre, m, k, it)
+                            for e in T.unroll(EV):
+                                yb[e] = requant2(staged(sb, e), q2, e, res_value(rb, rbw, e))
+                            store_out(of, ob, yb, m, k)
+                T.evaluate(T.cuda.warp_sync())
+        else:
+            cbase = C_OFF // 4 + warp * (16 * CSP)
+            if HOIST and SPLIT == 1:  # a lane's channels are the same for every row it writes: load them once
+                k0 = n0 + wn * WTN + (lane % LPR) * EV
+                if k0 < K:
+                    load_params(bias, Mq, Sq, pb, pm, ps, k0)
+            for i in T.serial(EMT):
+                if PREF:
+                    res_prefetch(rfw, rpre, m0, n0, i, tid)
+                # (the staging tile is the warp's own: __syncwarp orders it. Written through st.shared, which TVM's
+                # sync planner does not track: as buffer stores it added a __syncthreads per row block. The read-back
+                # stays a buffer load: through ld.shared.v4 ptxas used 150 instead of 122 registers with pipe 0)
+                for j in T.unroll(NT):
+                    for e2 in T.unroll(2):  # rows g and g+8: two adjacent columns each, one 8-byte store
+                        T.evaluate(T.ptx.st.shared.v2.b32(
+                            T.address_of(Cs[cbase + (lane // 4 + 8 * e2) * CSP + cs_col(j * 8) + (lane % 4) * 2]),
+                            acc_u32(acc, (i * NT + j) * 4 + 2 * e2), acc_u32(acc, (i * NT + j) * 4 + 2 * e2 + 1)))
+                T.evaluate(T.cuda.warp_sync())
+                for it in (T.unroll(CS_IT) if PREF else T.serial(CS_IT)):
+                    L = it * 32 + lane
+                    row = L // LPR
+                    cc = (L % LPR) * EV
+                    m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + row
+                    k = n0 + wn * WTN + cc
+                    if SPLIT > 1:  # split-K partial sums: int32, no epilogue (schedules/splitk.py)
+                        if m < Mtot and k < K:
+                            for e in T.unroll(EV):
+                                yb[e] = unshift(Cs[cbase + row * CSP + cs_col(cc) + e])
+                            for e in T.vectorized(EV):
+                                of[(bz * Mtot + m) * K + k + e] = yb[e]
+                    else:
+                        if m < Mtot and k < K:
+                            if not HOIST:
+                                load_params(bias, Mq, Sq, pb, pm, ps, k)
+                            load_residual(rq2, rfw, rf, q2, rb, rbw, rpre, m, k, it)
+                            for e in T.unroll(EV):
+                                yb[e] = requant(Cs[cbase + row * CSP + cs_col(cc) + e], pb[e], pm[e], ps[e], q2, e,
+                                                res_value(rb, rbw, e))
+                            store_out(of, ob, yb, m, k)
+                T.evaluate(T.cuda.warp_sync())  # (tvm_storage_sync("warp") emits __syncthreads)
+
+    @T.macro
+    def body(x, w, bias, Mq, Sq, rf, rfw, rq2, of, ofw):
+        bxn = T.launch_thread("blockIdx.x", GP if PERSIST else GRID_N)  # (persist: the block index)
+        bxm = T.launch_thread("blockIdx.y", 1 if PERSIST else GRID_M)
         bz = T.launch_thread("blockIdx.z", SPLIT)  # K-split index (extent 1 without split-K)
         tid = T.launch_thread("threadIdx.x", NTH)
         if MINB_ON:  # __launch_bounds__(NTH, minb): nvcc caps the registers so that minb blocks fit per SM
-            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", kn.minb)
+            T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MINB)
         xf = T.decl_buffer((X_SIZE,), x_st, data=x.data)
         wf = T.decl_buffer((W_SIZE,), w_st, data=w.data)
         rv = T.alloc_buffer((4 * (A_IT + B_IT),), "uint32", scope="local")  # 4-bit wgmma: packed vectors in flight
@@ -652,7 +855,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         # one module must declare it with the same element type)
         As = T.alloc_buffer((A_ALLOC,), "uint8" if WG else x_st, scope="shared.dyn")
         Bs = T.alloc_buffer((B_ALLOC,), w_st, scope="shared.dyn")
-        Cs = T.decl_buffer((SMEM_C,), "int32", data=As.data, scope="shared.dyn")
+        Cs = T.decl_buffer((A_ALLOC // 4,), "int32", data=As.data, scope="shared.dyn")
+        Cb = T.decl_buffer((A_ALLOC,), "uint8", data=As.data, scope="shared.dyn")  # erq: the 8-bit staging tile
         af = T.alloc_buffer((NFB * MT * 4,), "uint32", scope="local")
         bf = T.alloc_buffer((NFB * NT * 2,), "uint32", scope="local")
         al = T.alloc_buffer((MT * 8,), "uint32", scope="local")
@@ -666,7 +870,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         q2 = T.alloc_buffer((5 * EV,), "int32", scope="local")  # and rq2 (residual stage)
         rb = T.alloc_buffer((RBV,), r_st, scope="local")  # residual bytes
         rbw = T.alloc_buffer((max(RW, 1),), "int32", scope="local")  # or words
+        rpre = T.alloc_buffer((CS_IT * RW if PREF else 1,), "int32", scope="local")  # (PREF) a block's residual words
         ob = T.alloc_buffer((OUT_VEC,), o_st, scope="local")
+        sb = T.alloc_buffer((max(EV // 4, 1),), "uint32", scope="local")  # erq: staged bytes (words)
         warp = tid // 32
         lane = tid % 32
         wm = (warp // 4 if WG else warp) // WN  # warp(group) tile coordinates
@@ -684,7 +890,36 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             # before this barrier
             ad[0] = smem_desc(As)
             ad[1] = ad[0] + T.uint64(B_OFF // 16)
-            if WSP:
+            if PERSIST:
+                # one K-chunk stream over the block's tiles (chunk g: tile g // NK, K-chunk g % NK, ring stage g % STG):
+                # the loads run STG-1-GIF chunks ahead across tile boundaries, so the next tile's first chunks land
+                # while this tile's epilogue (staging beside the ring) runs
+                tot = (NTILES - bxn + GP - 1) // GP * NK
+                for s0 in T.unroll(STG - 1 - GIF):
+                    if s0 < tot:
+                        o0 = T.meta_var(tile_origin(s0, bxn))
+                        load_chunk(xf, wf, rv, As, As, tid, o0[0], o0[1], s0)
+                    T.ptx.cp.async_.commit_group()
+                for g in T.serial(tot):
+                    T.ptx.cp.async_.wait_group(STG - 2 - GIF)
+                    T.ptx.fence.proxy.async_.shared__cta()
+                    T.tvm_storage_sync("shared")
+                    T.ptx.wgmma.fence.sync.aligned()
+                    mma_chunk(acc, ad, ar, wm, wn, g, 0)
+                    T.ptx.wgmma.commit_group.sync.aligned()
+                    if g + STG - 1 - GIF < tot:
+                        o1 = T.meta_var(tile_origin(g + STG - 1 - GIF, bxn))
+                        load_chunk(xf, wf, rv, As, As, tid, o1[0], o1[1], g + STG - 1 - GIF)
+                    T.ptx.cp.async_.commit_group()
+                    T.ptx.wgmma.wait_group.sync.aligned(GIF)
+                    if g % NK == NK - 1:  # the tile's last chunk: its epilogue, then fresh accumulators
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        o2 = T.meta_var(tile_origin(g, bxn))
+                        epilogue(bias, Mq, Sq, rf, rfw, rq2, of, ofw, Cs, Cb, acc, pb, pm, ps, q2, rb, rbw, yb, ob, sb, tid,
+                                 o2[0], o2[1], bz, rpre)
+                        for e in T.unroll(EMT * NT * 4):
+                            acc[e] = T.Cast(ACC_T, 0)
+            elif WSP:
                 # warp-specialized: named barrier 1 + s = stage s full (the producer arrives after unpacking a chunk
                 # into it), 1 + STG + s = stage s empty (the consumers arrive when its MMAs have retired)
                 if tid >= NTH - NPROD:  # producer warpgroups: packed ring of PSTG chunks (cp.async, one group per chunk)
@@ -767,7 +1002,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                                     load_afrag(ar, pw, As, lane, warp, wm, ksp[0] + kc + 1,
                                                ((par + 1) % 2) * (KS * MI * 4))
                             T.ptx.wgmma.wait_group.sync.aligned(GIF)
-            for kc in T.serial(0 if (AREG or WSP) else ksp[1]):
+            for kc in T.serial(0 if (AREG or WSP or PERSIST) else ksp[1], unroll=MAIN_UNROLL):
                 if not UNPACK_LD:
                     T.ptx.cp.async_.wait_group(STG - 2 - GIF)
                 T.ptx.fence.proxy.async_.shared__cta()
@@ -827,72 +1062,16 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     compute_chunk(As, Bs, af, bf, al, bl, acc, lane, wm, wn, (ksp[0] + kc - (STG - 1)) % STG)
                 T.tvm_storage_sync("shared")
         # ---------------- fused epilogue, staged through shared memory ----------------
-        if (not WSP) or tid < NTH - NPROD:  # (wsp: the producer warpgroup has no accumulators)
-            cbase = warp * (16 * CSP)
-            if HOIST and SPLIT == 1:  # a lane's channels are the same for every row it writes: load them once
-                k0 = n0 + wn * WTN + (lane % LPR) * EV
-                if k0 < K:
-                    load_params(bias, Mq, Sq, pb, pm, ps, k0)
-            for i in T.serial(EMT):
-                # (the staging tile is the warp's own: __syncwarp orders it. Written through st.shared, which TVM's
-                # sync planner does not track: as buffer stores it added a __syncthreads per row block. The read-back
-                # stays a buffer load: through ld.shared.v4 ptxas used 150 instead of 122 registers with pipe 0)
-                for j in T.unroll(NT):
-                    for e2 in T.unroll(2):  # rows g and g+8: two adjacent columns each, one 8-byte store
-                        T.evaluate(T.ptx.st.shared.v2.b32(
-                            T.address_of(Cs[cbase + (lane // 4 + 8 * e2) * CSP + cs_col(j * 8) + (lane % 4) * 2]),
-                            acc_u32(acc, (i * NT + j) * 4 + 2 * e2), acc_u32(acc, (i * NT + j) * 4 + 2 * e2 + 1)))
-                T.evaluate(T.cuda.warp_sync())
-                for it in T.serial(CS_IT):
-                    L = it * 32 + lane
-                    row = L // LPR
-                    cc = (L % LPR) * EV
-                    m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + row
-                    k = n0 + wn * WTN + cc
-                    if SPLIT > 1:  # split-K partial sums: int32, no epilogue (schedules/splitk.py)
-                        if m < Mtot and k < K:
-                            for e in T.unroll(EV):
-                                yb[e] = unshift(Cs[cbase + row * CSP + cs_col(cc) + e])
-                            for e in T.vectorized(EV):
-                                of[(bz * Mtot + m) * K + k + e] = yb[e]
-                    else:
-                        if m < Mtot and k < K:
-                            if not HOIST:
-                                load_params(bias, Mq, Sq, pb, pm, ps, k)
-                            if HAS_RES and not spec.rq2_uniform:
-                                for j in T.unroll(5):
-                                    for h in T.unroll(EV // PV):
-                                        for e in T.vectorized(PV):
-                                            q2[j * EV + h * PV + e] = rq2[j * K + k + h * PV + e]
-                            if HAS_RES:
-                                if RW > 0:  # whole 32-bit words: one vector load
-                                    for e in T.vectorized(RW):
-                                        rbw[e] = rfw[res_base(m, k) // 4 + e]
-                                else:
-                                    for e in T.unroll(RBV):
-                                        rb[e] = rf[res_base(m, k) + e]
-                            for e in T.unroll(EV):
-                                yb[e] = requant(Cs[cbase + row * CSP + cs_col(cc) + e], pb[e], pm[e], ps[e], q2, e,
-                                                res_value(rb, rbw, e))
-                            if OB == 4:
-                                for e in T.unroll(OUT_VEC):
-                                    ob[e] = T.Cast(o_st, T.bitwise_or(T.bitwise_and(yb[2 * e], 15),
-                                                                      T.shift_left(T.bitwise_and(yb[2 * e + 1], 15), 4)))
-                                for e in T.vectorized(OUT_VEC):
-                                    of[(m * K + k) // 2 + e] = ob[e]
-                            else:
-                                for e in T.unroll(EV):
-                                    ob[e] = T.Cast(o_st, yb[e])
-                                for e in T.vectorized(OUT_VEC):
-                                    of[m * K + k + e] = ob[e]
-                T.evaluate(T.cuda.warp_sync())  # (tvm_storage_sync("warp") emits __syncthreads)
+        if not PERSIST and ((not WSP) or tid < NTH - NPROD):  # (wsp: the producer warpgroup has no accumulators)
+            epilogue(bias, Mq, Sq, rf, rfw, rq2, of, ofw, Cs, Cb, acc, pb, pm, ps, q2, rb, rbw, yb, ob, sb, tid, m0, n0, bz,
+                     rpre)
 
     if SPLIT > 1:
         @T.prim_func
         def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), wsp: T.Buffer((SPLIT, Mtot, K), "int32")):
             T.func_attr({"tir.noalias": True})
             of = T.decl_buffer((SPLIT * Mtot * K,), "int32", data=wsp.data)
-            body(x, w, None, None, None, None, None, None, of)
+            body(x, w, None, None, None, None, None, None, of, None)
     elif HAS_RES:
         @T.prim_func
         def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
@@ -903,14 +1082,16 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             rfw = T.decl_buffer((R_SIZE // 4,), "int32", data=res.data)
             rq2 = T.decl_buffer((5 * K,), "int32", data=rq2_.data)
             of = T.decl_buffer((O_SIZE,), o_st, data=out.data)
-            body(x, w, bias, Mq, Sq, rf, rfw, rq2, of)
+            ofw = T.decl_buffer((max(O_SIZE // 4, 1),), "uint32", data=out.data)  # (erq, 8-bit out)
+            body(x, w, bias, Mq, Sq, rf, rfw, rq2, of, ofw)
     else:
         @T.prim_func
         def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
                  Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), out: T.Buffer(os_, o_st)):
             T.func_attr({"tir.noalias": True})
             of = T.decl_buffer((O_SIZE,), o_st, data=out.data)
-            body(x, w, bias, Mq, Sq, None, None, None, of)
+            ofw = T.decl_buffer((max(O_SIZE // 4, 1),), "uint32", data=out.data)  # (erq, 8-bit out)
+            body(x, w, bias, Mq, Sq, None, None, None, of, ofw)
 
     conv = conv.with_attr("qcompile.knobs", str(kn)).with_attr("qcompile.strategy", "direct_hwnc" if HWNC else "implicit_gemm")
     return conv.with_attr("qcompile.split_k", SPLIT) if SPLIT > 1 else conv

@@ -240,6 +240,13 @@ class GemmKnobs:
     awarp: bool = False  # areg with pipe -1 and one warpgroup along N: each warp copies the packed A rows its own
     #                      fragments read, so chunk kc+1's fragments are loaded (after a __syncwarp, no block barrier)
     #                      into a second register set while chunk kc's MMAs run, off the barrier-to-MMA path
+    erq: bool = False  # requantize in the accumulator registers and stage the 8-bit intermediate (not int32) through
+    #                    shared memory: a quarter of the epilogue's shared traffic and staging tile (where the
+    #                    intermediate does not fit 8 bits, or split-K, the int32 staging runs: same bits)
+    persist: int = 0  # 8-bit wgmma: a persistent grid of persist x SMs blocks walking the output tiles; the K-chunk
+    #                   stream runs on across tiles, so the next tile's loads are in flight during a tile's epilogue
+    #                   (staging tile beside the ring instead of on it); 0 = one block per tile (also what 4-bit
+    #                   operands and split-K pairs get)
 
     SPACE = {
         "BM": (32, 64, 128, 256),
@@ -259,6 +266,8 @@ class GemmKnobs:
         "minb": (0, 2, 3, 4),
         "awarp": (False, True),
         "wsp": (0, 1, 2),
+        "erq": (False, True),
+        "persist": (0, 1, 2),
     }
 
     def replace(self, **kw) -> "GemmKnobs":
@@ -281,10 +290,11 @@ class GemmKnobs:
                        and (not self.areg or (self.pstages >= 2 and self.pipe in (-1, 0)))
                        and (not self.awarp or (self.areg and self.pipe == -1 and self.WN == 1))
                        and (not self.wsp or (not self.areg and self.pstages >= 2 and self.stages >= 2
-                                             and self.pipe in (-1, 0))))
+                                             and self.pipe in (-1, 0)))
+                       and (not self.persist or (self.pstages == 0 and not self.areg and not self.wsp)))
         else:
             tile_ok = (wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg
-                       and not self.awarp and not self.wsp)
+                       and not self.awarp and not self.wsp and not self.persist)
         lth = self.load_threads
         return (
             self.BM % self.WM == 0 and self.BN % self.WN == 0 and tile_ok

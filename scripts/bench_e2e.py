@@ -148,13 +148,14 @@ def main():
             continue
         net, bits = tag.rsplit("_", 1)
         d = root / tag
+        wfile = root / entry.get("weights_from", tag) / "weights.npz"  # (an A/B build of one model may share them)
         runs = [(b, f"b{b}.so") for b in sorted(int(k) for k in entry["batches"])
-                if (d / f"b{b}.so").exists() and (d / "weights.npz").exists()]  # (what the call carried)
+                if (d / f"b{b}.so").exists() and wfile.exists()]  # (what the call carried)
         runs += [(int(p.stem[3:]), p.name) for p in sorted(d.glob("emb*.so"))]  # weights inside the .so
         for b, so in runs:
             row = {"net": net, "bits": bits, "batch": b, "weights": "embedded" if so.startswith("emb") else "beside"}
             try:
-                m = Module(str(d / so), "cuda", weights=str(d / "weights.npz") if row["weights"] == "beside" else None)
+                m = Module(str(d / so), "cuda", weights=str(wfile) if row["weights"] == "beside" else None)
                 xf = d / f"x{b}.npy" if (d / f"x{b}.npy").exists() else root / f"x{b}.npy"  # inputs may be shared
                 if (d / f"y{b}.npy").exists():
                     x, y_ref = np.load(xf), np.load(d / f"y{b}.npy")
@@ -183,7 +184,7 @@ def main():
         for so in sorted((root / tag).glob("prof*.so")):
             b = int(so.stem[4:])
             try:
-                p = profile(str(so), str(root / tag / "weights.npz"), b)
+                p = profile(str(so), str(root / man[tag].get("weights_from", tag) / "weights.npz"), b)
                 profiles[f"{tag}_b{b}"] = p
                 print(f"\nprofile {tag} batch {b}: {p['kernels_us'] / 1e3:.3f} ms in {p['n_kernels']} kernels: "
                       f"tensor-core convs {p['conv_us'] / 1e3:.3f} ms ({p['n_conv']}), glue {p['glue_us'] / 1e3:.3f} ms")

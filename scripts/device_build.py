@@ -128,6 +128,28 @@ def make_cases(quick=False, bench=True):
             for lay in ("NHWC", "HWNC"):
                 add("check", f"wsp_{name}_b8_int4_{lay.lower()}", int4_spec(8, C, H, K, R, st, pd, v, lay), None,
                     knobs=dict(wsp, wsp=1 + li % 4 // 2))
+    # the requantize on the accumulators with 8-bit staging (erq: every epilogue variant; the int32-output one keeps
+    # the int32 staging) on mma.sync and wgmma kernels, 4-bit register-A kernels, and persistent 8-bit wgmma kernels
+    # (persist: one and two blocks per SM, several tiles per block, chunks streamed across tile boundaries), at batch 8
+    # in both layouts, split-K plans at batch 1 (persist off there) and the odd shapes (mma.sync fallback)
+    for li, (name, C, H, K, R, st, pd) in enumerate(layers):
+        v = li % 3
+        lay = ("NHWC", "HWNC")[li % 2]
+        add("check", f"erq_{name}_b8_int8_{lay.lower()}", int8_spec(8, C, H, K, R, st, pd, v, lay), None,
+            knobs=dict(erq=True))
+        add("check", f"erqw_{name}_b8_int4_{lay.lower()}", int4_spec(8, C, H, K, R, st, pd, v, lay), None,
+            knobs=dict(wga, erq=True))
+        add("check", f"per_{name}_b8_int8_{lay.lower()}", int8_spec(8, C, H, K, R, st, pd, v, lay), None,
+            knobs=dict(wg, erq=True, persist=1 + li % 2, stages=3 - li % 2))
+        if li % 2:
+            add("check", f"per_plan_{name}_b1_int8", int8_spec(1, C, H, K, R, st, pd, v), None, plan=True,
+                knobs=dict(wg, erq=True, persist=2, stages=2))
+            add("check", f"per32_{name}_b8_int8", int8_spec(8, C, H, K, R, st, pd, v), None,  # int32 staging beside
+                knobs=dict(wg, persist=1, BK=64, stages=4))
+    for (name, N, C, H, K, R, st, pd) in ODD:
+        add("check", f"erq_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 1), None, knobs=dict(erq=True))
+        add("check", f"per_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 0), None, knobs=dict(wg, erq=True, persist=2,
+                                                                                               stages=2))
     if bench and not quick:
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for N in (8, 64, 256):

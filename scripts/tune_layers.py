@@ -124,12 +124,17 @@ def int4_spec(N, C, H, K, R, st, pd):
 
 def smem_bytes(kn, spec=None) -> int:
     pitch = kn.BK * (2 if spec is not None and spec.x_bits == 4 else 1) if kn.mma == "wgmma" else kn.BK + 16
-    ring, stage_c = kn.stages * (kn.BM + kn.BN) * pitch, (kn.threads - 128 * kn.wsp) // 32 * 16 * (kn.BN // kn.WN + 8) * 4
+    nwarp = (kn.threads - 128 * kn.wsp) // 32
+    ring = kn.stages * (kn.BM + kn.BN) * pitch
+    # the staging tile: int32 (pitch ~ BN/WN + 8 words) or, with erq, bytes (BN/WN + 16 per row)
+    stage_c = nwarp * 16 * ((kn.BN // kn.WN + 16) if kn.erq else (kn.BN // kn.WN + 8) * 4)
     if kn.mma == "wgmma" and spec is not None and spec.x_bits == 4:
         ring += kn.pstages * (kn.BM + kn.BN) * kn.BK  # the packed ring
         if kn.areg:  # no unpacked A stages
             ring -= kn.stages * kn.BM * pitch
-    return max(ring, stage_c) if kn.mma == "wgmma" else ring + stage_c  # wgmma: one ring buffer, reused by the epilogue
+    if kn.mma == "wgmma":  # one buffer: the staging tile on the ring, or beside it (persist)
+        return -(-ring // 16) * 16 + stage_c if kn.persist else max(ring, stage_c)
+    return ring + stage_c
 
 
 def _wg_tile(spec, cname):
@@ -153,8 +158,10 @@ def _fits(kn, spec, seen) -> bool:
     """A new, valid variant whose shared tiles fit the H100 (and, with ``minb``, whose accumulators fit the register
     cap: ptxas refuses a wgmma otherwise); added to ``seen``."""
     acc = (kn.BM // kn.WM) * (kn.BN // kn.WN) // (128 if kn.mma == "wgmma" else 32)  # accumulator registers
+    minb = kn.minb or kn.persist  # (persist: its blocks must be co-resident, the kernel caps registers for them)
     if kn in seen or not kn.valid() or smem_bytes(kn, spec) > 220 * 1024 or (
-            kn.minb and 65536 // (kn.threads * kn.minb) < acc + 40):
+            minb and 65536 // (kn.threads * minb) < acc + 40) or (
+            kn.persist and kn.persist * (smem_bytes(kn, spec) + 1024) > 228 * 1024):
         return False
     seen.add(kn)
     return True
@@ -356,6 +363,45 @@ def make_cases_awarp(batches, layers=None, tiles=None, minb=(0, 2), pstages=(4,)
     return cases + extra
 
 
+# persistent 8-bit wgmma tiles (GemmKnobs.persist, with erq): (WGMMA name, persist = blocks per SM). Shared memory
+# per block = ring + the 8-bit staging tile beside it (128x128: 18 KiB), so two per SM need a <= 96 KiB ring
+PERSIST_TILES = [("wg128x128_bk128_s2g0", 2), ("wg128x128_bk64_s4g0", 2), ("wg128x256_bk128_s2g0", 1),
+                 ("wg64x128_bk128_g0", 2), ("wg128x64_bk128_g0", 2), ("wg64x128_bk64_s4g0", 3),
+                 ("wg128x128_bk64_s3g0", 2)]
+# more, smaller blocks per SM (non-persistent): (WGMMA name, minb); each with and without erq
+OCC_TILES = [("wg64x128_bk64_s4g0", 4), ("wg64x128_bk128_g0", 3), ("wg128x64_bk128_g0", 3), ("wg128x64_bk64_s4g0", 4)]
+WGMMA.update({"wg128x128_bk64_s4g0": dict(BM=128, BN=128, BK=64, WM=2, WN=1, stages=4, pipe=-1),
+              "wg128x64_bk64_s4g0": dict(BM=128, BN=64, BK=64, WM=2, WN=1, stages=4, pipe=-1),
+              "wg128x128_bk64_s3g0": dict(BM=128, BN=128, BK=64, WM=2, WN=1, stages=3, pipe=-1),
+              "wg64x128_bk64_s4g0": dict(BM=64, BN=128, BK=64, WM=1, WN=1, stages=4, pipe=-1)})
+CAND.update({k: dict(WGMMA[k], mma="wgmma") for k in ("wg128x128_bk64_s4g0", "wg128x128_bk64_s3g0",
+                                                      "wg64x128_bk64_s4g0", "wg128x64_bk64_s4g0")})
+
+
+def make_cases_erq(batches, layers=None, tiles=None):
+    """Every ResNet-50 layer as compiled now plus, for the tensor-core ones (or only ``layers``), its knobs with the
+    requantize on the accumulators and 8-bit staging (``GemmKnobs.erq``) and, for the 8-bit ones, persistent wgmma
+    kernels (``GemmKnobs.persist``, with erq) on each tile of ``tiles`` (PERSIST_TILES names) and on the tile they
+    compile with now, and the smaller-block tiles of OCC_TILES with their ``minb`` (with and without erq), as tuning
+    variants."""
+    cases, extra = make_cases_as_compiled(batches), []
+    for c in _tunable(cases, ("int8", "int4"), layers):
+        spec, kn_now = c["spec"], c["knobs"]
+        seen = {kn_now}
+        vs = [("now_erq", kn_now.replace(erq=True))]
+        if spec.x_bits == 8 and _wg_ok(spec):
+            if kn_now.mma == "wgmma" and kn_now.split_k in (0, 1):
+                vs += [(f"now_p{n}", kn_now.replace(erq=True, persist=n)) for n in (1, 2)]
+            vs += [(f"{cname}_p{n}", _wg_tile(spec, cname).replace(erq=True, persist=n))
+                   for cname, n in PERSIST_TILES if not tiles or cname in tiles]
+            vs += [(f"{cname}_m{m}" + ("_erq" if e else ""), _wg_tile(spec, cname).replace(erq=e, minb=m))
+                   for cname, m in OCC_TILES if not tiles or cname in tiles for e in (False, True)]
+        for vname, kn in vs:
+            if _fits(kn, spec, seen):
+                extra.append(dict(c, knobs=kn, variant=vname, is_default=False))
+    return cases + extra
+
+
 # warp-specialized 4-bit wgmma (GemmKnobs.wsp): (name, tile, [(stages, pstages, pipe, minb)]); BK = 64 packed bytes.
 # Registers (ptxas, 384 / 256 threads): 128x128 2 WGs 155, 256x128 168, 128x64 88 (80 with minb 2), 64x128 134,
 # 64x64 74, 128x128 1 WG 167
@@ -518,6 +564,8 @@ def cmd_build(a):
         cases = make_cases_r18(a.batches, a.cands)
     elif a.wsp:
         cases = make_cases_wsp(a.batches, a.only_layers, a.cands)
+    elif a.erq:
+        cases = make_cases_erq(a.batches, a.only_layers, a.cands)
     elif a.awarp:
         cases = make_cases_awarp(a.batches, a.only_layers, a.cands, tuple(a.minb or (0, 2)), tuple(a.pstages or (4,)))
     elif a.minb:
@@ -946,6 +994,7 @@ def cmd_log(a):
     recs = {}
     if a.merge and dst.is_file():  # keep the records of shapes this run did not measure
         recs = json.loads(dst.read_text())["records"]
+    run_ms = {}
     for row in res["tune"]:
         vs = row["variants"]
         dflt = next(v for v in vs if v["is_default"])
@@ -958,6 +1007,11 @@ def cmd_log(a):
         best = min(ok, key=lambda v: v["ms"])
         # keep the default unless the best is clearly faster (2%: about the run-to-run spread of the median)
         chosen = best if best["ms"] < dflt["ms"] * (1 - a.min_gain) else dflt
+        if row["key"] in run_ms and run_ms[row["key"]] <= chosen["ms"]:
+            continue  # two layers of one key (the stem's INT4 and INT8 rows: both 8-bit as compiled): the faster
+        run_ms[row["key"]] = chosen["ms"]
+        if a.merge and chosen is dflt and recs.get(row["key"], {}).get("knobs") == dflt["knobs"]:
+            continue  # the knobs it compiles with held: keep their record (variant name, timing of that round)
         recs[row["key"]] = dict(knobs=chosen["knobs"], variant=chosen["variant"], ms=round(chosen["ms"], 5),
                                 default_ms=round(dflt["ms"], 5), speedup=round(dflt["ms"] / chosen["ms"], 3),
                                 variants_tried=len(vs), variants_exact=len(ok), layer=row["layer"],
@@ -1037,6 +1091,10 @@ def main():
     b.add_argument("--wsp", action="store_true",
                    help="as compiled + warp-specialized kernels (GemmKnobs.wsp, WSP_TILES) for the 4-bit layers "
                         "(--only-layers)")
+    b.add_argument("--erq", action="store_true",
+                   help="as compiled + the requantize on the accumulators with 8-bit staging (GemmKnobs.erq) for every "
+                        "tensor-core layer, and persistent 8-bit wgmma kernels (GemmKnobs.persist; --cands: "
+                        "PERSIST_TILES names)")
     b.add_argument("--awarp", action="store_true",
                    help="as compiled + register-A kernels with warp-owned A rows (GemmKnobs.awarp) for the 4-bit layers "
                         "(--only-layers, --cands tiles, --minb, --pstages)")

@@ -1,6 +1,7 @@
 """Tensor-core conv2d schedules: codegen + numerics that need no GPU (fast, < 1 min)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import random
@@ -212,6 +213,62 @@ def test_cuda_epilogue_and_launch_bounds():
         body = _src(spec, "sm_90", knobs=kn).split("main_kernel(")[-1]
         epi = body[body.rindex("__syncthreads()"):]
         assert "tvm_builtin_ptx_st_vec_shared_v2_b32(" in epi and "tvm_builtin_cuda_warp_sync()" in epi
+    # a residual add: each lane's residual words of the 16-row block are loaded together (8-byte ld.global.nc, one
+    # per row it writes) before the staging round trip, not one dependent load per row inside the read-back loop
+    res = ConvSpec(**L3, x_dtype="uint8", out_dtype="uint8", lo=-128, hi=127, shift_ge33=True, has_residual=True,
+                   res_dtype="uint8", zo2=-1, lo2=0, hi2=255, res_i32=True, rq2_uniform=(2, 1 << 19, -1, 1 << 19, 20))
+    ld = "tvm_builtin_ptx_ld_vec_global_nc_v2_b32_s32("
+    for kn, st in ((WG, "st_vec_shared_v2_b32("), (WG.replace(erq=True), "st_shared_b16")):
+        epi = _src(res, "sm_90", knobs=kn).split("main_kernel(")[-1]
+        epi = epi[epi.rindex("__syncthreads()"):]
+        plain = _src(dataclasses.replace(res, has_residual=False, rq2_uniform=(), lo=0, hi=255), "sm_90", knobs=kn)
+        plain = plain.split("main_kernel(")[-1]
+        assert epi.count(ld) - plain[plain.rindex("__syncthreads()"):].count(ld) == 8  # 16 rows x 128 columns / lane
+        assert epi.index(ld) < epi.index(st)
+
+
+def test_cuda_erq_and_persist():
+    """erq: stage 1 of the requantize runs on the accumulators and the 8-bit intermediate is staged (2-byte stores,
+    one 8-byte read-back per lane); with an unclamped int32 output (wider than a byte) the int32 staging stays. persist: a grid
+    of persist x SMs blocks (the K-chunk stream crosses tile boundaries) under __launch_bounds__(threads, persist);
+    mma.sync and the 4-bit loaders do not take it, and blocks that cannot share an SM are refused."""
+    spec = ConvSpec(**L3, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255, shift_ge33=True)
+    body = _src(spec, "sm_90", knobs=WG.replace(erq=True)).split("main_kernel(")[-1]
+    assert "st_shared_b16" in body and "ld_vec_shared_v2_b32" in body and "ld_vec_global_nc_v2_b32" in body
+    assert "st_vec_shared_v2_b32" not in body  # (the int32 staging's accumulator stores)
+    s32 = ConvSpec(**L3, x_dtype="uint8", out_dtype="int32", lo=-(1 << 31), hi=(1 << 31) - 1)
+    assert _src(s32, "sm_90", knobs=WG.replace(erq=True)) == _src(s32, "sm_90", knobs=WG)
+    big = ConvSpec(N=64, H=28, W=28, C=64, K=256, R=1, S=1, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255)
+    kn = WG.replace(erq=True, persist=2, stages=2, pipe=-1)
+    assert kn.valid()
+    f = make_gemm_conv(big, "sm_90", kn, adapt=False)
+    tiles = (64 * 28 * 28 // 128) * (256 // 128)
+    assert f'T.launch_thread("blockIdx.x", {min(tiles, 2 * 132)})' in f.script()
+    body = _src(big, "sm_90", knobs=kn).split("main_kernel(")[-1]
+    assert "__launch_bounds__(256, 2)" in _src(big, "sm_90", knobs=kn) and "st_shared_b16" in body
+    assert f'T.launch_thread("blockIdx.x", {256 // 128})' in make_gemm_conv(big, "sm_90", WG, adapt=False).script()
+    with pytest.raises(NotApplicable, match="persist=2"):  # two 116 KiB blocks do not fit one SM
+        make_gemm_conv(big, "sm_90", WG.replace(erq=True, persist=2), adapt=False)
+    assert not GemmKnobs(persist=1).valid() and not WG.replace(BK=64, stages=2, pstages=3, areg=True, persist=1).valid()
+    s4 = ConvSpec(**L3, x_dtype="uint4", w_bits=4, out_dtype="uint4", lo=0, hi=15)
+    wg4 = WG.replace(BK=64)  # 4-bit register loader: one block per tile whatever persist says
+    assert _src(s4, "sm_90", knobs=wg4.replace(persist=1)) == _src(s4, "sm_90", knobs=wg4)
+
+
+def test_cuda_pointwise_addressing():
+    """A 1x1 stride-1 unpadded conv reads A as the input itself (no im2col decode: no division by the P*Q = 196
+    pixels per image), with its K loop unrolled by two; a strided 1x1 or a 3x3 still decodes (truncating division)."""
+    pw = ConvSpec(N=8, H=14, W=14, C=256, K=256, R=1, S=1, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255)
+    for kn in (WG.replace(pipe=-1), GemmKnobs()):
+        body = _src(pw, "sm_90", knobs=kn).split("main_kernel(")[-1]
+        assert "/ 196)" not in body and "cp.async" in _src(pw, "sm_90", knobs=kn)
+    assert "#pragma unroll 2" in _src(pw, "sm_90", knobs=WG.replace(pipe=-1)).split("main_kernel(")[-1]
+    for other in (ConvSpec(N=8, H=28, W=28, C=256, K=256, R=1, S=1, stride=2, x_dtype="uint8", out_dtype="uint8",
+                           lo=0, hi=255),
+                  ConvSpec(N=8, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8",
+                           lo=0, hi=255)):
+        body = _src(other, "sm_90", knobs=WG.replace(pipe=-1)).split("main_kernel(")[-1]
+        assert "/ 196)" in body and "#pragma unroll 2" not in body
 
 
 def test_wgmma_knobs_fall_back():
