@@ -757,13 +757,16 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         lane = tid % 32
         wm = (warp // 4 if WG else warp) // WN
         wn = (warp // 4 if WG else warp) % WN
-        if ERQ:
-            # stage 1 on the accumulators (column pair k, k+1 of rows g and g+8: one 2-byte store each), then the
-            # warp reads its 16 staged rows back EV bytes per lane: residual stage / 4-bit pack / plain copy out
-            cb0 = C_OFF + warp * (16 * CPB)
-            for i in T.serial(EMT):
-                if PREF:
-                    res_prefetch(rfw, rpre, m0, n0, i, tid)
+        # the warp's staging tile: 8-bit values at byte cbase (erq), else int32 words at word cbase
+        cbase = (C_OFF + warp * (16 * CPB)) if ERQ else (C_OFF // 4 + warp * (16 * CSP))
+        if HOIST and SPLIT == 1 and not ERQ:  # a lane's channels are the same for every row it writes: load them once
+            k0 = n0 + wn * WTN + (lane % LPR) * EV
+            if k0 < K:
+                load_params(bias, Mq, Sq, pb, pm, ps, k0)
+        for i in T.serial(EMT):
+            if PREF:
+                res_prefetch(rfw, rpre, m0, n0, i, tid)
+            if ERQ:  # stage 1 on the accumulators (column pair k, k+1 of rows g and g+8: one 2-byte store each)
                 for j in T.unroll(NT):
                     kp = n0 + wn * WTN + j * 8 + (lane % 4) * 2
                     if kp < K:  # (8-byte loads through the PTX helpers: TVM emits vector loads as gathers)
@@ -776,18 +779,28 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         v1 = T.meta_var(T.Cast("int32", requant1(acc_i32(acc, (i * NT + j) * 4 + 2 * e2 + 1), pb[1],
                                                                  pm[1], ps[1])))
                         T.evaluate(T.ptx.st.shared.b16(
-                            T.address_of(Cb[cb0 + (lane // 4 + 8 * e2) * CPB + j * 8 + (lane % 4) * 2]),
+                            T.address_of(Cb[cbase + (lane // 4 + 8 * e2) * CPB + j * 8 + (lane % 4) * 2]),
                             T.Cast("uint32", T.bitwise_or(T.bitwise_and(v0, 255),
                                                           T.shift_left(T.bitwise_and(v1, 255), 8)))))
-                T.evaluate(T.cuda.warp_sync())
-                for it in (T.unroll(CS_IT) if PREF else T.serial(CS_IT)):
-                    L = it * 32 + lane
-                    row = L // LPR
-                    cc = (L % LPR) * EV
-                    m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + row
-                    k = n0 + wn * WTN + cc
+            else:
+                # (written through st.shared, which TVM's sync planner does not track: as buffer stores it added a
+                # __syncthreads per row block. The read-back stays a buffer load: through ld.shared.v4 ptxas used
+                # 150 instead of 122 registers with pipe 0)
+                for j in T.unroll(NT):
+                    for e2 in T.unroll(2):  # rows g and g+8: two adjacent columns each, one 8-byte store
+                        T.evaluate(T.ptx.st.shared.v2.b32(
+                            T.address_of(Cs[cbase + (lane // 4 + 8 * e2) * CSP + cs_col(j * 8) + (lane % 4) * 2]),
+                            acc_u32(acc, (i * NT + j) * 4 + 2 * e2), acc_u32(acc, (i * NT + j) * 4 + 2 * e2 + 1)))
+            T.evaluate(T.cuda.warp_sync())  # (the staging tile is the warp's own)
+            for it in (T.unroll(CS_IT) if PREF else T.serial(CS_IT)):  # the warp's 16 rows, EV outputs per lane
+                L = it * 32 + lane
+                row = L // LPR
+                cc = (L % LPR) * EV
+                m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + row
+                k = n0 + wn * WTN + cc
+                if ERQ:  # the staged 8-bit values: residual stage / 4-bit pack / plain copy out
                     if m < Mtot and k < K:
-                        T.evaluate(ld_staged(sb, T.address_of(Cb[cb0 + row * CPB + cc])))
+                        T.evaluate(ld_staged(sb, T.address_of(Cb[cbase + row * CPB + cc])))
                         if OB == 8 and not HAS_RES:  # the staged bytes are the output
                             for e in T.vectorized(EV // 4):
                                 ofw[(m * K + k) // 4 + e] = sb[e]
@@ -796,47 +809,22 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                             for e in T.unroll(EV):
                                 yb[e] = requant2(staged(sb, e), q2, e, res_value(rb, rbw, e))
                             store_out(of, ob, yb, m, k)
-                T.evaluate(T.cuda.warp_sync())
-        else:
-            cbase = C_OFF // 4 + warp * (16 * CSP)
-            if HOIST and SPLIT == 1:  # a lane's channels are the same for every row it writes: load them once
-                k0 = n0 + wn * WTN + (lane % LPR) * EV
-                if k0 < K:
-                    load_params(bias, Mq, Sq, pb, pm, ps, k0)
-            for i in T.serial(EMT):
-                if PREF:
-                    res_prefetch(rfw, rpre, m0, n0, i, tid)
-                # (the staging tile is the warp's own: __syncwarp orders it. Written through st.shared, which TVM's
-                # sync planner does not track: as buffer stores it added a __syncthreads per row block. The read-back
-                # stays a buffer load: through ld.shared.v4 ptxas used 150 instead of 122 registers with pipe 0)
-                for j in T.unroll(NT):
-                    for e2 in T.unroll(2):  # rows g and g+8: two adjacent columns each, one 8-byte store
-                        T.evaluate(T.ptx.st.shared.v2.b32(
-                            T.address_of(Cs[cbase + (lane // 4 + 8 * e2) * CSP + cs_col(j * 8) + (lane % 4) * 2]),
-                            acc_u32(acc, (i * NT + j) * 4 + 2 * e2), acc_u32(acc, (i * NT + j) * 4 + 2 * e2 + 1)))
-                T.evaluate(T.cuda.warp_sync())
-                for it in (T.unroll(CS_IT) if PREF else T.serial(CS_IT)):
-                    L = it * 32 + lane
-                    row = L // LPR
-                    cc = (L % LPR) * EV
-                    m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + row
-                    k = n0 + wn * WTN + cc
-                    if SPLIT > 1:  # split-K partial sums: int32, no epilogue (schedules/splitk.py)
-                        if m < Mtot and k < K:
-                            for e in T.unroll(EV):
-                                yb[e] = unshift(Cs[cbase + row * CSP + cs_col(cc) + e])
-                            for e in T.vectorized(EV):
-                                of[(bz * Mtot + m) * K + k + e] = yb[e]
-                    else:
-                        if m < Mtot and k < K:
-                            if not HOIST:
-                                load_params(bias, Mq, Sq, pb, pm, ps, k)
-                            load_residual(rq2, rfw, rf, q2, rb, rbw, rpre, m, k, it)
-                            for e in T.unroll(EV):
-                                yb[e] = requant(Cs[cbase + row * CSP + cs_col(cc) + e], pb[e], pm[e], ps[e], q2, e,
-                                                res_value(rb, rbw, e))
-                            store_out(of, ob, yb, m, k)
-                T.evaluate(T.cuda.warp_sync())  # (tvm_storage_sync("warp") emits __syncthreads)
+                elif SPLIT > 1:  # split-K partial sums: int32, no epilogue (schedules/splitk.py)
+                    if m < Mtot and k < K:
+                        for e in T.unroll(EV):
+                            yb[e] = unshift(Cs[cbase + row * CSP + cs_col(cc) + e])
+                        for e in T.vectorized(EV):
+                            of[(bz * Mtot + m) * K + k + e] = yb[e]
+                else:
+                    if m < Mtot and k < K:
+                        if not HOIST:
+                            load_params(bias, Mq, Sq, pb, pm, ps, k)
+                        load_residual(rq2, rfw, rf, q2, rb, rbw, rpre, m, k, it)
+                        for e in T.unroll(EV):
+                            yb[e] = requant(Cs[cbase + row * CSP + cs_col(cc) + e], pb[e], pm[e], ps[e], q2, e,
+                                            res_value(rb, rbw, e))
+                        store_out(of, ob, yb, m, k)
+            T.evaluate(T.cuda.warp_sync())  # (tvm_storage_sync("warp") emits __syncthreads)
 
     @T.macro
     def body(x, w, bias, Mq, Sq, rf, rfw, rq2, of, ofw):
