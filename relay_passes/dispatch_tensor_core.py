@@ -290,6 +290,7 @@ class _Dispatcher(PyExprMutator):
 
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
         from qcompile.schedules import ConvSpec, conv2d_int_plan, select_strategy
+        from qcompile.schedules.igemm import streamk_args
         from qcompile.schedules.spec import operand_plan
 
         x_dtype = _x_dtype(g.x, self.var2val)
@@ -339,7 +340,8 @@ class _Dispatcher(PyExprMutator):
             fname = f"qconv_{g.out.name}" + ("_resadd" if r is not None else "") + ("_splitk_epilogue" if i else "")
             gvs.append(self.builder_.add_func(func.with_attr("global_symbol", fname), fname))
         self.chosen.append((g.out.name, strategy + (f"+splitk{int(funcs[0].attrs['qcompile.split_k'])}"
-                                                    if len(funcs) > 1 else "")))
+                                                    if len(funcs) > 1 else "")
+                            + ("+streamk" if streamk_args(funcs[0]) else "")))
         if r is not None:
             self.fused.append((g.out.name, var.name))
         x = self._data(g.x, x_dtype, 3)
@@ -356,7 +358,12 @@ class _Dispatcher(PyExprMutator):
             epi += [self._data(r.res, res["res_dtype"], 3), relax.const(r.rq2, "int32")]
         _, _, out_shape = spec.shapes()
         out_ty = relax.TensorType(list(out_shape), ConvSpec.storage(out_dtype))
-        if len(gvs) == 1:
+        sk = streamk_args(funcs[0])
+        if sk is not None:  # stream-K: tile counters (zeros, left zero by the kernel) and a scratch workspace output
+            call = relax.call_tir(gvs[0], [x, relax.const(wq, "int8"), *epi, relax.const(np.zeros(sk[0], np.int32))],
+                                  [out_ty, relax.TensorType([sk[1]], "int32")])
+            out = self.builder_.emit(relax.TupleGetItem(self.builder_.emit(call, var.name + "_sk"), 0), var.name + "_tc")
+        elif len(gvs) == 1:
             out = self.builder_.emit(relax.call_tir(gvs[0], [x, relax.const(wq, "int8"), *epi], out_ty), var.name + "_tc")
         else:  # split-K: int32 partial sums, then the epilogue kernel
             from qcompile.schedules.splitk import workspace_shape

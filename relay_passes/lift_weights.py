@@ -4,7 +4,8 @@
 
 Constants of at least ``min_bytes`` bytes become parameters ``w_i`` (in first-use order); their values are
 returned in ``LiftWeights.values`` for the caller to save. The compiled code is then independent of the
-weight values: one weights file serves every batch size of a model.
+weight values: one weights file serves every batch size of a model. (A stream-K kernel's tile counters -- its
+last input, zeros the kernel leaves zero -- are state whose size depends on the batch: they stay in the .so.)
 """
 from __future__ import annotations
 
@@ -25,6 +26,17 @@ class _Lifter(PyExprMutator):
         self.params: list = []
         self.values: list = []
         self.seen: dict = {}
+        self.mod = mod
+        self.call_tir = tvm.ir.Op.get("relax.call_tir")
+
+    def visit_call_(self, call):
+        if call.op.same_as(self.call_tir):
+            f = self.mod[call.args[0]] if call.args[0] in self.mod.functions else None
+            if f is not None and f.attrs is not None and "qcompile.streamk" in f.attrs:
+                ins = list(call.args[1].fields)
+                args = relax.Tuple([self.visit_expr(a) for a in ins[:-1]] + [ins[-1]])
+                return relax.Call(call.op, [call.args[0], args], call.attrs, call.ty_args)
+        return super().visit_call_(call)
 
     def visit_generic_const_(self, op):
         arr = op.value.numpy() if hasattr(op.value, "numpy") else None

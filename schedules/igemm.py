@@ -118,10 +118,20 @@ def split_factor(spec: ConvSpec, arch: str, kn: GemmKnobs) -> int:
 
     if kn.split_k:
         return kn.split_k
+    if kn.sk and kn.mma == "wgmma" and spec.x_bits == 8:  # stream-K fills the GPU itself
+        return 1
     Mtot = spec.N * spec.P * spec.Q
     blocks = -(-Mtot // kn.BM) * -(-spec.K // kn.BN)
     nk = -(-(spec.R * spec.S * spec.C * spec.x_bits // 8) // kn.BK)
     return auto_split(spec, arch, blocks, nk)
+
+
+def streamk_args(func):
+    """[tiles, workspace words] of a stream-K kernel (``GemmKnobs.sk``), else None. Its parameters are the plain
+    kernel's with ``skc`` int32[tiles] before ``out`` (zeros on entry; the kernel leaves them zero) and ``skw``
+    int32[workspace words] after it (scratch: a second output to Relax)."""
+    a = func.attrs
+    return [int(v) for v in a["qcompile.streamk"]] if a is not None and "qcompile.streamk" in a else None
 
 
 def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None = None,
@@ -299,16 +309,26 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # persist: GP blocks walk the tiles (tile = block + t * GP, output channels fastest); the staging tile lives
     # beside the ring at C_OFF, since the next tile's loads are in flight while a tile's epilogue runs
     # (split-K pairs and the 4-bit loaders: one block per tile, the same bits)
-    PERSIST = bool(kn.persist) and SPLIT == 1 and WG and not UNPACK_LD
+    # sk (stream-K, a persistent grid too): block b runs the (tile, K-chunk) iterations [b*TOTIT//GP, (b+1)*TOTIT//GP)
+    # of the tile-major order (tile = G // NK, output channels fastest); a tile whose chunks span blocks is summed by
+    # the block that finishes its part last (int32 partials through the workspace skw, arrivals counted in skc)
+    SK = bool(kn.sk) and SPLIT == 1 and WG and not UNPACK_LD
+    PERSIST = (bool(kn.persist) or SK) and SPLIT == 1 and WG and not UNPACK_LD
     NTILES = GRID_M * GRID_N
-    GP = min(NTILES, kn.persist * ai.sms) if PERSIST else 0
+    TOTIT = NTILES * NK
+    GP = (min(TOTIT, kn.sk * ai.sms) if SK else min(NTILES, kn.persist * ai.sms)) if PERSIST else 0
+    NACC = EMT * NT * 4  # accumulator registers per thread
+    SK_WORDS = GP * 2 * NTH * NACC if SK else 0  # workspace: per block a head and a tail partial tile
+    if SK and (TOTIT + 1) * GP >= 1 << 31:
+        raise NotApplicable(f"stream-K: {TOTIT} iterations x {GP} blocks overflow int32 index arithmetic")
     C_OFF = -(-SMEM_ALL // 16) * 16 if PERSIST else 0
     if WG and max(SMEM_ALL, C_OFF + STAGE_BYTES) > ai.smem_per_block:  # the staging tile: on the ring or beside it
         raise NotApplicable(f"{max(SMEM_ALL, C_OFF + STAGE_BYTES) // 1024} KiB of shared tiles exceed the "
                             f"{ai.smem_per_block // 1024} KiB per block of {arch}")
-    if PERSIST and kn.persist * (C_OFF + STAGE_BYTES + 1024) > ai.smem_per_block + 1024:  # (1 KiB reserved per block)
-        raise NotApplicable(f"persist={kn.persist}: {kn.persist} blocks of {(C_OFF + STAGE_BYTES) // 1024} KiB do not "
-                            f"fit one SM of {arch}")
+    NRES = (kn.sk if SK else kn.persist) if PERSIST else 0  # blocks per SM the persistent grid assumes
+    if PERSIST and NRES * (C_OFF + STAGE_BYTES + 1024) > ai.smem_per_block + 1024:  # (1 KiB reserved per block)
+        raise NotApplicable(f"{'sk' if SK else 'persist'}={NRES}: {NRES} blocks of {(C_OFF + STAGE_BYTES) // 1024} "
+                            f"KiB do not fit one SM of {arch}")
     # the epilogue's staging tile aliases the A ring (after the main loop's last barrier) or sits beside it: declared
     # as a view of As, since its stores are opaque st.shared that TVM's shared-memory planner cannot place on their own
     A_ALLOC, B_ALLOC = ((max(SMEM_ALL, C_OFF + STAGE_BYTES), 16) if WG else (max(SMEM_A, STAGE_BYTES), SMEM_B))
@@ -333,7 +353,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     NFB = 2 if FDB else 1
 
     res_shape = spec.res_shape()
-    MINB = kn.minb or (kn.persist if PERSIST else 0)  # persist: its blocks must be co-resident (register cap)
+    MINB = kn.minb or NRES  # persist: its blocks must be co-resident (register cap)
     MINB_ON = MINB > 0
     R_SIZE = math.prod(res_shape)
 
@@ -452,9 +472,22 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         return T.if_then_else(v >= 128, v - 256, v) if lo < 0 else v
 
     def tile_origin(g, bid):
-        """persist: (m0, n0) of the tile that K-chunk ``g`` of block ``bid``'s chunk stream belongs to."""
-        tile = bid + (g // NK) * GP
+        """persist: (m0, n0) of the tile that K-chunk ``g`` of block ``bid``'s chunk stream belongs to (sk: ``g`` is
+        the global iteration, tile g // NK)."""
+        tile = T.truncdiv(g, NK) if SK else bid + (g // NK) * GP
         return ((tile // GRID_N) * BM, (tile % GRID_N) * BN)
+
+    def RI(ri):  # persist / sk: decoded A rows (pointwise addressing needs no decode: measured 3-7% faster without)
+        return None if POINTWISE else ri
+
+    def sk_block_of(G):  # sk: the block whose iterations include global iteration G
+        return T.truncdiv((G + 1) * GP - 1, TOTIT)
+
+    def sk_slot(b, t):  # sk: block b's workspace slot for its part of tile t (0: its first tile, 1: its last)
+        return b * 2 + T.if_then_else(T.truncdiv(T.truncdiv(b * TOTIT, GP), NK) == t, 0, 1)
+
+    def sk_word(slot, r4, tid):  # sk: word of accumulator quad r4 of thread tid in a slot (warp-coalesced 16 bytes)
+        return ((slot * (NACC // 4) + r4) * NTH + tid) * 4
 
     def k_span(bz):
         if SPLIT == 1:
@@ -513,8 +546,26 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         return ((tid // 128) * WTM + (lr // 16) * 64 + (tid // 32 % 4) * 16 + lr % 16, L % VPR, 0)
 
     @T.macro
-    def load_chunk(xf, wf, rv, As, Bs, tid, m0, n0, kc):
-        """Issue the loads of K-chunk ``kc`` into ring stage ``kc % STG`` (cp.async or plain loads)."""
+    def decode_rows(ri, tid, m0):
+        """persist / sk: this thread's A rows of the tile at row m0, decoded once per tile (in the plain loop nvcc
+        hoists the decode out of the K loop; here the tile changes inside it): ri[3 it ..] = (the row's input offset
+        at tap (0, 0), its top and left input coordinates); a row past Mtot gets a top coordinate that fails every
+        bounds check (pointwise: offset -1)."""
+        for it in T.unroll(A_IT):
+            slot = T.meta_var(tile_slot(it * LNTH + tid, BM))
+            m = m0 + slot[0]
+            dec = T.meta_var(row_decode(m))
+            if POINTWISE:
+                ri[it * 3] = T.if_then_else(m < Mtot, m * CB, -1)
+            else:
+                ri[it * 3] = x_index(dec[0], dec[1] * sh - pt, dec[2] * sw - pl, 0)
+                ri[it * 3 + 1] = T.if_then_else(m < Mtot, dec[1] * sh - pt, -(1 << 28))
+                ri[it * 3 + 2] = dec[2] * sw - pl
+
+    @T.macro
+    def load_chunk(xf, wf, rv, As, Bs, tid, m0, n0, kc, ri=None):
+        """Issue the loads of K-chunk ``kc`` into ring stage ``kc % STG`` (cp.async or plain loads); with ``ri``
+        (persist, sk) the A rows come decoded from decode_rows."""
         for it in T.unroll(A_IT):
             L = it * LNTH + tid
             slot = T.meta_var(awarp_slot(it, tid) if AWARP else tile_slot(L, BM))
@@ -524,14 +575,17 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             rs = T.truncdiv(kb, CB)  # (kb >= 0)
             cb = T.truncmod(kb, CB)
             dec = T.meta_var(row_decode(m))
-            ih = dec[1] * sh - pt + T.truncdiv(rs, S) * dh
-            iw = dec[2] * sw - pl + T.truncmod(rs, S) * dw
-            inb = m < Mtot and kb < GKB
+            ih = (ri[it * 3 + 1] if ri is not None else dec[1] * sh - pt) + T.truncdiv(rs, S) * dh
+            iw = (ri[it * 3 + 2] if ri is not None else dec[2] * sw - pl) + T.truncmod(rs, S) * dw
+            inb = (((ri[it * 3] >= 0 and kb < GKB) if POINTWISE else kb < GKB) if ri is not None
+                   else (m < Mtot and kb < GKB))
             # (pointwise: row m of the GEMM is pixel m of the input in either layout, always in bounds -- no im2col
             # decode, whose divisions were ~150 of a 128x128 tile's ~1100 instructions per warp on ResNet's 1x1s)
             ok = T.meta_var(inb if POINTWISE else (inb and ih >= 0 and ih < H and iw >= 0 and iw < W))
             soff = (kc % STG) * (BM * BKP) + slot[2]
-            gidx = T.meta_var(m * CB + kb if POINTWISE else x_index(dec[0], ih, iw, cb))
+            tap = T.meta_var(x_index(0, T.truncdiv(rs, S) * dh, T.truncmod(rs, S) * dw, cb))  # (x_index is linear)
+            gidx = T.meta_var((ri[it * 3] + kb if POINTWISE else ri[it * 3] + tap) if ri is not None else
+                              (m * CB + kb if POINTWISE else x_index(dec[0], ih, iw, cb)))
             if AREG:  # packed, into the block's A ring
                 T.evaluate(a_cp(As, xf, pa_off(kc, row, slot[1]), gidx, ok))
             elif UNPACK_LD and PRING:  # packed, into this thread's slot of the packed ring
@@ -827,7 +881,44 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             T.evaluate(T.cuda.warp_sync())  # (tvm_storage_sync("warp") emits __syncthreads)
 
     @T.macro
-    def body(x, w, bias, Mq, Sq, rf, rfw, rq2, of, ofw):
+    def sk_tile_end(bias, Mq, Sq, rf, rfw, rq2, of, ofw, Cs, Cb, acc, pb, pm, ps, q2, rb, rbw, yb, ob, sb, tid, bz, rpre,
+                    skc, skw, skn, skt, bxn, beg, G):
+        """sk: the end of this block's part of tile t = G // NK (G: its last iteration here). The tile's owner is the
+        block holding its first chunk, c0: a block that holds it whole runs the epilogue; the others (c0+1 .. c1, each
+        holding a later run of its chunks, which they reach first in their own streams) store their accumulators to
+        their workspace slot and count themselves in skc[t] (barrier, then one red.release.gpu); the owner, which
+        reaches its part last in its stream, waits until the count is c1 - c0 (ld.acquire.gpu by one thread, then a
+        barrier), adds their partials (ld.global.cg), resets the count for the next launch and runs the epilogue.
+        The grid is at most one wave (sk x SMs blocks), and every wait is on a later block's first part."""
+        t = T.truncdiv(G, NK)
+        o2 = T.meta_var(tile_origin(G, bxn))
+        c0 = sk_block_of(t * NK)
+        if bxn != c0:  # a later part: to the workspace, and counted
+            for r4 in T.unroll(NACC // 4):
+                T.evaluate(T.ptx.st.global_.cg.v4.b32(T.address_of(skw[sk_word(sk_slot(bxn, t), r4, tid)]), acc[r4 * 4],
+                                                      acc[r4 * 4 + 1], acc[r4 * 4 + 2], acc[r4 * 4 + 3]))
+            T.tvm_storage_sync("shared")
+            if tid == 0:
+                T.evaluate(T.ptx.red.release.gpu.global_.add.s32(T.address_of(skc[t]), T.int32(1)))
+        else:
+            if beg > t * NK or T.truncmod(G, NK) != NK - 1:  # the owner of a shared tile: wait for the other parts
+                if tid == 0:
+                    skn[0] = 0
+                    while skn[0] < sk_block_of(t * NK + NK - 1) - c0:
+                        T.evaluate(T.ptx.ld.acquire.gpu.global_.s32(skn[0], T.address_of(skc[t])))
+                    skc[t] = 0
+                T.tvm_storage_sync("shared")
+                for c in T.serial(sk_block_of(t * NK + NK - 1) - c0):
+                    for r4 in T.unroll(NACC // 4):
+                        T.evaluate(T.ptx.ld.global_.cg.v4.b32(skt[0], skt[1], skt[2], skt[3], T.address_of(
+                            skw[sk_word(sk_slot(c0 + 1 + c, t), r4, tid)])))
+                        for e in T.unroll(4):
+                            acc[r4 * 4 + e] = acc[r4 * 4 + e] + skt[e]
+            epilogue(bias, Mq, Sq, rf, rfw, rq2, of, ofw, Cs, Cb, acc, pb, pm, ps, q2, rb, rbw, yb, ob, sb, tid,
+                     o2[0], o2[1], bz, rpre)
+
+    @T.macro
+    def body(x, w, bias, Mq, Sq, rf, rfw, rq2, of, ofw, skc=None, skw=None):
         bxn = T.launch_thread("blockIdx.x", GP if PERSIST else GRID_N)  # (persist: the block index)
         bxm = T.launch_thread("blockIdx.y", 1 if PERSIST else GRID_M)
         bz = T.launch_thread("blockIdx.z", SPLIT)  # K-split index (extent 1 without split-K)
@@ -861,6 +952,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         rpre = T.alloc_buffer((CS_IT * RW if PREF else 1,), "int32", scope="local")  # (PREF) a block's residual words
         ob = T.alloc_buffer((OUT_VEC,), o_st, scope="local")
         sb = T.alloc_buffer((max(EV // 4, 1),), "uint32", scope="local")  # erq: staged bytes (words)
+        skn = T.alloc_buffer((1,), "int32", scope="local")  # sk: the tile's arrival count
+        ri = T.alloc_buffer((3 * A_IT if PERSIST else 1,), "int32", scope="local")  # persist, sk: decoded A rows
+        skt = T.alloc_buffer((4,), "uint32", scope="local")  # sk: another part's partial sums
         warp = tid // 32
         lane = tid % 32
         wm = (warp // 4 if WG else warp) // WN  # warp(group) tile coordinates
@@ -881,26 +975,39 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             if PERSIST:
                 # one K-chunk stream over the block's tiles (chunk g: tile g // NK, K-chunk g % NK, ring stage g % STG):
                 # the loads run STG-1-GIF chunks ahead across tile boundaries, so the next tile's first chunks land
-                # while this tile's epilogue (staging beside the ring) runs
-                tot = (NTILES - bxn + GP - 1) // GP * NK
+                # while this tile's epilogue (staging beside the ring) runs. sk: the stream is the global iterations
+                # beg .. beg + tot - 1, and a tile's part ends at its last chunk or at the block's last
+                beg = T.meta_var(T.truncdiv(bxn * TOTIT, GP) if SK else 0)
+                tot = (T.truncdiv((bxn + 1) * TOTIT, GP) - beg) if SK else (NTILES - bxn + GP - 1) // GP * NK
                 for s0 in T.unroll(STG - 1 - GIF):
                     if s0 < tot:
-                        o0 = T.meta_var(tile_origin(s0, bxn))
-                        load_chunk(xf, wf, rv, As, As, tid, o0[0], o0[1], s0)
+                        o0 = T.meta_var(tile_origin(beg + s0, bxn))
+                        if not POINTWISE and (s0 == 0 or T.truncmod(beg + s0, NK) == 0):  # (the loads' tile changes)
+                            decode_rows(ri, tid, o0[0])
+                        load_chunk(xf, wf, rv, As, As, tid, o0[0], o0[1], beg + s0, RI(ri))
                     T.ptx.cp.async_.commit_group()
                 for g in T.serial(tot):
                     T.ptx.cp.async_.wait_group(STG - 2 - GIF)
                     T.ptx.fence.proxy.async_.shared__cta()
                     T.tvm_storage_sync("shared")
                     T.ptx.wgmma.fence.sync.aligned()
-                    mma_chunk(acc, ad, ar, wm, wn, g, 0)
+                    mma_chunk(acc, ad, ar, wm, wn, beg + g, 0)
                     T.ptx.wgmma.commit_group.sync.aligned()
                     if g + STG - 1 - GIF < tot:
-                        o1 = T.meta_var(tile_origin(g + STG - 1 - GIF, bxn))
-                        load_chunk(xf, wf, rv, As, As, tid, o1[0], o1[1], g + STG - 1 - GIF)
+                        o1 = T.meta_var(tile_origin(beg + g + STG - 1 - GIF, bxn))
+                        if not POINTWISE and T.truncmod(beg + g + STG - 1 - GIF, NK) == 0:
+                            decode_rows(ri, tid, o1[0])
+                        load_chunk(xf, wf, rv, As, As, tid, o1[0], o1[1], beg + g + STG - 1 - GIF, RI(ri))
                     T.ptx.cp.async_.commit_group()
                     T.ptx.wgmma.wait_group.sync.aligned(GIF)
-                    if g % NK == NK - 1:  # the tile's last chunk: its epilogue, then fresh accumulators
+                    if SK:
+                        if T.truncmod(beg + g, NK) == NK - 1 or g == tot - 1:  # the end of this block's part of a tile
+                            T.ptx.wgmma.wait_group.sync.aligned(0)
+                            sk_tile_end(bias, Mq, Sq, rf, rfw, rq2, of, ofw, Cs, Cb, acc, pb, pm, ps, q2, rb, rbw, yb,
+                                        ob, sb, tid, bz, rpre, skc, skw, skn, skt, bxn, beg, beg + g)
+                            for e in T.unroll(EMT * NT * 4):
+                                acc[e] = T.Cast(ACC_T, 0)
+                    elif g % NK == NK - 1:  # the tile's last chunk: its epilogue, then fresh accumulators
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         o2 = T.meta_var(tile_origin(g, bxn))
                         epilogue(bias, Mq, Sq, rf, rfw, rq2, of, ofw, Cs, Cb, acc, pb, pm, ps, q2, rb, rbw, yb, ob, sb, tid,
@@ -1060,26 +1167,53 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             T.func_attr({"tir.noalias": True})
             of = T.decl_buffer((SPLIT * Mtot * K,), "int32", data=wsp.data)
             body(x, w, None, None, None, None, None, None, of, None)
-    elif HAS_RES:
-        @T.prim_func
-        def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
-                 Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), res: T.Buffer(res_shape, r_st),
-                 rq2_: T.Buffer((5, K), "int32"), out: T.Buffer(os_, o_st)):
-            T.func_attr({"tir.noalias": True})
+    else:
+        @T.macro
+        def run_res(x, w, bias, Mq, Sq, res, rq2_, out, skc, skw):  # flat views of the residual-add kernel's buffers
             rf = T.decl_buffer((R_SIZE,), r_st, data=res.data)
             rfw = T.decl_buffer((R_SIZE // 4,), "int32", data=res.data)
             rq2 = T.decl_buffer((5 * K,), "int32", data=rq2_.data)
             of = T.decl_buffer((O_SIZE,), o_st, data=out.data)
             ofw = T.decl_buffer((max(O_SIZE // 4, 1),), "uint32", data=out.data)  # (erq, 8-bit out)
-            body(x, w, bias, Mq, Sq, rf, rfw, rq2, of, ofw)
-    else:
-        @T.prim_func
-        def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
-                 Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), out: T.Buffer(os_, o_st)):
-            T.func_attr({"tir.noalias": True})
+            body(x, w, bias, Mq, Sq, rf, rfw, rq2, of, ofw, skc, skw)
+
+        @T.macro
+        def run_plain(x, w, bias, Mq, Sq, out, skc, skw):
             of = T.decl_buffer((O_SIZE,), o_st, data=out.data)
             ofw = T.decl_buffer((max(O_SIZE // 4, 1),), "uint32", data=out.data)  # (erq, 8-bit out)
-            body(x, w, bias, Mq, Sq, None, None, None, of, ofw)
+            body(x, w, bias, Mq, Sq, None, None, None, of, ofw, skc, skw)
+
+        # (sk: + skc int32[tiles] before out, zeros on entry and exit, and the workspace skw after it, a second output)
+        if SK and HAS_RES:
+            @T.prim_func
+            def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
+                     Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), res: T.Buffer(res_shape, r_st),
+                     rq2_: T.Buffer((5, K), "int32"), skc: T.Buffer((NTILES,), "int32"), out: T.Buffer(os_, o_st),
+                     skw: T.Buffer((SK_WORDS,), "int32")):
+                T.func_attr({"tir.noalias": True})
+                run_res(x, w, bias, Mq, Sq, res, rq2_, out, skc, skw)
+        elif SK:
+            @T.prim_func
+            def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
+                     Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), skc: T.Buffer((NTILES,), "int32"),
+                     out: T.Buffer(os_, o_st), skw: T.Buffer((SK_WORDS,), "int32")):
+                T.func_attr({"tir.noalias": True})
+                run_plain(x, w, bias, Mq, Sq, out, skc, skw)
+        elif HAS_RES:
+            @T.prim_func
+            def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
+                     Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), res: T.Buffer(res_shape, r_st),
+                     rq2_: T.Buffer((5, K), "int32"), out: T.Buffer(os_, o_st)):
+                T.func_attr({"tir.noalias": True})
+                run_res(x, w, bias, Mq, Sq, res, rq2_, out, None, None)
+        else:
+            @T.prim_func
+            def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
+                     Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), out: T.Buffer(os_, o_st)):
+                T.func_attr({"tir.noalias": True})
+                run_plain(x, w, bias, Mq, Sq, out, None, None)
 
     conv = conv.with_attr("qcompile.knobs", str(kn)).with_attr("qcompile.strategy", "direct_hwnc" if HWNC else "implicit_gemm")
+    if SK:  # (tile counters, workspace words): callers pass zeros int32[tiles] before out and get the workspace after it
+        conv = conv.with_attr("qcompile.streamk", [NTILES, SK_WORDS])
     return conv.with_attr("qcompile.split_k", SPLIT) if SPLIT > 1 else conv

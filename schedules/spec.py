@@ -247,6 +247,10 @@ class GemmKnobs:
     #                   stream runs on across tiles, so the next tile's loads are in flight during a tile's epilogue
     #                   (staging tile beside the ring instead of on it); 0 = one block per tile (also what 4-bit
     #                   operands and split-K pairs get)
+    sk: int = 0  # 8-bit wgmma, stream-K: a grid of sk x SMs blocks splits the (tile, K-chunk) iterations evenly; a
+    #              tile shared by blocks is summed by the last to finish (int32 partials in a workspace, a per-tile
+    #              arrival counter), which runs its epilogue: fills the GPU where the tiles cannot (100 tiles of
+    #              ResNet-50's 7x7 layers at batch 64 on 132 SMs) without split-K's second kernel; 0 = off
 
     SPACE = {
         "BM": (32, 64, 128, 256),
@@ -268,6 +272,7 @@ class GemmKnobs:
         "wsp": (0, 1, 2),
         "erq": (False, True),
         "persist": (0, 1, 2),
+        "sk": (0, 1, 2),
     }
 
     def replace(self, **kw) -> "GemmKnobs":
@@ -291,10 +296,11 @@ class GemmKnobs:
                        and (not self.awarp or (self.areg and self.pipe == -1 and self.WN == 1))
                        and (not self.wsp or (not self.areg and self.pstages >= 2 and self.stages >= 2
                                              and self.pipe in (-1, 0)))
-                       and (not self.persist or (self.pstages == 0 and not self.areg and not self.wsp)))
+                       and (not (self.persist or self.sk) or (self.pstages == 0 and not self.areg and not self.wsp))
+                       and not (self.persist and self.sk) and (not self.sk or self.split_k in (0, 1)))
         else:
             tile_ok = (wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg
-                       and not self.awarp and not self.wsp and not self.persist)
+                       and not self.awarp and not self.wsp and not self.persist and not self.sk)
         lth = self.load_threads
         return (
             self.BM % self.WM == 0 and self.BN % self.WN == 0 and tile_ok

@@ -146,6 +146,19 @@ def make_cases(quick=False, bench=True):
                 knobs=dict(wg, erq=True, persist=2, stages=2))
             add("check", f"per32_{name}_b8_int8", int8_spec(8, C, H, K, R, st, pd, v), None,  # int32 staging beside
                 knobs=dict(wg, persist=1, BK=64, stages=4))
+    # stream-K (sk: sk x SMs blocks share the (tile, K-chunk) iterations; partials, counters, the owner's epilogue):
+    # every layer at batch 1 (as a plan: stream-K replaces the split-K pair) and 8, every epilogue variant, both
+    # layouts, one and two blocks per SM, with and without erq; the kernel must also leave its counters at zero
+    for li, (name, C, H, K, R, st, pd) in enumerate(layers):
+        v = li % 3
+        lay = ("NHWC", "HWNC")[li // 2 % 2]
+        add("check", f"sk_plan_{name}_b1_int8", int8_spec(1, C, H, K, R, st, pd, v), None, plan=True,
+            knobs=dict(wg, sk=1, erq=bool(li % 2)))
+        two = li % 2 and v != 2  # (two 128x128 blocks per SM need the 8-bit staging: erq, and not the int32 output)
+        add("check", f"sk_{name}_b8_int8_{lay.lower()}", int8_spec(8, C, H, K, R, st, pd, v, lay), None,
+            knobs=dict(wg, sk=2, stages=2, erq=True) if two else dict(wg, sk=1, erq=li % 4 == 3))
+    for (name, N, C, H, K, R, st, pd) in ODD:
+        add("check", f"sk_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 1), None, knobs=dict(wg, sk=1))
     for (name, N, C, H, K, R, st, pd) in ODD:
         add("check", f"erq_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 1), None, knobs=dict(erq=True))
         add("check", f"per_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 0), None, knobs=dict(wg, erq=True, persist=2,
@@ -163,6 +176,7 @@ def build_group(args):
     import tvm
     from qcompile.schedules import conv2d_int_kernel, conv2d_int_plan, select_strategy
     from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options, cuda_target
+    from qcompile.schedules.igemm import streamk_args
 
     ensure_stub_libcuda()
     arch, mode = group[0]["arch"], group[0]["mode"]
@@ -182,6 +196,7 @@ def build_group(args):
         c["strategy_used"] = strat + (f"+splitk{int(f.attrs['qcompile.split_k'])}" if len(fs) > 1 else "")
         c["knobs"] = str(f.attrs["qcompile.knobs"]) if f.attrs and "qcompile.knobs" in f.attrs else ""
         c["funcs"] = [c["func"] + ("_e" if i else "") for i in range(len(fs))]
+        c["sk"] = streamk_args(f)
         for fn, f in zip(c["funcs"], fs):
             funcs[fn] = f.with_attr("global_symbol", fn)
         if len(fs) > 1:  # the same conv unsplit, to time against the split-K pair

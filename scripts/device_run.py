@@ -68,6 +68,17 @@ def get_func(rec):
     if so not in _mods:
         _mods[so] = tvm.runtime.load_module(str(DEVICE_DIR / so))
     names = rec.get("funcs") or [rec["func"]]
+    if rec.get("sk"):  # stream-K: tile counters (zeros, left zero by the kernel) before out, the workspace after it
+        f = _mods[so][names[0]]
+        ntiles, words = rec["sk"]
+        cnt = tvm.runtime.tensor(np.zeros(ntiles, np.int32), DEV)
+        skw = tvm.runtime.tensor(np.random.default_rng(6).integers(-(1 << 30), 1 << 30, words, dtype=np.int64)
+                                 .astype(np.int32), DEV)  # poisoned once: every partial is written before it is read
+
+        def run_sk(*a):
+            f(*a[:-1], cnt, a[-1], skw)
+        run_sk.sk_counters = cnt
+        return run_sk
     if len(names) == 1:
         return _mods[so][names[0]]
     part, epi = _mods[so][names[0]], _mods[so][names[1]]
@@ -102,6 +113,8 @@ def run_check(rec, seed):
         DEV.sync()
         got = R.from_storage(targs[-1].numpy(), spec.out_dtype, spec.K)
         ok = ok and got.shape == ref.shape and bool((got == ref).all())
+        if hasattr(f, "sk_counters"):  # stream-K: the kernel must leave its tile counters at zero
+            ok = ok and not f.sk_counters.numpy().any()
     nuniq = int(np.unique(ref).size)
     return ok, nuniq, (None if ok else int((got != ref).sum()))
 

@@ -6,7 +6,10 @@
                  INT8 (uint8 x int8 -> uint8) and INT4 (uint4 x int4 -> uint4), NHWC implicit GEMM, a small candidate
                  set of GemmKnobs (the sm_90 default first); plus default-knob kernels for the untuned bench batch (8).
             [python scripts/tune_layers.py build --append --cands NAME.. [--only-r 3] [--only-c 64]]   (more candidates;
-                 what produced tuning_logs/sm_90.json: see docs/schedules_notes.md, "Knob tuning")
+                 what produced tuning_logs/sm_90.json: see docs/schedules_notes.md, "Knob tuning", and the log's
+                 generated_by; later rounds: --wgmma / --awarp / --wsp / --erq / --sk / --splits / --as-compiled ...)
+              each kernel is built as compiled models run it: conv2d_int_plan, i.e. the split-K pair (GEMM + epilogue
+              kernel) where the knobs split -- the automatic split at small grids (batch 1-8) included
             scripts/make_runtime_bundle.sh 3.12          (.bundle/, once)
   2. GPU:   run(command="python3 scripts/tune_layers.py device", carry=[".device/tune", ".bundle"])
               every variant is checked bit-exactly (fresh random inputs per variant, float64 GPU conv + int64
@@ -127,13 +130,14 @@ def smem_bytes(kn, spec=None) -> int:
     nwarp = (kn.threads - 128 * kn.wsp) // 32
     ring = kn.stages * (kn.BM + kn.BN) * pitch
     # the staging tile: int32 (pitch ~ BN/WN + 8 words) or, with erq, bytes (BN/WN + 16 per row)
-    stage_c = nwarp * 16 * ((kn.BN // kn.WN + 16) if kn.erq else (kn.BN // kn.WN + 8) * 4)
+    wtn = kn.BN // kn.WN  # (int32 pitch: igemm's CSP, skewed 4 words per 32 columns)
+    stage_c = nwarp * 16 * ((wtn + 16) if kn.erq else (-(-(wtn + 4 * (wtn // 32) - 8) // 32) * 32 + 8) * 4)
     if kn.mma == "wgmma" and spec is not None and spec.x_bits == 4:
         ring += kn.pstages * (kn.BM + kn.BN) * kn.BK  # the packed ring
         if kn.areg:  # no unpacked A stages
             ring -= kn.stages * kn.BM * pitch
-    if kn.mma == "wgmma":  # one buffer: the staging tile on the ring, or beside it (persist)
-        return -(-ring // 16) * 16 + stage_c if kn.persist else max(ring, stage_c)
+    if kn.mma == "wgmma":  # one buffer: the staging tile on the ring, or beside it (persist, sk)
+        return -(-ring // 16) * 16 + stage_c if (kn.persist or kn.sk) else max(ring, stage_c)
     return ring + stage_c
 
 
@@ -158,10 +162,11 @@ def _fits(kn, spec, seen) -> bool:
     """A new, valid variant whose shared tiles fit the H100 (and, with ``minb``, whose accumulators fit the register
     cap: ptxas refuses a wgmma otherwise); added to ``seen``."""
     acc = (kn.BM // kn.WM) * (kn.BN // kn.WN) // (128 if kn.mma == "wgmma" else 32)  # accumulator registers
-    minb = kn.minb or kn.persist  # (persist: its blocks must be co-resident, the kernel caps registers for them)
+    nres = kn.persist or kn.sk
+    minb = kn.minb or nres  # (persist, sk: its blocks must be co-resident, the kernel caps registers for them)
     if kn in seen or not kn.valid() or smem_bytes(kn, spec) > 220 * 1024 or (
             minb and 65536 // (kn.threads * minb) < acc + 40) or (
-            kn.persist and kn.persist * (smem_bytes(kn, spec) + 1024) > 228 * 1024):
+            nres and nres * (smem_bytes(kn, spec) + 1024) > 228 * 1024):
         return False
     seen.add(kn)
     return True
@@ -402,6 +407,49 @@ def make_cases_erq(batches, layers=None, tiles=None):
     return cases + extra
 
 
+# stream-K 8-bit wgmma tiles (GemmKnobs.sk): (WGMMA name, sk = blocks per SM of the grid)
+SK_TILES = [("wg128x128_bk128_g0", 1), ("wg128x128_bk128_s2g0", 1), ("wg128x128_bk128_s2g0", 2),
+            ("wg128x128_bk64_s4g0", 1), ("wg128x128_bk64_s4g0", 2), ("wg128x128_bk128_1wg_g0", 1),
+            ("wg64x128_bk128_g0", 2), ("wg128x256_bk128_s2g0", 1)]
+
+
+def make_cases_sk(batches, layers=None, tiles=None):
+    """Every ResNet-50 layer as compiled now plus, for the 8-bit wgmma-able ones (or only ``layers``), stream-K kernels
+    (``GemmKnobs.sk``) on the knobs they compile with now (one and two blocks per SM, when those are wgmma) and on
+    each tile of ``tiles`` (SK_TILES names), as tuning variants."""
+    cases, extra = make_cases_as_compiled(batches), []
+    for c in _tunable(cases, ("int8",), layers):
+        spec, kn_now = c["spec"], c["knobs"]
+        if not _wg_ok(spec):
+            continue
+        seen = {kn_now}
+        vs = []
+        if kn_now.mma == "wgmma" and not kn_now.persist:
+            vs += [(f"now_sk{n}", kn_now.replace(sk=n, split_k=0)) for n in (1, 2)]
+        vs += [(f"{cname}_sk{n}", _wg_tile(spec, cname).replace(sk=n))
+               for cname, n in SK_TILES if not tiles or cname in tiles]
+        for vname, kn in vs:
+            if _fits(kn, spec, seen):
+                extra.append(dict(c, knobs=kn, variant=vname, is_default=False))
+    return cases + extra
+
+
+def make_cases_splits(batches, layers=None, splits=(1, 2, 4, 8)):
+    """Every ResNet-50 layer as compiled now plus, for the tensor-core ones (or only ``layers``), their knobs with each
+    K-split of ``splits`` (``GemmKnobs.split_k``; 1 = one kernel) as tuning variants: the automatic split (0) is a
+    rule of thumb, and until the seventh round the tuner timed the unsplit kernel where compiled models ran the pair."""
+    cases, extra = make_cases_as_compiled(batches), []
+    for c in _tunable(cases, ("int8", "int4"), layers):
+        kn_now = c["knobs"]
+        seen = {kn_now}
+        for n in splits + ((0,) if kn_now.sk else ()):  # (a stream-K record: against the plain kernel's splits)
+            kn = kn_now.replace(split_k=n, sk=0)
+            if kn not in seen and kn.valid():
+                seen.add(kn)
+                extra.append(dict(c, knobs=kn, variant=f"now_split{n}", is_default=False))
+    return cases + extra
+
+
 # warp-specialized 4-bit wgmma (GemmKnobs.wsp): (name, tile, [(stages, pstages, pipe, minb)]); BK = 64 packed bytes.
 # Registers (ptxas, 384 / 256 threads): 128x128 2 WGs 155, 256x128 168, 128x64 88 (80 with minb 2), 64x128 134,
 # 64x64 74, 128x128 1 WG 167
@@ -526,15 +574,19 @@ def make_cases_loop_ab(batches, alt):
 def build_group(args):
     gi, group = args
     import tvm
-    from qcompile.schedules import conv2d_int_kernel
+    from qcompile.schedules import conv2d_int_plan
     from qcompile.schedules.build import cuda_target, ensure_stub_libcuda, nvcc_options
+    from qcompile.schedules.igemm import streamk_args
     from qcompile.schedules.tuning import knobs_to_dict, tuning_key
 
     ensure_stub_libcuda()
-    funcs = {}
+    funcs, names = {}, {}
     for c in group:
-        f = conv2d_int_kernel(c["spec"], ARCH, c["strategy"], c["knobs"])
-        funcs[c["func"]] = f.with_attr("global_symbol", c["func"])
+        # the kernels a compiled model runs: a split-K pair where the knobs split (auto at small grids), else one
+        fs = conv2d_int_plan(c["spec"], ARCH, c["strategy"], c["knobs"])
+        names[c["func"]] = [c["func"] + ("_e" if i else "") for i in range(len(fs))]
+        for fn, f in zip(names[c["func"]], fs):
+            funcs[fn] = f.with_attr("global_symbol", fn)
     so = TUNE_DIR / f"t{gi:03d}.so"
     t = time.time()
     with nvcc_options(ARCH, "sass"):
@@ -542,11 +594,15 @@ def build_group(args):
     lib.export_library(str(so))
     recs = []
     for c in group:
+        nf = names[c["func"]]
+        split = int(funcs[nf[0]].attrs["qcompile.split_k"]) if len(nf) > 1 else 1
         recs.append(dict(kind=c["kind"], name=c["layer"], layer=c["layer"], variant=c["variant"],
-                         is_default=c["is_default"], strategy_used=c["strategy"], arch=ARCH, mode="sass",
+                         is_default=c["is_default"], arch=ARCH, mode="sass", funcs=nf,
+                         strategy_used=c["strategy"] + (f"+splitk{split}" if split > 1 else ""),
                          knobs=str(c["knobs"]) if c["knobs"] else "",
                          knobs_dict=knobs_to_dict(c["knobs"]) if c["knobs"] else None,
-                         key=tuning_key(c["spec"]), spec=dataclasses.asdict(c["spec"]), so=so.name, func=c["func"]))
+                         key=tuning_key(c["spec"]), spec=dataclasses.asdict(c["spec"]), so=so.name, func=c["func"],
+                         sk=streamk_args(funcs[nf[0]])))
     return gi, recs, time.time() - t
 
 
@@ -566,6 +622,10 @@ def cmd_build(a):
         cases = make_cases_wsp(a.batches, a.only_layers, a.cands)
     elif a.erq:
         cases = make_cases_erq(a.batches, a.only_layers, a.cands)
+    elif a.sk:
+        cases = make_cases_sk(a.batches, a.only_layers, a.cands)
+    elif a.splits:
+        cases = make_cases_splits(a.batches, a.only_layers, tuple(a.splits))
     elif a.awarp:
         cases = make_cases_awarp(a.batches, a.only_layers, a.cands, tuple(a.minb or (0, 2)), tuple(a.pstages or (4,)))
     elif a.minb:
@@ -812,6 +872,8 @@ def cmd_device(a):
                     f(*targs, DR.to_tvm(o))
                     torch.cuda.synchronize()
                     bad = int((o != ref).sum())
+                    if hasattr(f, "sk_counters") and f.sk_counters.numpy().any():  # stream-K: counters left at zero
+                        bad += 1
                     nbad += bad
                     ok = ok and bad == 0
                 v.update(ok=ok, ref_np_ok=ok_np, distinct_values=nuniq, bad=nbad)
@@ -1095,6 +1157,12 @@ def main():
                    help="as compiled + the requantize on the accumulators with 8-bit staging (GemmKnobs.erq) for every "
                         "tensor-core layer, and persistent 8-bit wgmma kernels (GemmKnobs.persist; --cands: "
                         "PERSIST_TILES names)")
+    b.add_argument("--sk", action="store_true",
+                   help="as compiled + stream-K 8-bit wgmma kernels (GemmKnobs.sk) on the knobs now and on SK_TILES "
+                        "(--cands: their names) for every 8-bit tensor-core layer (--only-layers)")
+    b.add_argument("--splits", type=int, nargs="+", default=None,
+                   help="as compiled + these K-splits (GemmKnobs.split_k; 1 = one kernel) of every tensor-core layer's "
+                        "knobs as variants (batch 1-8: where the automatic split applies)")
     b.add_argument("--awarp", action="store_true",
                    help="as compiled + register-A kernels with warp-owned A rows (GemmKnobs.awarp) for the 4-bit layers "
                         "(--only-layers, --cands tiles, --minb, --pstages)")

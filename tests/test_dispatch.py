@@ -68,3 +68,48 @@ def test_dispatch_cuda_splits_small_grids_and_fuses_the_residual():
     text = md["main"].script(show_meta=False)
     assert f"R.Tensor(({split}, 49, 256), dtype=\"int32\")" in text
     assert len(funcs["qconv_q_conv_resadd_splitk_epilogue"].params) == 7
+
+
+def test_dispatch_cuda_stream_k(monkeypatch):
+    """A stream-K kernel (GemmKnobs.sk, from the tuning log) gets its tile counters as a zero constant (state the kernel
+    leaves zero, kept in the .so when the weights are lifted) and its workspace as a second output of the call."""
+    import qcompile.schedules as S
+    from qcompile.qdq import QDQBuilder, qtype
+    from qcompile.relay_passes.lift_weights import LiftWeights
+    from qcompile.schedules import GemmKnobs
+
+    kn = GemmKnobs(BM=128, BN=128, BK=128, WM=2, WN=1, stages=3, mma="wgmma", pipe=-1, sk=1)
+    monkeypatch.setattr(S, "tuned_knobs", lambda spec, arch: kn)
+    rng = np.random.default_rng(4)
+    b = QDQBuilder()
+    x = b.input("x", (8, 512, 7, 7))
+    u8, s8 = qtype(8, False), qtype(8, True)
+    d0 = b.dequantize(b.quantize(x, 0.02, 0, u8, name="q_in"), 0.02, 0)
+    w = b.qweight(rng.integers(-127, 128, (512, 512, 3, 3)), np.full(512, 1e-3), s8, name="w")
+    h = b.relu(b.conv2d(d0, w, b.qbias(rng.integers(-99, 99, 512), 2e-5, "bias"), (1, 1), (1, 1, 1, 1), name="conv"))
+    mod = b.finish([b.dequantize(b.quantize(h, 0.05, 0, u8, name="q_conv"), 0.05, 0, name="out")])
+    mi = lower_to_integer(mod, "NHWC", pack_int4=False)
+    p = DispatchTensorCore("sm_90")
+    md = run_pass(p, mi)
+    (_, strategy), = p.chosen
+    assert strategy == "implicit_gemm+streamk"  # (no split-K pair: stream-K fills the GPU itself)
+    f = md["qconv_q_conv"]
+    ntiles, words = (int(v) for v in f.attrs["qcompile.streamk"])
+    assert ntiles == (8 * 7 * 7 // 128 + 1) * (512 // 128) and [p.name for p in f.params][-3:] == ["skc", "out", "skw"]
+    text = md["main"].script(show_meta=False)
+    assert f'R.Tensor(({words},), dtype="int32")' in text  # the workspace: the call's second output
+    counters = [c for c in _constants(md["main"]) if c.shape == (ntiles,) and c.dtype == np.int32]
+    assert len(counters) == 1 and not counters[0].any()
+    lift = LiftWeights(min_bytes=64)
+    lifted = run_pass(lift, md)
+    assert all(v.shape != (ntiles,) for v in lift.values) and len(lift.values) >= 1  # counters stay; weights go
+    assert len([c for c in _constants(lifted["main"]) if c.shape == (ntiles,)]) == 1
+
+
+def _constants(func):
+    out = []
+    from tvm.ir.expr import Constant
+
+    relax.analysis.post_order_visit(func, lambda e: out.append(e.value.numpy())
+                                    if isinstance(e, Constant) and hasattr(e.value, "numpy") else None)
+    return out

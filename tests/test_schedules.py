@@ -255,6 +255,36 @@ def test_cuda_erq_and_persist():
     assert _src(s4, "sm_90", knobs=wg4.replace(persist=1)) == _src(s4, "sm_90", knobs=wg4)
 
 
+def test_cuda_stream_k():
+    """sk: a grid of sk x SMs blocks splits the (tile, K-chunk) iterations evenly; the blocks holding a tile's later
+    chunks store int32 partials and count themselves (red.release.gpu), the tile's owner waits for the count
+    (ld.acquire.gpu), adds the partials (ld.global.cg), resets the counter and runs the epilogue. Parameters: skc
+    (zeros) before out, the workspace after it; no split-K pair; 8-bit wgmma only (4-bit: one block per tile)."""
+    spec = ConvSpec(N=8, H=7, W=7, C=512, K=512, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255)
+    kn = WG.replace(pipe=-1, sk=1)
+    assert kn.valid() and not GemmKnobs(sk=1).valid() and not kn.replace(persist=1).valid()
+    assert not kn.replace(split_k=2).valid()
+    from qcompile.schedules import conv2d_int_plan
+    from qcompile.schedules.igemm import streamk_args
+
+    fs = conv2d_int_plan(spec, "sm_90", None, kn)
+    assert len(fs) == 1  # (the same conv without sk is a split-K pair here)
+    assert len(conv2d_int_plan(spec, "sm_90", None, kn.replace(sk=0))) == 2
+    tiles, iters = 4 * 4, 4 * 4 * (9 * 512 // 128)
+    nacc = 128 * 128 // 256  # accumulator words per thread
+    assert streamk_args(fs[0]) == [tiles, 132 * 2 * 256 * nacc] and iters > 132
+    assert [p.name for p in fs[0].params] == ["x", "w", "bias", "Mq", "Sq", "skc", "out", "skw"]
+    assert 'T.launch_thread("blockIdx.x", 132)' in fs[0].script()
+    src = _src(spec, "sm_90", knobs=kn)
+    body = src.split("main_kernel(")[-1]
+    for ins in ("red.release.gpu.global.add.s32", "ld.acquire.gpu.global.s32", "ld.global.cg.v4.b32",
+                "st.global.cg.v4.b32"):
+        assert ins in src, ins
+    assert "__launch_bounds__(256, 1)" in src and "ri_ptr" in body  # (the A rows decoded once per tile)
+    s4 = ConvSpec(**L3, x_dtype="uint4", w_bits=4, out_dtype="uint4", lo=0, hi=15)
+    assert streamk_args(conv2d_int_kernel(s4, "sm_90", None, WG.replace(BK=64, sk=1))) is None
+
+
 def test_cuda_pointwise_addressing():
     """A 1x1 stride-1 unpadded conv reads A as the input itself (no im2col decode: no division by the P*Q = 196
     pixels per image), with its K loop unrolled by two; a strided 1x1 or a 3x3 still decodes (truncating division)."""

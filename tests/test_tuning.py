@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 
 import pytest
@@ -175,3 +176,31 @@ def test_loader_round_candidates():
         assert len(set(knobs)) == len(knobs) and all(k.valid() and getattr(k, flag) for k in knobs)
         assert all(tl.smem_bytes(k, c["spec"]) <= 220 * 1024 for k, c in zip(knobs, extra))
         assert len([c for c in cases if c["variant"] == "default"]) == 2 * 24  # every ResNet-50 layer, both widths
+
+
+def test_stream_k_and_split_round_candidates(tmp_path):
+    """--sk proposes stream-K variants (8-bit layers only, valid, distinct, fitting sk blocks per SM); --splits the
+    as-compiled knobs with each K-split; the tuner builds what compiled models run: the split-K pair where it splits."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tune_layers.py"
+    spec = importlib.util.spec_from_file_location("tune_layers", path)
+    tl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tl)
+    layers = ["r50_l4_3x3_b8_int4", "r50_l4_3x3_b8_int8"]
+    extra = [c for c in tl.make_cases_sk([8], layers) if c["variant"] != "default"]
+    assert extra and all(c["layer"] == "r50_l4_3x3_b8_int8" and c["knobs"].sk and c["knobs"].valid() for c in extra)
+    assert len({c["knobs"] for c in extra}) == len(extra)
+    assert all(c["knobs"].sk * (tl.smem_bytes(c["knobs"], c["spec"]) + 1024) <= 228 * 1024 for c in extra)
+    cases = tl.make_cases_splits([1], ["r50_l4_3x3_b1_int4"])
+    now = next(c["knobs"] for c in cases if c["layer"] == "r50_l4_3x3_b1_int4" and c["variant"] == "default")
+    extra = [c for c in cases if c["variant"] != "default"]
+    assert {c["knobs"].split_k for c in extra} | {now.split_k} >= {1, 2, 4, 8}
+    assert all(c["knobs"] == now.replace(split_k=c["knobs"].split_k) for c in extra)
+    if shutil.which("nvcc"):  # the tuner's build: the split-K pair, as compiled models run it
+        tl.TUNE_DIR = tmp_path
+        case = dict(next(c for c in extra if c["knobs"].split_k == 2), func="t0000")
+        _, (rec,), _ = tl.build_group((0, [case]))
+        assert rec["funcs"] == ["t0000", "t0000_e"] and rec["strategy_used"] == "implicit_gemm+splitk2"
+        assert rec["sk"] is None and (tmp_path / "t000.so").is_file()
