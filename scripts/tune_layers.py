@@ -495,10 +495,11 @@ def make_cases_wsp(batches, layers=None, names=None):
     return cases + extra
 
 
-def make_cases_r18(batches, names=None):
+def make_cases_r18(batches, names=None, splits=None):
     """The ResNet-18 shapes ResNet-50 does not have (3x3 / 1x1 stride 2 with C != K, fc 512 -> 1000), INT8 and INT4,
     at each batch: the knobs they compile with now ("default") plus the wgmma tiles of ``names`` (WGMMA, default
-    WG_SWEEP_G0); 4-bit tiles as register-A kernels (pstages 4), also with warp-owned A rows."""
+    WG_SWEEP_G0); 4-bit tiles as register-A kernels (pstages 4), also with warp-owned A rows. With ``splits``: those
+    knobs with each K-split instead (as make_cases_splits)."""
     from qcompile.schedules import DEFAULT_KNOBS, select_strategy, tuned_knobs
     from qcompile.schedules.igemm import _adapt_knobs
     from qcompile.schedules.layers import ALL_RESNET, RESNET50, distinct
@@ -516,7 +517,12 @@ def make_cases_r18(batches, names=None):
                 layer = f"{name}_b{N}_{dt}"
                 now = tuned_knobs(spec, ARCH) or _adapt_knobs(spec, DEFAULT_KNOBS[ARCH], "NHWC")
                 vs, seen = [("default", now)], {now}
-                for cname in (names or WG_SWEEP_G0) if _wg_ok(spec) else ():
+                for n in splits or ():
+                    kn = now.replace(split_k=n, sk=0)
+                    if kn not in seen and kn.valid():
+                        seen.add(kn)
+                        vs.append((f"now_split{n}", kn))
+                for cname in ((names or WG_SWEEP_G0) if _wg_ok(spec) and not splits else ()):
                     kn0 = _wg_tile(spec, cname)
                     kns = [(cname, kn0)] if spec.x_bits == 8 else [
                         (cname + "_ar", kn0.replace(pstages=4, areg=True, pipe=-1, stages=2)),
@@ -617,7 +623,7 @@ def cmd_build(a):
     if a.wgmma:
         cases = make_cases_wgmma(a.batches, a.only_layers, a.dtypes, a.cands, a.pstages, a.areg, a.areg_pipes)
     elif a.r18:
-        cases = make_cases_r18(a.batches, a.cands)
+        cases = make_cases_r18(a.batches, a.cands, tuple(a.splits) if a.splits else None)
     elif a.wsp:
         cases = make_cases_wsp(a.batches, a.only_layers, a.cands)
     elif a.erq:
