@@ -248,9 +248,9 @@ class GemmKnobs:
     #                   (staging tile beside the ring instead of on it); 0 = one block per tile (also what 4-bit
     #                   operands and split-K pairs get)
     sk: int = 0  # 8-bit wgmma, stream-K: a grid of sk x SMs blocks splits the (tile, K-chunk) iterations evenly; a
-    #              tile shared by blocks is summed by the last to finish (int32 partials in a workspace, a per-tile
-    #              arrival counter), which runs its epilogue: fills the GPU where the tiles cannot (100 tiles of
-    #              ResNet-50's 7x7 layers at batch 64 on 132 SMs) without split-K's second kernel; 0 = off
+    #              tile's later parts go to a workspace as int32 partials, counted per tile, and its owner (the block
+    #              holding its first chunk) waits for them, sums and runs the epilogue -- one kernel where split-K
+    #              needs two; exact, but no robust gain on ResNet-50 on the H100 (docs/SCHEDULES.md); 0 = off
 
     SPACE = {
         "BM": (32, 64, 128, 256),
