@@ -126,6 +126,12 @@ def split_factor(spec: ConvSpec, arch: str, kn: GemmKnobs) -> int:
     return auto_split(spec, arch, blocks, nk)
 
 
+def staging_pitch(wtn: int) -> int:
+    """int32 words per row of a warp's epilogue staging tile for a warp tile ``wtn`` columns wide (column c at word
+    c + 4 * (c // 32): see make_gemm_conv), rounded to 8 mod 32."""
+    return -(-(wtn + 4 * (wtn // 32) - 8) // 32) * 32 + 8
+
+
 def streamk_args(func):
     """[tiles, workspace words] of a stream-K kernel (``GemmKnobs.sk``), else None. Its parameters are the plain
     kernel's with ``skc`` int32[tiles] before ``out`` (zeros on entry; the kernel leaves them zero) and ``skw``
@@ -242,7 +248,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # 32-column group), pitch = 8 mod 32 words. The accumulator stores (8-byte pairs, rows g / g+8) stay
     # conflict-free, and so do the 16-byte loads of the read-back: without the skew lanes l and l+4 of a
     # quarter-warp (columns 8l and 8l+32) hit the same banks, a 2-way conflict on every read-back load
-    CSP = -(-(WTN + 4 * (WTN // 32) - 8) // 32) * 32 + 8
+    CSP = staging_pitch(WTN)
 
     def cs_col(c):
         return c + 4 * (c // 32)
@@ -311,7 +317,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # (split-K pairs and the 4-bit loaders: one block per tile, the same bits)
     # sk (stream-K, a persistent grid too): block b runs the (tile, K-chunk) iterations [b*TOTIT//GP, (b+1)*TOTIT//GP)
     # of the tile-major order (tile = G // NK, output channels fastest); a tile whose chunks span blocks is summed by
-    # the block that finishes its part last (int32 partials through the workspace skw, arrivals counted in skc)
+    # its owner, the block holding its first chunk (int32 partials through the workspace skw, counted in skc)
     SK = bool(kn.sk) and SPLIT == 1 and WG and not UNPACK_LD
     PERSIST = (bool(kn.persist) or SK) and SPLIT == 1 and WG and not UNPACK_LD
     NTILES = GRID_M * GRID_N
@@ -477,9 +483,6 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         tile = T.truncdiv(g, NK) if SK else bid + (g // NK) * GP
         return ((tile // GRID_N) * BM, (tile % GRID_N) * BN)
 
-    def RI(ri):  # persist / sk: decoded A rows (pointwise addressing needs no decode: measured 3-7% faster without)
-        return None if POINTWISE else ri
-
     def sk_block_of(G):  # sk: the block whose iterations include global iteration G
         return T.truncdiv((G + 1) * GP - 1, TOTIT)
 
@@ -547,25 +550,22 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
 
     @T.macro
     def decode_rows(ri, tid, m0):
-        """persist / sk: this thread's A rows of the tile at row m0, decoded once per tile (in the plain loop nvcc
-        hoists the decode out of the K loop; here the tile changes inside it): ri[3 it ..] = (the row's input offset
-        at tap (0, 0), its top and left input coordinates); a row past Mtot gets a top coordinate that fails every
-        bounds check (pointwise: offset -1)."""
+        """persist / sk, not pointwise: this thread's A rows of the tile at row m0, decoded once per tile (in the plain
+        loop nvcc hoists the decode out of the K loop; here the tile changes inside it): ri[3 it ..] = (the row's input
+        offset at tap (0, 0), its top and left input coordinates); a row past Mtot gets a top coordinate that fails
+        every bounds check."""
         for it in T.unroll(A_IT):
             slot = T.meta_var(tile_slot(it * LNTH + tid, BM))
             m = m0 + slot[0]
             dec = T.meta_var(row_decode(m))
-            if POINTWISE:
-                ri[it * 3] = T.if_then_else(m < Mtot, m * CB, -1)
-            else:
-                ri[it * 3] = x_index(dec[0], dec[1] * sh - pt, dec[2] * sw - pl, 0)
-                ri[it * 3 + 1] = T.if_then_else(m < Mtot, dec[1] * sh - pt, -(1 << 28))
-                ri[it * 3 + 2] = dec[2] * sw - pl
+            ri[it * 3] = x_index(dec[0], dec[1] * sh - pt, dec[2] * sw - pl, 0)
+            ri[it * 3 + 1] = T.if_then_else(m < Mtot, dec[1] * sh - pt, -(1 << 28))
+            ri[it * 3 + 2] = dec[2] * sw - pl
 
     @T.macro
     def load_chunk(xf, wf, rv, As, Bs, tid, m0, n0, kc, ri=None):
         """Issue the loads of K-chunk ``kc`` into ring stage ``kc % STG`` (cp.async or plain loads); with ``ri``
-        (persist, sk) the A rows come decoded from decode_rows."""
+        (persist, sk, not pointwise) the A rows come decoded from decode_rows."""
         for it in T.unroll(A_IT):
             L = it * LNTH + tid
             slot = T.meta_var(awarp_slot(it, tid) if AWARP else tile_slot(L, BM))
@@ -577,14 +577,13 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             dec = T.meta_var(row_decode(m))
             ih = (ri[it * 3 + 1] if ri is not None else dec[1] * sh - pt) + T.truncdiv(rs, S) * dh
             iw = (ri[it * 3 + 2] if ri is not None else dec[2] * sw - pl) + T.truncmod(rs, S) * dw
-            inb = (((ri[it * 3] >= 0 and kb < GKB) if POINTWISE else kb < GKB) if ri is not None
-                   else (m < Mtot and kb < GKB))
+            inb = kb < GKB if ri is not None else (m < Mtot and kb < GKB)  # (ri: rows past Mtot fail on ih)
             # (pointwise: row m of the GEMM is pixel m of the input in either layout, always in bounds -- no im2col
             # decode, whose divisions were ~150 of a 128x128 tile's ~1100 instructions per warp on ResNet's 1x1s)
             ok = T.meta_var(inb if POINTWISE else (inb and ih >= 0 and ih < H and iw >= 0 and iw < W))
             soff = (kc % STG) * (BM * BKP) + slot[2]
             tap = T.meta_var(x_index(0, T.truncdiv(rs, S) * dh, T.truncmod(rs, S) * dw, cb))  # (x_index is linear)
-            gidx = T.meta_var((ri[it * 3] + kb if POINTWISE else ri[it * 3] + tap) if ri is not None else
+            gidx = T.meta_var(ri[it * 3] + tap if ri is not None else
                               (m * CB + kb if POINTWISE else x_index(dec[0], ih, iw, cb)))
             if AREG:  # packed, into the block's A ring
                 T.evaluate(a_cp(As, xf, pa_off(kc, row, slot[1]), gidx, ok))
@@ -953,7 +952,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         ob = T.alloc_buffer((OUT_VEC,), o_st, scope="local")
         sb = T.alloc_buffer((max(EV // 4, 1),), "uint32", scope="local")  # erq: staged bytes (words)
         skn = T.alloc_buffer((1,), "int32", scope="local")  # sk: the tile's arrival count
-        ri = T.alloc_buffer((3 * A_IT if PERSIST else 1,), "int32", scope="local")  # persist, sk: decoded A rows
+        # persist, sk: decoded A rows (pointwise addressing needs no decode, and measured 3-7% faster without)
+        ri = T.alloc_buffer((3 * A_IT if PERSIST and not POINTWISE else 1,), "int32", scope="local")
+        ri_ = T.meta_var(None if POINTWISE else ri)
         skt = T.alloc_buffer((4,), "uint32", scope="local")  # sk: another part's partial sums
         warp = tid // 32
         lane = tid % 32
@@ -984,7 +985,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         o0 = T.meta_var(tile_origin(beg + s0, bxn))
                         if not POINTWISE and (s0 == 0 or T.truncmod(beg + s0, NK) == 0):  # (the loads' tile changes)
                             decode_rows(ri, tid, o0[0])
-                        load_chunk(xf, wf, rv, As, As, tid, o0[0], o0[1], beg + s0, RI(ri))
+                        load_chunk(xf, wf, rv, As, As, tid, o0[0], o0[1], beg + s0, ri_)
                     T.ptx.cp.async_.commit_group()
                 for g in T.serial(tot):
                     T.ptx.cp.async_.wait_group(STG - 2 - GIF)
@@ -997,7 +998,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         o1 = T.meta_var(tile_origin(beg + g + STG - 1 - GIF, bxn))
                         if not POINTWISE and T.truncmod(beg + g + STG - 1 - GIF, NK) == 0:
                             decode_rows(ri, tid, o1[0])
-                        load_chunk(xf, wf, rv, As, As, tid, o1[0], o1[1], beg + g + STG - 1 - GIF, RI(ri))
+                        load_chunk(xf, wf, rv, As, As, tid, o1[0], o1[1], beg + g + STG - 1 - GIF, ri_)
                     T.ptx.cp.async_.commit_group()
                     T.ptx.wgmma.wait_group.sync.aligned(GIF)
                     if SK:

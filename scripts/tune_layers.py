@@ -129,9 +129,11 @@ def smem_bytes(kn, spec=None) -> int:
     pitch = kn.BK * (2 if spec is not None and spec.x_bits == 4 else 1) if kn.mma == "wgmma" else kn.BK + 16
     nwarp = (kn.threads - 128 * kn.wsp) // 32
     ring = kn.stages * (kn.BM + kn.BN) * pitch
-    # the staging tile: int32 (pitch ~ BN/WN + 8 words) or, with erq, bytes (BN/WN + 16 per row)
-    wtn = kn.BN // kn.WN  # (int32 pitch: igemm's CSP, skewed 4 words per 32 columns)
-    stage_c = nwarp * 16 * ((wtn + 16) if kn.erq else (-(-(wtn + 4 * (wtn // 32) - 8) // 32) * 32 + 8) * 4)
+    # the staging tile: int32 words (igemm's skewed pitch) or, with erq, bytes (BN/WN + 16 per row)
+    from qcompile.schedules.igemm import staging_pitch
+
+    wtn = kn.BN // kn.WN
+    stage_c = nwarp * 16 * ((wtn + 16) if kn.erq else staging_pitch(wtn) * 4)
     if kn.mma == "wgmma" and spec is not None and spec.x_bits == 4:
         ring += kn.pstages * (kn.BM + kn.BN) * kn.BK  # the packed ring
         if kn.areg:  # no unpacked A stages
@@ -434,19 +436,26 @@ def make_cases_sk(batches, layers=None, tiles=None):
     return cases + extra
 
 
+def _split_variants(kn_now, splits, seen):
+    """[(name, knobs)]: ``kn_now`` with each K-split of ``splits`` (and, for a stream-K record, the plain kernel's
+    automatic split too), new and valid ones only (added to ``seen``)."""
+    out = []
+    for n in tuple(splits) + ((0,) if kn_now.sk else ()):
+        kn = kn_now.replace(split_k=n, sk=0)
+        if kn not in seen and kn.valid():
+            seen.add(kn)
+            out.append((f"now_split{n}", kn))
+    return out
+
+
 def make_cases_splits(batches, layers=None, splits=(1, 2, 4, 8)):
     """Every ResNet-50 layer as compiled now plus, for the tensor-core ones (or only ``layers``), their knobs with each
     K-split of ``splits`` (``GemmKnobs.split_k``; 1 = one kernel) as tuning variants: the automatic split (0) is a
     rule of thumb, and until the seventh round the tuner timed the unsplit kernel where compiled models ran the pair."""
     cases, extra = make_cases_as_compiled(batches), []
     for c in _tunable(cases, ("int8", "int4"), layers):
-        kn_now = c["knobs"]
-        seen = {kn_now}
-        for n in splits + ((0,) if kn_now.sk else ()):  # (a stream-K record: against the plain kernel's splits)
-            kn = kn_now.replace(split_k=n, sk=0)
-            if kn not in seen and kn.valid():
-                seen.add(kn)
-                extra.append(dict(c, knobs=kn, variant=f"now_split{n}", is_default=False))
+        extra += [dict(c, knobs=kn, variant=vname, is_default=False)
+                  for vname, kn in _split_variants(c["knobs"], splits, {c["knobs"]})]
     return cases + extra
 
 
@@ -517,11 +526,7 @@ def make_cases_r18(batches, names=None, splits=None):
                 layer = f"{name}_b{N}_{dt}"
                 now = tuned_knobs(spec, ARCH) or _adapt_knobs(spec, DEFAULT_KNOBS[ARCH], "NHWC")
                 vs, seen = [("default", now)], {now}
-                for n in splits or ():
-                    kn = now.replace(split_k=n, sk=0)
-                    if kn not in seen and kn.valid():
-                        seen.add(kn)
-                        vs.append((f"now_split{n}", kn))
+                vs += _split_variants(now, splits or (), seen)
                 for cname in ((names or WG_SWEEP_G0) if _wg_ok(spec) and not splits else ()):
                     kn0 = _wg_tile(spec, cname)
                     kns = [(cname, kn0)] if spec.x_bits == 8 else [
@@ -878,8 +883,7 @@ def cmd_device(a):
                     f(*targs, DR.to_tvm(o))
                     torch.cuda.synchronize()
                     bad = int((o != ref).sum())
-                    if hasattr(f, "sk_counters") and f.sk_counters.numpy().any():  # stream-K: counters left at zero
-                        bad += 1
+                    bad += not DR.state_clean(f)  # (stream-K: its tile counters left at zero)
                     nbad += bad
                     ok = ok and bad == 0
                 v.update(ok=ok, ref_np_ok=ok_np, distinct_values=nuniq, bad=nbad)
