@@ -952,7 +952,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         ob = T.alloc_buffer((OUT_VEC,), o_st, scope="local")
         sb = T.alloc_buffer((max(EV // 4, 1),), "uint32", scope="local")  # erq: staged bytes (words)
         skn = T.alloc_buffer((1,), "int32", scope="local")  # sk: the tile's arrival count
-        # persist, sk: decoded A rows (pointwise addressing needs no decode, and measured 3-7% faster without)
+        # persist, sk: decoded A rows (pointwise addressing needs no decode; with it, 3-7% slower across two calls)
         ri = T.alloc_buffer((3 * A_IT if PERSIST and not POINTWISE else 1,), "int32", scope="local")
         ri_ = T.meta_var(None if POINTWISE else ri)
         skt = T.alloc_buffer((4,), "uint32", scope="local")  # sk: another part's partial sums
