@@ -270,15 +270,16 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
 
 
 def _dispatch_tensor_cores(mod_int, layout: str, arch: str, log):
-    """Put each requantized conv/dense on a tensor-core kernel (``DispatchTensorCore``)."""
+    """Put each requantized conv/dense on a tensor-core kernel (``DispatchTensorCore``), and 8-bit NHWC max pools on
+    qcompile's pool kernel (``DispatchPools``)."""
     from .errors import run_pass
-    from qcompile.relay_passes import DispatchTensorCore
+    from qcompile.relay_passes import DispatchPools, DispatchTensorCore
 
     if layout == "NCHW":
         log("note: NCHW has no tensor-core convolution; use --layout NHWC or HWNC (convs stay on generic kernels)")
         return mod_int, {}
     p = DispatchTensorCore(arch)
-    mod = run_pass(p, mod_int)
+    mod = run_pass(DispatchPools(), run_pass(p, mod_int))
     # layer names in the summary are the conv/dense bindings; the dispatcher reports requantize outputs
     convs = {}
     func = mod_int["main"]

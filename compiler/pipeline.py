@@ -67,19 +67,20 @@ def build(mod_int: tvm.IRModule, target="llvm", cuda_graph: bool = True):
 
 
 def cuda_pipeline(target) -> tvm.transform.Pass:
-    """TVM's CUDA Relax pipeline with qcompile's glue schedule tried before dlight's generic rules."""
+    """TVM's CUDA Relax pipeline with qcompile's glue schedules tried before dlight's generic rules."""
     from tvm.relax.backend.cuda import pipeline as cp
     from tvm.s_tir import dlight as dl
 
-    from qcompile.schedules.glue import VectorizedElementwise
+    from qcompile.schedules.glue import ChannelsLastWindowReduction, VectorizedElementwise
 
     @tvm.transform.module_pass(opt_level=0, name="qcompile.cuda_pipeline")
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             legalize = cp.legalize_passes(target)
-            # the last legalize pass is dlight's ApplyDefaultSchedule: put our glue rule first
-            legalize[-1] = dl.ApplyDefaultSchedule(VectorizedElementwise(), dl.gpu.Matmul(), dl.gpu.GEMV(),
-                                                   dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())
+            # the last legalize pass is dlight's ApplyDefaultSchedule: put our glue rules first (element-wise, pools)
+            legalize[-1] = dl.ApplyDefaultSchedule(VectorizedElementwise(), ChannelsLastWindowReduction(),
+                                                   dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                                   dl.gpu.GeneralReduction(), dl.gpu.Fallback())
             seq = tvm.transform.Sequential(cp.library_dispatch_passes(target) + legalize
                                            + cp.dataflow_lower_passes(target) + cp.finalize_passes(target))
             return seq(mod)

@@ -2,5 +2,6 @@
 from .lower_qdq_to_integer import LowerQDQToInteger
 from .pack_int4 import PackInt4
 from .dispatch_tensor_core import DispatchTensorCore
+from .dispatch_pools import DispatchPools
 
-__all__ = ["LowerQDQToInteger", "PackInt4", "DispatchTensorCore"]
+__all__ = ["LowerQDQToInteger", "PackInt4", "DispatchTensorCore", "DispatchPools"]

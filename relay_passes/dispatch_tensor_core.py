@@ -257,9 +257,10 @@ def find_fusions(func: relax.Function):
 
 @mutator
 class _Dispatcher(PyExprMutator):
-    def __init__(self, mod, groups, residuals, arch, log, target_kind="cuda"):
+    def __init__(self, mod, groups, residuals, arch, log, target_kind="cuda", s2d=None):
         super().__init__(mod)
         self.mod_, self.groups, self.arch, self.log, self.kind = mod, groups, arch, log, target_kind
+        self.s2d = target_kind == "cuda" if s2d is None else s2d
         self.residuals = residuals
         self.var2val = relax.analysis.get_var2val(mod["main"])
         self.packed: dict = {}   # original var -> new var holding its packed 4-bit form
@@ -291,7 +292,7 @@ class _Dispatcher(PyExprMutator):
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
         from qcompile.schedules import ConvSpec, conv2d_int_plan, select_strategy
         from qcompile.schedules.igemm import streamk_args
-        from qcompile.schedules.spec import operand_plan
+        from qcompile.schedules.spec import operand_plan, space_to_depth, space_to_depth_weights
 
         x_dtype = _x_dtype(g.x, self.var2val)
         xs = [int(s) for s in g.x.ty.shape]
@@ -325,6 +326,9 @@ class _Dispatcher(PyExprMutator):
         spec = ConvSpec(N=N, H=H, W=W, C=C, K=K, R=R, S=S_, stride=stride, padding=g.pad, dilation=dil,
                         layout=layout, x_dtype=x_dtype, w_bits=w_bits, out_dtype=out_dtype, zo=g.zo, lo=g.lo,
                         hi=g.hi, pad_value=g.pad_value, shift_ge33=bool(33 <= np.min(g.S) and np.max(g.S) <= 62), **res)
+        s2d = space_to_depth(spec) if self.s2d else None  # (the stem: 7x7/2 on 4 channels -> 4x4/1 on 16)
+        if s2d is not None:
+            w, spec0, spec = space_to_depth_weights(w, spec), spec, s2d
         if self.kind == "cuda":
             strategy = select_strategy(spec, self.arch)
             funcs = conv2d_int_plan(spec, self.arch, strategy)
@@ -339,7 +343,8 @@ class _Dispatcher(PyExprMutator):
                 func = func.with_attr("tirx.is_scheduled", True)  # dlight leaves it alone
             fname = f"qconv_{g.out.name}" + ("_resadd" if r is not None else "") + ("_splitk_epilogue" if i else "")
             gvs.append(self.builder_.add_func(func.with_attr("global_symbol", fname), fname))
-        self.chosen.append((g.out.name, strategy + (f"+splitk{int(funcs[0].attrs['qcompile.split_k'])}"
+        self.chosen.append((g.out.name, strategy + ("+s2d" if s2d is not None else "")
+                            + (f"+splitk{int(funcs[0].attrs['qcompile.split_k'])}"
                                                     if len(funcs) > 1 else "")
                             + ("+streamk" if streamk_args(funcs[0]) else "")))
         if r is not None:
@@ -348,6 +353,13 @@ class _Dispatcher(PyExprMutator):
         if c_pad:
             x = self.builder_.emit(relax.op.nn.pad(x, [0, 0, 0, 0, 0, 0, 0, c_pad], pad_value=0.0),
                                    var.name + "_cpad")
+        if s2d is not None:  # x2[n, i, j, (dr*2 + ds)*C + c] = x[n, 2i + dr, 2j + ds, c] (an odd H / W padded)
+            if spec0.H % 2 or spec0.W % 2:
+                x = self.builder_.emit(relax.op.nn.pad(x, [0, 0, 0, spec0.H % 2, 0, spec0.W % 2, 0, 0],
+                                                       pad_value=float(g.pad_value)), var.name + "_s2dpad")
+            x = relax.op.reshape(x, (N, s2d.H, 2, s2d.W, 2, spec0.C))
+            x = relax.op.reshape(relax.op.permute_dims(x, [0, 1, 3, 2, 4, 5]), (N, s2d.H, s2d.W, s2d.C))
+            x = self.builder_.emit(x, var.name + "_s2d")
         if g.dense:
             x = self.builder_.emit(relax.op.reshape(x, (N, 1, 1, int(x.ty.shape[-1]))), var.name + "_x4d")
         wq = w.astype(np.int8)
@@ -384,15 +396,15 @@ class _Dispatcher(PyExprMutator):
 class DispatchTensorCore:
     """Replace requantized integer conv2d/dense in ``main`` by tensor-core kernels for ``arch``."""
 
-    def __init__(self, arch: str = "sm_90", log=None, target_kind: str = "cuda"):
-        self.arch, self.log, self.kind = arch, log, target_kind
+    def __init__(self, arch: str = "sm_90", log=None, target_kind: str = "cuda", space_to_depth=None):
+        self.arch, self.log, self.kind, self.s2d = arch, log, target_kind, space_to_depth
         self.chosen: list = []
         self.fused: list = []
 
     @keeps_user_errors
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         groups, residuals = find_fusions(mod["main"])
-        d = _Dispatcher(mod, groups, residuals, self.arch, self.log, self.kind)
+        d = _Dispatcher(mod, groups, residuals, self.arch, self.log, self.kind, self.s2d)
         func = d.visit_expr(mod["main"])
         self.chosen, self.fused = d.chosen, d.fused
         out = d.builder_.get()

@@ -156,6 +156,57 @@ def operand_plan(C: int, x_dtype: str, w_bits: int, dense: bool = False) -> tupl
     return c_pad, x_dtype, (w_bits if (w_bits == 8 or C % 2 == 0) else 8)
 
 
+def space_to_depth(spec: ConvSpec) -> ConvSpec | None:
+    """The stride-2 conv ``spec`` as a stride-1 conv over its input rearranged 2x2 space-to-depth, or None where
+    that does not apply (NHWC, 8-bit input, stride 2, no dilation, a kernel wider than 1 and a channel vector of 4,
+    8 or 12 bytes, which becomes a 16-byte multiple: the RGB stem's 4 channels -> 16).
+
+        x2[n, i, j, (dr*2 + ds)*C + c] = x[n, 2i + dr, 2j + ds, c]        (pad_value past an odd H / W)
+        w2[k, R', S', (dr*2 + ds)*C + c] = w[k, 2R' + dr - eh, 2S' + ds - ew, c]   (0 outside the kernel)
+
+    ``eh, ew = pt % 2, pl % 2`` zero taps are put in front so that every kernel row / column pair starts at an even
+    input row / column; R' = ceil((R + eh) / 2), padding ((pt + eh) / 2, (pl + ew) / 2, bottom / right so that P, Q
+    are unchanged). Every output reads the same input values (or pad_value) against the same weights, and the zero
+    taps add nothing: the integer sums, and so the outputs, are identical. The 7x7/2 stem on 224x224x4 becomes a
+    4x4/1 conv on 112x112x16 whose im2col rows load as 16 cp.async of 16 bytes instead of 49 of 4 bytes."""
+    cb = spec.C * spec.x_bits // 8
+    if (spec.layout != "NHWC" or spec.x_bits != 8 or spec.strides != (2, 2) or spec.dilations != (1, 1)
+            or spec.R * spec.S == 1 or cb % 16 == 0 or 4 * cb % 16):
+        return None
+    pt, pl, _, _ = spec.pads
+    eh, ew = pt % 2, pl % 2
+    R2, S2 = -(-(spec.R + eh) // 2), -(-(spec.S + ew) // 2)
+    H2, W2 = -(-spec.H // 2), -(-spec.W // 2)
+    pt2, pl2 = (pt + eh) // 2, (pl + ew) // 2
+    pb2, pr2 = spec.P - 1 + R2 - H2 - pt2, spec.Q - 1 + S2 - W2 - pl2
+    if pb2 < 0 or pr2 < 0:
+        return None
+    return spec.replace(H=H2, W=W2, C=4 * spec.C, R=R2, S=S2, stride=(1, 1), padding=(pt2, pl2, pb2, pr2))
+
+
+def space_to_depth_weights(w, spec: ConvSpec):
+    """OHWI weights of ``spec`` [K, R, S, C] -> those of ``space_to_depth(spec)`` [K, R', S', 4C] (NumPy)."""
+    import numpy as np
+
+    s2 = space_to_depth(spec)
+    K, R, S, C = w.shape
+    eh, ew = spec.pads[0] % 2, spec.pads[1] % 2
+    wp = np.zeros((K, 2 * s2.R, 2 * s2.S, C), w.dtype)
+    wp[:, eh:eh + R, ew:ew + S] = w
+    return np.ascontiguousarray(wp.reshape(K, s2.R, 2, s2.S, 2, C).transpose(0, 1, 3, 2, 4, 5).reshape(K, s2.R, s2.S, 4 * C))
+
+
+def space_to_depth_input(x, pad_value: int = 0):
+    """NHWC input [N, H, W, C] -> [N, ceil(H/2), ceil(W/2), 4C] (NumPy; an odd H / W padded with ``pad_value``)."""
+    import numpy as np
+
+    N, H, W, C = x.shape
+    H2, W2 = -(-H // 2), -(-W // 2)
+    xp = np.full((N, 2 * H2, 2 * W2, C), pad_value, x.dtype)
+    xp[:, :H, :W] = x
+    return np.ascontiguousarray(xp.reshape(N, H2, 2, W2, 2, C).transpose(0, 1, 3, 2, 4, 5).reshape(N, H2, W2, 4 * C))
+
+
 # ---------------------------------------------------------------------------------------------
 # MMA shapes per architecture (a table, not branches).
 # ---------------------------------------------------------------------------------------------

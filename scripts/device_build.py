@@ -163,6 +163,22 @@ def make_cases(quick=False, bench=True):
         add("check", f"erq_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 1), None, knobs=dict(erq=True))
         add("check", f"per_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 0), None, knobs=dict(wg, erq=True, persist=2,
                                                                                                stages=2))
+    # the stem as CUDA builds run it (``space_to_depth``: a 4x4 stride-1 conv over the 2x2 space-to-depth input, 16
+    # channels; C=3 padded to 4 as the compiler does): every epilogue variant, a pad value, the 4-bit output of the INT4
+    # model, mma.sync and wgmma tiles, as plans; ResNet-50 at batch 1 and 8 and the odd stems (odd H: 57, 33)
+    from qcompile.schedules.spec import space_to_depth
+
+    stems = [("r50_stem", 1, 3, 224, 64, 7, 2, 3), ("r50_stem", 8, 3, 224, 64, 7, 2, 3)]
+    for (name, N, C, H, K, R, st, pd) in stems + [o for o in ODD if "stem" in o[0]]:
+        nm = f"s2d_{name}" + (f"_b{N}" if name == "r50_stem" else "")
+        for v in (0, 1, 2):
+            sp = space_to_depth(int8_spec(N, C + (-C % 4), H, K, R, st, pd, v))
+            add("check", f"{nm}_v{v}", sp, None, plan=True)
+            add("check", f"{nm}_wg_v{v}", sp, None, plan=True, knobs=dict(wg, BN=64, erq=v == 0))
+        sp = space_to_depth(int8_spec(N, C + (-C % 4), H, K, R, st, pd, 0))
+        add("check", f"{nm}_padzp", sp.replace(pad_value=17), None, plan=True)
+        add("check", f"{nm}_u4out", sp.replace(out_dtype="uint4", zo=1, lo=0, hi=15), None, plan=True,
+            knobs=dict(BM=128, BN=64, BK=64, WM=2, WN=2, stages=4, erq=True))
     if bench and not quick:
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for N in (8, 64, 256):

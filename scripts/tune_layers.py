@@ -106,23 +106,26 @@ ORDER_LARGE = ["bk128", "256x128", "8warp", "256x128bk128", "128x256", "128x64",
 ORDER_SMALL = ["bk128", "64x128", "8warp", "128x64", "64x64", "256x128", "128x256", "256x128bk128"]
 
 
-def _compiled_spec(N, C, H, K, R, st, pd, x_dtype, w_bits, **epi):
+def _compiled_spec(N, C, H, K, R, st, pd, x_dtype, w_bits, s2d=True, **epi):
     """The conv a compiled model runs for this layer: channels / operand widths as the dispatcher plans them
-    (``operand_plan``: the RGB stem padded to 4 channels with 8-bit operands)."""
+    (``operand_plan``: the RGB stem padded to 4 channels with 8-bit operands) and, with ``s2d``, the stem as the
+    4x4 stride-1 conv over its space-to-depth input that CUDA builds run (``space_to_depth``). ``s2d=False``: the
+    layer itself (what cuDNN is given)."""
     from qcompile.schedules import ConvSpec
-    from qcompile.schedules.spec import operand_plan
+    from qcompile.schedules.spec import operand_plan, space_to_depth
 
     c_pad, x_dtype, w_bits = operand_plan(C, x_dtype, w_bits)
-    return ConvSpec(N=N, H=H, W=H, C=C + c_pad, K=K, R=R, S=R, stride=st, padding=pd, x_dtype=x_dtype, w_bits=w_bits,
+    spec = ConvSpec(N=N, H=H, W=H, C=C + c_pad, K=K, R=R, S=R, stride=st, padding=pd, x_dtype=x_dtype, w_bits=w_bits,
                     shift_ge33=True, **epi)  # (the epilogue compiled models get)
+    return (space_to_depth(spec) if s2d else None) or spec
 
 
-def int8_spec(N, C, H, K, R, st, pd):
-    return _compiled_spec(N, C, H, K, R, st, pd, "uint8", 8, out_dtype="uint8", zo=3, lo=0, hi=255)
+def int8_spec(N, C, H, K, R, st, pd, s2d=True):
+    return _compiled_spec(N, C, H, K, R, st, pd, "uint8", 8, s2d, out_dtype="uint8", zo=3, lo=0, hi=255)
 
 
-def int4_spec(N, C, H, K, R, st, pd):
-    return _compiled_spec(N, C, H, K, R, st, pd, "uint4", 4, out_dtype="uint4", zo=1, lo=0, hi=15)
+def int4_spec(N, C, H, K, R, st, pd, s2d=True):
+    return _compiled_spec(N, C, H, K, R, st, pd, "uint4", 4, s2d, out_dtype="uint4", zo=1, lo=0, hi=15)
 
 
 def smem_bytes(kn, spec=None) -> int:
@@ -409,10 +412,51 @@ def make_cases_erq(batches, layers=None, tiles=None):
     return cases + extra
 
 
+def make_cases_stem(batches, names=None):
+    """The stem as compiled (its space-to-depth form: a 4x4 stride-1 conv over 16 channels, ``space_to_depth``) at
+    each batch, INT8 and INT4, with every CAND tile (or ``names``) and each of those with the requantize on the
+    accumulators (``erq``) as tuning variants."""
+    from qcompile.schedules import DEFAULT_KNOBS
+    from qcompile.schedules.igemm import _adapt_knobs
+
+    cases, extra = [c for c in make_cases_as_compiled(batches) if c["layer"].startswith("r50_stem_")], []
+    for c in _tunable(cases, ("int8", "int4")):
+        spec, seen = c["spec"], {c["knobs"]}
+        for cname in names or CAND:
+            e = _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(**CAND[cname]), "NHWC")
+            for vname, kn in ((cname, e), (cname + "_erq", e.replace(erq=True))):
+                if _fits(kn, spec, seen):
+                    extra.append(dict(c, knobs=kn, variant=vname, is_default=False))
+    return cases + extra
+
+
+def make_cases_occ1wg(batches, layers=None, minbs=(0, 3, 4), erqs=(False, True)):
+    """Every ResNet-50 layer as compiled now plus, for the 8-bit wgmma-able ones (or only ``layers``), one-warpgroup
+    128-row tiles (BN 64 / 128, BK 64 / 128, 2-3 stages) with each ``minb`` of ``minbs`` blocks per SM, with each
+    ``erq`` of ``erqs``, as tuning variants (more, smaller blocks per SM for the short-reduction 1x1 layers)."""
+    cases, extra = make_cases_as_compiled(batches), []
+    for c in _tunable(cases, ("int8",), layers):
+        spec, seen = c["spec"], {c["knobs"]}
+        if not _wg_ok(spec):
+            continue
+        for BN in (64, 128):
+            for BK in (64, 128):
+                for st in (2, 3):
+                    base = _wg_tile(spec, "wg128x128_bk128_1wg_g0").replace(BN=BN, BK=BK, stages=st)
+                    for m in minbs:
+                        for e in erqs:
+                            kn = base.replace(minb=m, erq=e)
+                            if _fits(kn, spec, seen):
+                                extra.append(dict(c, knobs=kn, variant=f"1wg128x{BN}_bk{BK}_s{st}_m{m}"
+                                                  + ("_erq" if e else ""), is_default=False))
+    return cases + extra
+
+
 # stream-K 8-bit wgmma tiles (GemmKnobs.sk): (WGMMA name, sk = blocks per SM of the grid)
 SK_TILES = [("wg128x128_bk128_g0", 1), ("wg128x128_bk128_s2g0", 1), ("wg128x128_bk128_s2g0", 2),
             ("wg128x128_bk64_s4g0", 1), ("wg128x128_bk64_s4g0", 2), ("wg128x128_bk128_1wg_g0", 1),
-            ("wg64x128_bk128_g0", 2), ("wg128x256_bk128_s2g0", 1)]
+            ("wg64x128_bk128_g0", 2), ("wg128x256_bk128_s2g0", 1),
+            ("wg64x64_bk128_g0", 2), ("wg64x64_bk128_g0", 4), ("wg64x128_bk128_g0", 1)]  # (small tiles: the fc)
 
 
 def make_cases_sk(batches, layers=None, tiles=None):
@@ -635,6 +679,11 @@ def cmd_build(a):
         cases = make_cases_erq(a.batches, a.only_layers, a.cands)
     elif a.sk:
         cases = make_cases_sk(a.batches, a.only_layers, a.cands)
+    elif a.stem:
+        cases = make_cases_stem(a.batches, a.cands)
+    elif a.occ1wg:
+        cases = make_cases_occ1wg(a.batches, a.only_layers, tuple(a.minb or (0, 3, 4)),
+                                  (False, True) if not a.no_erq else (False,))
     elif a.splits:
         cases = make_cases_splits(a.batches, a.only_layers, tuple(a.splits))
     elif a.awarp:
@@ -770,18 +819,10 @@ def make_problem(spec, seed, dev):
 # device (GPU host, TVM runtime only)
 # ------------------------------------------------------------------------------------------------------------
 def _setup_runtime_and_reexec(argv):
-    import importlib.util
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from device_env import setup_runtime_and_reexec
 
-    if importlib.util.find_spec("tvm") is not None or os.environ.get("QC_TUNE_RT"):
-        return
-    rt = "/tmp/tvmrt"
-    os.makedirs(rt, exist_ok=True)
-    subprocess.check_call(["tar", "xJf", str(ROOT / ".bundle" / "tvm_runtime.tar.xz"), "-C", rt])
-    whl = sorted((ROOT / ".bundle").glob("apache_tvm_ffi-*cp312*.whl"))
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                           "--target", rt, str(whl[-1])])
-    env = dict(os.environ, PYTHONPATH=rt, TVM_USE_RUNTIME_LIB="1", PYTHONUNBUFFERED="1", QC_TUNE_RT="1")
-    os.execve(sys.executable, [sys.executable, __file__, *argv], env)
+    setup_runtime_and_reexec(__file__, argv)
 
 
 class Tee:
@@ -815,18 +856,25 @@ def cmd_device(a):
     tdev = torch.device(os.environ.get("QC_TUNE_DEV", "cuda"))  # "cpu": dry run with a mocked device_run
     by_layer: dict[str, list] = {}
     by_shape: dict[tuple, str] = {}  # ResNet-18 and -50 share shapes: the manifest names each shape once
+
+    def shape_key(sp, dt):  # (the INT4 stem row runs an 8-bit kernel: dt from the layer name)
+        return (sp.N, sp.C, sp.H, sp.K, sp.R, sp.strides, sp.pads, dt)
+
     for r in man:
         by_layer.setdefault(r["layer"], []).append(r)
-        sp = r["spec"]
-        by_shape[(sp["N"], sp["C"], sp["H"], sp["K"], sp["R"], sp["stride"], sp["padding"],
-                  r["layer"].rsplit("_", 1)[1])] = r["layer"]  # (the INT4 stem row runs an 8-bit kernel)
+        by_shape[shape_key(DR.to_spec(r["spec"]), r["layer"].rsplit("_", 1)[1])] = r["layer"]
     from layers import RESNET18, RESNET50, distinct  # schedules/layers.py as a plain module (device_run's path)
+    from spec import space_to_depth
 
     shapes = {l[0]: l[1:] for l in RESNET18 + RESNET50}
 
-    def layer_for(name, N, dt):
+    def layer_spec(name, N):  # the layer itself as cuDNN gets it (int8_spec / int4_spec pad C to 4)
         C, H, K, R_, st, pd = shapes[name]
-        return by_shape[(N, C + (-C % 4), H, K, R_, st, pd, dt)]  # (int8_spec / int4_spec pad C to 4)
+        return DR.ConvSpec(N=N, H=H, W=H, C=C + (-C % 4), K=K, R=R_, S=R_, stride=st, padding=pd)
+
+    def layer_for(name, N, dt):  # (the stem runs its space-to-depth form)
+        sp = layer_spec(name, N)
+        return by_shape[shape_key(space_to_depth(sp) or sp, dt)]
     tune_layers = [k for k, rs in by_layer.items() if rs[0]["kind"] == "tune"]
     # batch 64 first (then 256): the time guard drops the tail, never the main batch
     tune_layers.sort(key=lambda k: (0 if "_b64_" in k else 1))
@@ -934,8 +982,8 @@ def cmd_device(a):
                 continue
             for dt, layer in zip(("int8", "int4"), layers):
                 rec = best_rec.get(layer) or dflt_rec.get(layer) or by_layer[layer][0]
-                spec = DR.to_spec(rec["spec"])
-                if row is None:
+                if row is None:  # the layer itself (the stem: not its space-to-depth form), as cuDNN gets it
+                    spec = layer_spec(name, N)
                     row = dict(layer=key, N=spec.N, C=spec.C, H=spec.H, K=spec.K, R=spec.R, stride=spec.strides[0],
                                gops=2 * spec.macs() / 1e9)
                 try:
@@ -1176,6 +1224,13 @@ def main():
     b.add_argument("--awarp", action="store_true",
                    help="as compiled + register-A kernels with warp-owned A rows (GemmKnobs.awarp) for the 4-bit layers "
                         "(--only-layers, --cands tiles, --minb, --pstages)")
+    b.add_argument("--occ1wg", action="store_true",
+                   help="as compiled + one-warpgroup 128-row tiles with minb 0/3/4 (--minb), with and without erq "
+                        "(--no-erq: without), for the 8-bit layers (--only-layers)")
+    b.add_argument("--no-erq", action="store_true", help="with --occ1wg: no erq variants")
+    b.add_argument("--stem", action="store_true",
+                   help="the stem as compiled (its space-to-depth form) with every CAND tile (--cands), with and "
+                        "without erq, INT8 and INT4")
     b.add_argument("--as-compiled", action="store_true",
                    help="no tuning: one kernel per ResNet-50 shape with the knobs compiled models get (bench only)")
     d = sub.add_parser("device")

@@ -38,6 +38,50 @@ def test_dispatch_exact_on_cpu(bits, layout):
     assert np.array_equal(y, Reference(mi)(x))
 
 
+def _stem_model(hw, zp=117, seed=5):
+    """A 3-channel 7x7 stride-2 stem (the ResNet one), uint8 input with zero point ``zp`` (the padding reads it)."""
+    from qcompile.qdq import QDQBuilder, qtype
+
+    rng = np.random.default_rng(seed)
+    b = QDQBuilder()
+    x = b.input("x", (2, 3) + hw)
+    u8, s8 = qtype(8, False), qtype(8, True)
+    d0 = b.dequantize(b.quantize(x, 0.03, zp, u8, name="q_in"), 0.03, zp)
+    w = b.qweight(rng.integers(-127, 128, (16, 3, 7, 7)), np.full(16, 2e-3), s8, name="w")
+    h = b.relu(b.conv2d(d0, w, b.qbias(rng.integers(-999, 999, 16), 6e-5, "bias"), (2, 2), (3, 3, 3, 3), name="stem"))
+    return b.finish([b.dequantize(b.quantize(h, 0.02, 0, u8, name="q_stem"), 0.02, 0, name="out")])
+
+
+@pytest.mark.parametrize("hw", [(13, 13), (12, 15)])
+def test_dispatch_space_to_depth_stem_exact_on_cpu(hw):
+    """The stem as CUDA builds run it (4x4 stride-1 conv over the 2x2 space-to-depth input, 16 channels), forced on
+    the CPU kernels: bit-exact against the integer reference, odd sizes (pad-value row / column) included."""
+    mi = lower_to_integer(_stem_model(hw), "NHWC", pack_int4=False)
+    p = DispatchTensorCore(target_kind="llvm", space_to_depth=True)
+    md = run_pass(p, mi)
+    assert p.chosen == [("q_stem", "te-compute+s2d")]
+    text = md["main"].script(show_meta=False)
+    assert f'R.Tensor((2, {(hw[0] + 1) // 2}, {(hw[1] + 1) // 2}, 16), dtype="uint8")' in text
+    assert ("_s2dpad" in text) == (hw[0] % 2 or hw[1] % 2)
+    x = np.random.default_rng(8).standard_normal((2, 3) + hw).astype("float32") * 2
+    vm = relax.VirtualMachine(build(md, "llvm"), tvm.cpu())
+    y = vm["main"](tvm.runtime.tensor(x)).numpy()
+    assert np.array_equal(y, Reference(mi)(x)) and y.std() > 0
+
+
+def test_dispatch_cuda_space_to_depth_stem():
+    """On CUDA (IR only) the stem's kernel is the 16-channel 4x4 stride-1 conv; CPU builds keep the 7x7 one."""
+    mi = lower_to_integer(_stem_model((224, 224)), "NHWC", pack_int4=False)
+    p = DispatchTensorCore("sm_90")
+    md = run_pass(p, mi)
+    assert p.chosen == [("q_stem", "implicit_gemm+s2d")]
+    assert 'q_stem_s2d: R.Tensor((2, 112, 112, 16), dtype="uint8")' in md["main"].script(show_meta=False)
+    assert [c.shape for c in _constants(md["main"]) if c.ndim == 4] == [(16, 4, 4, 16)]
+    p = DispatchTensorCore(target_kind="llvm")
+    run_pass(p, mi)
+    assert p.chosen == [("q_stem", "te-compute")]
+
+
 def test_dispatch_cuda_splits_small_grids_and_fuses_the_residual():
     """On CUDA (IR only, no nvcc): a 7x7 batch-1 conv with a long reduction runs as a split-K pair (partial
     sums, then the epilogue kernel), and the residual add after it is that epilogue's second stage."""
@@ -113,3 +157,26 @@ def _constants(func):
     relax.analysis.post_order_visit(func, lambda e: out.append(e.value.numpy())
                                     if isinstance(e, Constant) and hasattr(e.value, "numpy") else None)
     return out
+
+
+def test_dispatch_pools_cuda():
+    """On CUDA (IR only) the 8-bit NHWC max pool runs qcompile's pool kernel (4-channel SIMD max on 32-bit words,
+    16-byte loads); an NCHW graph keeps the Relax op (legalized, scheduled by the glue rules)."""
+    from qcompile.relay_passes import DispatchPools
+    from qcompile.schedules.build import build_cuda, cuda_source
+    from qcompile.schedules.pool import max_pool_nhwc_kernel
+
+    mod, _ = tiny_resnet_qdq(seed=2, w_bits=8, a_bits=8)
+    p = DispatchPools()
+    md = run_pass(p, run_pass(DispatchTensorCore("sm_90"), lower_to_integer(mod, "NHWC", pack_int4=False)))
+    assert p.replaced == [((2, 12, 12, 8), "uint8", (3, 3), (2, 2), (1, 1, 1, 1))]
+    assert "R.nn.max_pool2d" not in md["main"].script(show_meta=False)
+    assert "qpool_max_0" in {gv.name_hint for gv in md.get_global_vars()}
+    relax.transform.RewriteDataflowReshape()(md)  # (TVM's CUDA pipeline inspects single-input calls: a root block)
+    p = DispatchPools()
+    run_pass(p, lower_to_integer(mod, "NCHW", pack_int4=False))
+    assert p.replaced == []
+    for dtype, C, ins in (("uint8", 64, "__vmaxu4"), ("int8", 8, "__vmaxs4")):
+        f = max_pool_nhwc_kernel(2, 15, 15, C, dtype).with_attr("global_symbol", "mp")
+        src = cuda_source(build_cuda(f, "sm_90", mode="ptx"))
+        assert ins in src and ("*(uint4*)(xw_ptr" in src) == (C % 16 == 0)

@@ -89,6 +89,46 @@ def test_compute_llvm_matches_numpy(spec):
     _run_llvm_and_compare(func, args, spec, rng, (x, w, b, M, S, res))
 
 
+@pytest.mark.parametrize("shape", [
+    (2, 224, 224, 4, 7, 7, 3),          # the ResNet stem (C=3 padded to 4)
+    (1, 57, 57, 4, 7, 7, 3),            # odd H / W: the extra row / column reads the pad value
+    (3, 33, 31, 4, 7, 7, (3, 2, 1, 3)),  # asymmetric padding, odd and even pad in front
+    (2, 15, 14, 8, 3, 3, 1),
+    (2, 10, 10, 12, 4, 4, 1),
+])
+def test_space_to_depth_is_the_same_conv(shape):
+    """The stride-2 conv as a stride-1 conv over the 2x2 space-to-depth input: the same int64 sums (pad value 17)."""
+    from qcompile.schedules.spec import space_to_depth, space_to_depth_input, space_to_depth_weights
+
+    N, H, W, C, R_, S_, pad = shape
+    rng = np.random.default_rng(11)
+    spec = ConvSpec(N=N, H=H, W=W, C=C, K=8, R=R_, S=S_, stride=2, padding=pad, x_dtype="uint8", pad_value=17)
+    s2 = space_to_depth(spec)
+    assert s2.strides == (1, 1) and s2.C == 4 * C and (s2.P, s2.Q) == (spec.P, spec.Q)
+    x = rng.integers(0, 256, (N, H, W, C))
+    w = rng.integers(-128, 128, (8, R_, S_, C))
+    ref = R.conv_acc_nhwc(x, w, spec)
+    assert np.array_equal(R.conv_acc_nhwc(space_to_depth_input(x, 17), space_to_depth_weights(w, spec), s2), ref)
+    if shape[0] == 2 and H == 224:
+        assert (s2.H, s2.W, s2.C, s2.R, s2.S, s2.pads) == (112, 112, 16, 4, 4, (2, 2, 1, 1))
+
+
+def test_space_to_depth_applies_only_where_it_helps():
+    from qcompile.schedules.spec import space_to_depth
+
+    stem = ConvSpec(N=1, H=224, W=224, C=4, K=64, R=7, S=7, stride=2, padding=3, x_dtype="uint8")
+    assert space_to_depth(stem) is not None
+    for other in (stem.replace(C=16),                # 16-byte channel vectors already
+                  stem.replace(stride=1),
+                  stem.replace(R=1, S=1, padding=0),  # 1x1 stride 2: a strided load, nothing to gain
+                  stem.replace(layout="HWNC"),
+                  stem.replace(C=8, x_dtype="uint4", w_bits=4),
+                  stem.replace(dilation=2)):
+        assert space_to_depth(other) is None
+    # a tap pattern whose space-to-depth form would need negative padding
+    assert space_to_depth(ConvSpec(N=1, H=9, W=9, C=12, K=8, R=5, S=3, stride=2, padding=(0, 1, 2, 0))) is None
+
+
 def test_pack4_convention():
     v = np.array([[1, -2, 7, -8]])
     p = R.pack4(v)
@@ -393,3 +433,48 @@ def test_splitk_plan():
     # forced by the knob
     forced = conv2d_int_plan(l4.replace(N=64), "sm_90", knobs=GemmKnobs(split_k=2))
     assert int(forced[0].attrs["qcompile.split_k"]) == 2
+
+
+def _legalized(build):
+    """The fused, legalized PrimFuncs of a one-op Relax function (what dlight's rules see in the CUDA pipeline)."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(build.shape, "uint8"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(build(x))
+        bb.emit_func_output(y)
+    mod = relax.transform.LegalizeOps()(bb.get())
+    mod = relax.transform.FuseTIR()(relax.transform.FuseOps()(relax.transform.AnnotateTIROpPattern()(mod)))
+    return [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+
+
+def test_glue_pool_rule():
+    """ChannelsLastWindowReduction schedules NHWC pools (the stem's max pool, the global average pool's sum) with
+    vector loads and stores of 4 channels per thread, and leaves other reductions to dlight."""
+    from tvm import relax
+
+    from qcompile.schedules.glue import ChannelsLastWindowReduction
+
+    def maxpool(x):
+        return relax.op.nn.max_pool2d(x, (3, 3), (2, 2), (1, 1, 1, 1), layout="NHWC")
+    maxpool.shape = [2, 14, 14, 64]
+
+    def avgsum(x):
+        return relax.op.sum(relax.op.astype(x, "int32"), axis=[1, 2])
+    avgsum.shape = [2, 7, 7, 256]
+
+    def rowsum(x):  # a reduction over the channels: not a window
+        return relax.op.sum(relax.op.astype(x, "int32"), axis=[3])
+    rowsum.shape = [2, 7, 7, 256]
+
+    tgt = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    rule = ChannelsLastWindowReduction()
+    assert rule.apply(_legalized(rowsum)[0], tgt, False) is None
+    for build, load, store in ((maxpool, "*(uint*)(x_ptr", "*(uint*)(pool_max_ptr"), (avgsum, "*(uint*)(x_ptr", "int4")):
+        (f,) = _legalized(build)
+        sch = rule.apply(f, tgt, False)
+        assert sch is not None
+        src = cuda_source(build_cuda(sch.mod["main"].with_attr("global_symbol", "glue"), "sm_90", mode="ptx"))
+        assert load in src and store in src, src[-3000:]

@@ -23,14 +23,18 @@ def _fresh_cache(monkeypatch):
 
 def _specs():
     """The shapes tune_layers.py tunes (ResNet-18/50 at batch 64/256, ResNet-50 at batch 1 and 8; INT8 and INT4 NHWC;
-    the RGB stem also as compiled models run it, padded to 4 channels)."""
+    the RGB stem also as compiled models run it: padded to 4 channels, and in its space-to-depth form)."""
+    from qcompile.schedules.spec import space_to_depth
+
     for N in (1, 8, 64, 256):
         for (_, C, H, K, R, st, pd) in ALL_RESNET:
             yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
                            out_dtype="uint8", lo=0, hi=255)
             if C % 4:
-                yield ConvSpec(N=N, H=H, W=H, C=C + (-C % 4), K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
-                               out_dtype="uint8", lo=0, hi=255)
+                c4 = ConvSpec(N=N, H=H, W=H, C=C + (-C % 4), K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
+                              out_dtype="uint8", lo=0, hi=255)
+                yield c4
+                yield space_to_depth(c4)
             if C % 2 == 0:
                 yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint4", w_bits=4,
                                out_dtype="uint4", lo=0, hi=15)
@@ -204,3 +208,23 @@ def test_stream_k_and_split_round_candidates(tmp_path):
         _, (rec,), _ = tl.build_group((0, [case]))
         assert rec["funcs"] == ["t0000", "t0000_e"] and rec["strategy_used"] == "implicit_gemm+splitk2"
         assert rec["sk"] is None and (tmp_path / "t000.so").is_file()
+
+
+def test_stem_round_tunes_the_space_to_depth_form():
+    """--stem proposes tiles for the stem as compiled models run it (the 4x4 stride-1 conv over 16 channels), and the
+    tuner's layer table maps the stem's rows to it while cuDNN gets the layer itself (7x7 stride 2, 4 channels)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tune_layers.py"
+    spec = importlib.util.spec_from_file_location("tune_layers", path)
+    tl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tl)
+    cases = tl.make_cases_stem([64])
+    assert {c["layer"] for c in cases} == {"r50_stem_b64_int8", "r50_stem_b64_int4"}
+    assert all((c["spec"].C, c["spec"].R, c["spec"].strides) == (16, 4, (1, 1)) for c in cases)
+    extra = [c for c in cases if c["variant"] != "default"]
+    assert len(extra) > 20 and any(c["knobs"].mma == "wgmma" for c in extra) and any(c["knobs"].erq for c in extra)
+    assert all(c["knobs"].valid() for c in extra)
+    layer = tl.int8_spec(64, 3, 224, 64, 7, 2, 3, s2d=False)
+    assert (layer.C, layer.R, layer.strides) == (4, 7, (2, 2))

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Check (and time) qcompile's 8-bit NHWC max-pool kernel (schedules/pool.py) on the GPU host.
+
+    python scripts/check_pools.py build                      # here: .device/pools/pools.so + cases.json
+    run(command="python3 scripts/check_pools.py device", carry=[".device/pools", ".bundle"])
+
+On the GPU host (TVM runtime only): every case on fresh random bytes over the type's whole range, the output poisoned
+before each of two runs, compared byte for byte with a float64 max over the window's positions inside the input
+(torch; exact for 8-bit values); then the ResNet stem's pool (batch 256) timed from a CUDA graph.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DIR = ROOT / ".device" / "pools"
+# (name, N, H, W, C, dtype, pool, strides, padding t, l, b, r)
+CASES = [
+    ("r50_stem_pool_b8", 8, 112, 112, 64, "uint8", (3, 3), (2, 2), (1, 1, 1, 1)),
+    ("r50_stem_pool_b256", 256, 112, 112, 64, "uint8", (3, 3), (2, 2), (1, 1, 1, 1)),
+    ("int8_odd", 3, 15, 13, 64, "int8", (3, 3), (2, 2), (1, 1, 1, 1)),
+    ("c4_words", 2, 9, 9, 4, "uint8", (3, 3), (2, 2), (1, 1, 1, 1)),
+    ("c24_asym", 3, 10, 11, 24, "int8", (2, 3), (1, 2), (0, 1, 1, 2)),
+    ("c16_big_pad", 1, 5, 6, 16, "uint8", (3, 3), (1, 1), (2, 2, 2, 2)),
+]
+
+
+def cmd_build():
+    import tvm
+
+    from qcompile.schedules.build import cuda_target, ensure_stub_libcuda, nvcc_options
+    from qcompile.schedules.pool import max_pool_nhwc_kernel
+
+    ensure_stub_libcuda()  # (so that the module embeds compiled code, not CUDA source: there is no nvrtc there)
+    DIR.mkdir(parents=True, exist_ok=True)
+    funcs = {c[0]: max_pool_nhwc_kernel(*c[1:]).with_attr("global_symbol", c[0]) for c in CASES}
+    with nvcc_options("sm_90", "sass"):
+        tvm.compile(tvm.IRModule(funcs), target=cuda_target("sm_90")).export_library(str(DIR / "pools.so"))
+    (DIR / "cases.json").write_text(json.dumps(CASES))
+    print(f"{len(CASES)} kernels -> {DIR / 'pools.so'}")
+
+
+def reference(x, pool, strides, padding):
+    """float64 max over the window positions inside x (NHWC in, NHWC out)."""
+    import torch
+
+    pt, pl, pb, pr = padding
+    xp = torch.nn.functional.pad(x.permute(0, 3, 1, 2).double(), (pl, pr, pt, pb), value=float("-inf"))
+    y = torch.nn.functional.max_pool2d(xp, pool, strides)
+    return y.permute(0, 2, 3, 1)
+
+
+def cmd_device():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from device_env import setup_runtime_and_reexec
+
+    setup_runtime_and_reexec(__file__, sys.argv[1:])
+    import device_run as DR  # the TVM runtime + CUDA, the CUDA-graph timer
+    import numpy as np
+    import torch
+
+    mod = DR.tvm.runtime.load_module(str(DIR / "pools.so"))
+    out = pathlib.Path(os.environ.get("OUT", "/tmp"))
+    results, ok_all = [], True
+    for name, N, H, W, C, dt, pool, strides, pad in json.loads((DIR / "cases.json").read_text()):
+        rng = np.random.default_rng(len(results) + 1)
+        lo, hi = (-128, 128) if dt == "int8" else (0, 256)
+        x = rng.integers(lo, hi, (N, H, W, C)).astype(dt)
+        ref = reference(torch.from_numpy(x.astype(np.int64)).cuda(), pool, strides, pad).cpu().numpy()
+        xt = DR.tvm.runtime.tensor(x, DR.DEV)
+        ok = True
+        for poison in (0x5A, 0xA5):
+            y = DR.tvm.runtime.tensor(np.full(ref.shape, poison, np.uint8).view(dt), DR.DEV)
+            mod[name](xt, y)
+            ok &= bool(np.array_equal(y.numpy().astype(np.int64), ref.astype(np.int64)))
+        row = dict(name=name, ok=ok, shape=[N, H, W, C], dtype=dt, pool=pool, strides=strides, padding=pad)
+        if name.endswith("_b256"):
+            row["ms"] = DR.bench_timer(lambda: mod[name](xt, y))
+            xh = torch.randn(N, C, H, W, device="cuda").half().to(memory_format=torch.channels_last)
+            row["torch_fp16_ms"] = DR.bench_timer(lambda: torch.nn.functional.max_pool2d(xh, pool, strides, 1))
+        ok_all &= ok
+        results.append(row)
+        print(("PASS " if ok else "FAIL ") + json.dumps(row), flush=True)
+    (out / "check_pools.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results},
+                                                     indent=1))
+    print(f"{sum(r['ok'] for r in results)}/{len(results)} pool kernels exact")
+    sys.exit(0 if ok_all else 1)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    {"build": cmd_build, "device": cmd_device}[sys.argv[1]]()
