@@ -16,6 +16,13 @@ A quantized residual add whose one operand is such a conv output used nowhere el
 is fused into that conv's kernel as a second epilogue stage (y1 never reaches memory; ``r`` is read
 in the epilogue). 4-bit activations produced by a kernel stay packed (two per byte, low nibble first)
 when every consumer is a kernel (data or residual operand); other consumers read bytes.
+
+On CUDA a stride-2 conv with a short 8-bit channel vector (the RGB stem, padded to 4 channels) runs as the stride-1
+conv over its 2x2 space-to-depth input (``schedules.spec.space_to_depth``): the input is rearranged in the graph,
+
+    x2 = reshape(permute_dims(reshape(x, [N, H/2, 2, W/2, 2, C]), [0, 1, 3, 2, 4, 5]), [N, H/2, W/2, 4C])
+
+(an odd H / W padded with the input zero point first), the weights at compile time; the sums are the same.
 """
 from __future__ import annotations
 
@@ -394,7 +401,8 @@ class _Dispatcher(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchTensorCore")
 class DispatchTensorCore:
-    """Replace requantized integer conv2d/dense in ``main`` by tensor-core kernels for ``arch``."""
+    """Replace requantized integer conv2d/dense in ``main`` by tensor-core kernels for ``arch``.
+    ``space_to_depth``: run the stem in its space-to-depth form (None: on CUDA, not with the CPU kernels)."""
 
     def __init__(self, arch: str = "sm_90", log=None, target_kind: str = "cuda", space_to_depth=None):
         self.arch, self.log, self.kind, self.s2d = arch, log, target_kind, space_to_depth

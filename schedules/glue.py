@@ -75,9 +75,11 @@ class ChannelsLastWindowReduction(GPUScheduleRule):
     innermost axis of every buffer it reads and writes (channels last) and whose reduction axes are all outer (a
     window over H, W): pools on NHWC. Else None."""
 
-    def __init__(self, threads: int = 256, vec_bytes: int = 16, max_lanes: int = 4):
-        # (max_lanes: TVM 0.27's CUDA codegen cannot print an 8- or 16-lane 8-bit constant, e.g. the pad value)
-        self.threads, self.vec_bytes, self.max_lanes = threads, vec_bytes, max_lanes
+    def __init__(self, threads: int = 256, vec_bytes: int = 16, max_lanes: int = 4, min_threads: int = 32768):
+        # (max_lanes: TVM 0.27's CUDA codegen cannot print an 8- or 16-lane 8-bit constant, e.g. the pad value;
+        # min_threads: one thread per output vector walks the whole window, so with few outputs -- the average pool at
+        # batch 1-8 -- dlight's cross-thread reduction is faster)
+        self.threads, self.vec_bytes, self.max_lanes, self.min_threads = threads, vec_bytes, max_lanes, min_threads
 
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool):
         # 1. only GPU functions that are not already scheduled; one reduction block after inlining
@@ -105,6 +107,11 @@ class ChannelsLastWindowReduction(GPUScheduleRule):
         vec = min(self.max_lanes, max(1, self.vec_bytes // max(nbytes, 1)))
         while vec > 1 and int(extents[ns - 1]) % vec:
             vec //= 2
+        outputs = 1
+        for e in extents[:ns]:
+            outputs *= int(e)
+        if outputs // vec < self.min_threads:
+            return None
         spatial, reduce_ = loops[:ns], loops[ns:]
         co, cv = sch.split(spatial[-1], factors=[None, vec])
         fused = sch.fuse(*spatial[:-1], co)

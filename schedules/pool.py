@@ -3,7 +3,7 @@
     y[n, p, q, c] = max over (r, s) with 0 <= p*sh - pt + r < H, 0 <= q*sw - pl + s < W of x[n, p*sh - pt + r, q*sw - pl + s, c]
 
 (the minimum of the type where the window holds no input: TVM's max_pool2d pads with it). Each thread takes 16
-channels (4 when C % 16) of one output position as 32-bit words, loaded as one vector per window position, and
+channels (4 when C % 16, or when that leaves fewer than 32768 threads) of one output position as 32-bit words, loaded as one vector per window position, and
 reduces them with the byte-wise SIMD max (``__vmaxu4`` / ``__vmaxs4``: 4 channels per instruction); window positions
 outside the input are skipped. TVM's legalized pool, scheduled by dlight, runs one byte per thread (ResNet-50 at batch
 256 on the H100: 237 us; ``glue.ChannelsLastWindowReduction``: 168 us).
@@ -29,7 +29,9 @@ def max_pool_nhwc_kernel(N: int, H: int, W: int, C: int, dtype: str, pool=(3, 3)
     pt, pl, pb, pr = padding
     P, Q = (H + pt + pb - R) // sh + 1, (W + pl + pr - S) // sw + 1
     CW = C // 4  # 32-bit words per pixel
-    V = 4 if CW % 4 == 0 else 1  # words per thread
+    # words per thread: 4 (one 16-byte load per window position) where that still leaves >= 32768 threads (batch 8 and
+    # up for ResNet's pool), else 1 (batch 1: 4x the threads, 4-byte loads)
+    V = 4 if CW % 4 == 0 and N * P * Q * CW // 4 >= 32768 else 1
     CV = CW // V
     total = N * P * Q * CV
     vmax = "__vmaxs4" if dtype == "int8" else "__vmaxu4"

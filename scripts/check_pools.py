@@ -19,6 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DIR = ROOT / ".device" / "pools"
 # (name, N, H, W, C, dtype, pool, strides, padding t, l, b, r)
 CASES = [
+    ("r50_stem_pool_b1", 1, 112, 112, 64, "uint8", (3, 3), (2, 2), (1, 1, 1, 1)),
     ("r50_stem_pool_b8", 8, 112, 112, 64, "uint8", (3, 3), (2, 2), (1, 1, 1, 1)),
     ("r50_stem_pool_b256", 256, 112, 112, 64, "uint8", (3, 3), (2, 2), (1, 1, 1, 1)),
     ("int8_odd", 3, 15, 13, 64, "int8", (3, 3), (2, 2), (1, 1, 1, 1)),

@@ -176,7 +176,9 @@ def test_dispatch_pools_cuda():
     p = DispatchPools()
     run_pass(p, lower_to_integer(mod, "NCHW", pack_int4=False))
     assert p.replaced == []
-    for dtype, C, ins in (("uint8", 64, "__vmaxu4"), ("int8", 8, "__vmaxs4")):
-        f = max_pool_nhwc_kernel(2, 15, 15, C, dtype).with_attr("global_symbol", "mp")
+    # 16 channels per thread (one 16-byte load per window position) where that leaves >= 32768 threads, else 4
+    for N, dtype, C, ins, v16 in ((256, "uint8", 64, "__vmaxu4", True), (2, "uint8", 64, "__vmaxu4", False),
+                                  (256, "int8", 8, "__vmaxs4", False)):
+        f = max_pool_nhwc_kernel(N, 15, 15, C, dtype).with_attr("global_symbol", "mp")
         src = cuda_source(build_cuda(f, "sm_90", mode="ptx"))
-        assert ins in src and ("*(uint4*)(xw_ptr" in src) == (C % 16 == 0)
+        assert ins in src and ("*(uint4*)(xw_ptr" in src) == v16

@@ -452,18 +452,23 @@ def _legalized(build):
 
 def test_glue_pool_rule():
     """ChannelsLastWindowReduction schedules NHWC pools (the stem's max pool, the global average pool's sum) with
-    vector loads and stores of 4 channels per thread, and leaves other reductions to dlight."""
+    vector loads and stores of 4 channels per thread, and leaves other reductions, and pools with few outputs (batch 1),
+    to dlight."""
     from tvm import relax
 
     from qcompile.schedules.glue import ChannelsLastWindowReduction
 
     def maxpool(x):
         return relax.op.nn.max_pool2d(x, (3, 3), (2, 2), (1, 1, 1, 1), layout="NHWC")
-    maxpool.shape = [2, 14, 14, 64]
+    maxpool.shape = [64, 14, 14, 64]
 
     def avgsum(x):
         return relax.op.sum(relax.op.astype(x, "int32"), axis=[1, 2])
-    avgsum.shape = [2, 7, 7, 256]
+    avgsum.shape = [256, 7, 7, 512]
+
+    def avgsum_b1(x):
+        return avgsum(x)
+    avgsum_b1.shape = [1, 7, 7, 2048]
 
     def rowsum(x):  # a reduction over the channels: not a window
         return relax.op.sum(relax.op.astype(x, "int32"), axis=[3])
@@ -472,6 +477,7 @@ def test_glue_pool_rule():
     tgt = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
     rule = ChannelsLastWindowReduction()
     assert rule.apply(_legalized(rowsum)[0], tgt, False) is None
+    assert rule.apply(_legalized(avgsum_b1)[0], tgt, False) is None  # 512 outputs of 4 channels
     for build, load, store in ((maxpool, "*(uint*)(x_ptr", "*(uint*)(pool_max_ptr"), (avgsum, "*(uint*)(x_ptr", "int4")):
         (f,) = _legalized(build)
         sch = rule.apply(f, tgt, False)
