@@ -7,8 +7,8 @@ thread: 1-byte accesses and per-element index arithmetic. ``VectorizedElementwis
 the index arithmetic is amortized.
 
 The pools between them (the stem's 3x3 max pool, the global average pool's sum) reduce over spatial windows of
-NHWC tensors. dlight's reduction rules map them onto threads without vector accesses (ResNet-50 at batch 256 on the
-H100: the max pool 237 us, the sum 71 us). ``ChannelsLastWindowReduction`` gives each thread ``vec`` consecutive
+NHWC tensors. dlight's reduction rules map them onto threads without vector accesses (ResNet-50's at batch 256 on the
+H100, ``scripts/check_pools.py``: the max pool 225 us, the sum 60 us; under this rule 155 us and 6.4 us). ``ChannelsLastWindowReduction`` gives each thread ``vec`` consecutive
 channels of one output position, accumulates them in registers over the window and stores them as one vector.
 """
 from __future__ import annotations

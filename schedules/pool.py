@@ -5,8 +5,9 @@
 (the minimum of the type where the window holds no input: TVM's max_pool2d pads with it). Each thread takes 16
 channels (4 when C % 16, or when that leaves fewer than 32768 threads) of one output position as 32-bit words, loaded as one vector per window position, and
 reduces them with the byte-wise SIMD max (``__vmaxu4`` / ``__vmaxs4``: 4 channels per instruction); window positions
-outside the input are skipped. TVM's legalized pool, scheduled by dlight, runs one byte per thread (ResNet-50 at batch
-256 on the H100: 237 us; ``glue.ChannelsLastWindowReduction``: 168 us).
+outside the input are skipped. TVM's legalized pool, scheduled by dlight, runs one byte per thread (ResNet-50's at batch
+256 on the H100, side by side in ``scripts/check_pools.py``: dlight 225 us, ``glue.ChannelsLastWindowReduction`` 155 us,
+this kernel 99.6 us).
 """
 from __future__ import annotations
 

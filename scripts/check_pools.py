@@ -6,7 +6,10 @@
 
 On the GPU host (TVM runtime only): every case on fresh random bytes over the type's whole range, the output poisoned
 before each of two runs, compared byte for byte with a float64 max over the window's positions inside the input
-(torch; exact for 8-bit values); then the ResNet stem's pool (batch 256) timed from a CUDA graph.
+(torch; exact for 8-bit values). At batch 256 the ResNet stem's pool is timed (CUDA graph) side by side with the
+baselines it replaces -- TVM's legalized max_pool2d under dlight's default rules, and under
+``glue.ChannelsLastWindowReduction`` -- and so is the global average pool's sum (uint8 -> int32 over 7x7 of 2048
+channels) under dlight and under the rule; every baseline is checked too.
 """
 from __future__ import annotations
 
@@ -29,6 +32,38 @@ CASES = [
 ]
 
 
+# baselines at batch 256, timed side by side: (name, op, input shape)
+BASELINES = [("maxpool_dlight", "max", [256, 112, 112, 64]), ("maxpool_rule", "max", [256, 112, 112, 64]),
+             ("avgsum_dlight", "sum", [256, 7, 7, 2048]), ("avgsum_rule", "sum", [256, 7, 7, 2048])]
+
+
+def _baseline(name, op, shape):
+    """TVM's legalized pool (uint8 NHWC) scheduled by dlight's default GPU rules, or by our window-reduction rule."""
+    import tvm
+    from tvm import relax
+    from tvm.s_tir import dlight as dl
+
+    from qcompile.schedules.build import cuda_target
+    from qcompile.schedules.glue import ChannelsLastWindowReduction
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "uint8"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.nn.max_pool2d(x, (3, 3), (2, 2), (1, 1, 1, 1), layout="NHWC") if op == "max"
+                               else relax.op.sum(relax.op.astype(x, "int32"), axis=[1, 2]))
+        bb.emit_func_output(y)
+    mod = relax.transform.LegalizeOps()(bb.get())
+    mod = relax.transform.FuseTIR()(relax.transform.FuseOps()(relax.transform.AnnotateTIROpPattern()(mod)))
+    (f,) = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    rules = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+    if name.endswith("_rule"):
+        rules = [ChannelsLastWindowReduction(min_threads=0)]
+    with cuda_target("sm_90"):
+        f = dl.ApplyDefaultSchedule(*rules)(tvm.IRModule({"main": f}))["main"]
+    return f.with_attr("global_symbol", name)
+
+
 def cmd_build():
     import tvm
 
@@ -38,10 +73,11 @@ def cmd_build():
     ensure_stub_libcuda()  # (so that the module embeds compiled code, not CUDA source: there is no nvrtc there)
     DIR.mkdir(parents=True, exist_ok=True)
     funcs = {c[0]: max_pool_nhwc_kernel(*c[1:]).with_attr("global_symbol", c[0]) for c in CASES}
+    funcs.update({b[0]: _baseline(*b) for b in BASELINES})
     with nvcc_options("sm_90", "sass"):
         tvm.compile(tvm.IRModule(funcs), target=cuda_target("sm_90")).export_library(str(DIR / "pools.so"))
-    (DIR / "cases.json").write_text(json.dumps(CASES))
-    print(f"{len(CASES)} kernels -> {DIR / 'pools.so'}")
+    (DIR / "cases.json").write_text(json.dumps({"cases": CASES, "baselines": BASELINES}))
+    print(f"{len(funcs)} kernels -> {DIR / 'pools.so'}")
 
 
 def reference(x, pool, strides, padding):
@@ -65,8 +101,9 @@ def cmd_device():
 
     mod = DR.tvm.runtime.load_module(str(DIR / "pools.so"))
     out = pathlib.Path(os.environ.get("OUT", "/tmp"))
+    spec = json.loads((DIR / "cases.json").read_text())
     results, ok_all = [], True
-    for name, N, H, W, C, dt, pool, strides, pad in json.loads((DIR / "cases.json").read_text()):
+    for name, N, H, W, C, dt, pool, strides, pad in spec["cases"]:
         rng = np.random.default_rng(len(results) + 1)
         lo, hi = (-128, 128) if dt == "int8" else (0, 256)
         x = rng.integers(lo, hi, (N, H, W, C)).astype(dt)
@@ -82,6 +119,18 @@ def cmd_device():
             row["ms"] = DR.bench_timer(lambda: mod[name](xt, y))
             xh = torch.randn(N, C, H, W, device="cuda").half().to(memory_format=torch.channels_last)
             row["torch_fp16_ms"] = DR.bench_timer(lambda: torch.nn.functional.max_pool2d(xh, pool, strides, 1))
+        ok_all &= ok
+        results.append(row)
+        print(("PASS " if ok else "FAIL ") + json.dumps(row), flush=True)
+    for name, op, shape in spec["baselines"]:  # (timed after the kernel in the same process)
+        x = np.random.default_rng(len(results) + 1).integers(0, 256, shape).astype("uint8")
+        xg = torch.from_numpy(x.astype(np.int64)).cuda()
+        ref = (reference(xg, (3, 3), (2, 2), (1, 1, 1, 1)) if op == "max" else xg.sum(dim=(1, 2))).cpu().numpy()
+        xt = DR.tvm.runtime.tensor(x, DR.DEV)
+        y = DR.tvm.runtime.tensor(np.full(ref.shape, 0x5A, "uint8" if op == "max" else "int32"), DR.DEV)
+        mod[name](xt, y)
+        ok = bool(np.array_equal(y.numpy().astype(np.int64), ref.astype(np.int64)))
+        row = dict(name=name, ok=ok, shape=shape, op=op, ms=DR.bench_timer(lambda: mod[name](xt, y)))
         ok_all &= ok
         results.append(row)
         print(("PASS " if ok else "FAIL ") + json.dumps(row), flush=True)
