@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--emit-cuda", metavar="DIR", help="also write each kernel's CUDA source and PTX to DIR (cuda)")
     ap.add_argument("--dump-ir", metavar="DIR", help="write the IR after each phase to DIR")
     ap.add_argument("--no-pack-int4", action="store_true", help="keep 4-bit tensors one per byte")
+    ap.add_argument("--packed-int4-weights", action="store_true",
+                    help="keep every 4-bit weight packed two per byte (cuda: by default the layers whose tuning record "
+                         "says so take theirs expanded to 8 bits, which is faster on sm_90 and doubles their size)")
     ap.add_argument("--weights-beside", action="store_true",
                     help="write the weights to NAME.weights.npz beside NAME.so (one file for every batch size) "
                          "instead of compiling them into the .so; each call then passes them as arguments, which "
@@ -43,7 +46,7 @@ def qcompile_main(argv=None) -> int:
     log = (lambda *_: None) if a.quiet else (lambda s: print(s, flush=True))
     opts = CompileOptions(bits=a.bits, layout=a.layout, target=a.target, arch=a.arch, batch=a.batch,
                           calibrate=a.calibrate, net=a.net, input_size=a.input_size, pack_int4=not a.no_pack_int4, dump_ir=a.dump_ir,
-                          weights_beside=a.weights_beside)
+                          weights_beside=a.weights_beside, packed_int4_weights=a.packed_int4_weights)
     try:
         res = compile_model(a.model, opts, log)
         if a.emit_cuda:

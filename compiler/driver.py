@@ -33,6 +33,7 @@ class CompileOptions:
     dump_ir: Optional[str] = None
     weights_beside: bool = False        # weights in NAME.weights.npz beside NAME.so instead of inside it
     cuda_graph: bool = True             # replay the forward pass as one CUDA graph (off: per-kernel profiling)
+    packed_int4_weights: bool = False   # 4-bit weights always packed (not expanded for the tuned w8 kernels)
 
 
 @dataclass
@@ -217,7 +218,7 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     mod_ref = mod_int  # the integer graph the NumPy reference runs
     kernels = {}
     if opts.target == "cuda":
-        mod_int, kernels = _dispatch_tensor_cores(mod_int, layout, opts.arch, log)
+        mod_int, kernels = _dispatch_tensor_cores(mod_int, layout, opts.arch, log, not opts.packed_int4_weights)
         for l in layers:
             l.kernel = kernels.get(l.name, "generic")
     from .errors import run_pass
@@ -269,7 +270,7 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     return CompileResult(ex, mod_ref, meta, layers, weights)
 
 
-def _dispatch_tensor_cores(mod_int, layout: str, arch: str, log):
+def _dispatch_tensor_cores(mod_int, layout: str, arch: str, log, expand_w4: bool = True):
     """Put each requantized conv/dense on a tensor-core kernel (``DispatchTensorCore``), and 8-bit NHWC max pools on
     qcompile's pool kernel (``DispatchPools``)."""
     from .errors import run_pass
@@ -278,7 +279,7 @@ def _dispatch_tensor_cores(mod_int, layout: str, arch: str, log):
     if layout == "NCHW":
         log("note: NCHW has no tensor-core convolution; use --layout NHWC or HWNC (convs stay on generic kernels)")
         return mod_int, {}
-    p = DispatchTensorCore(arch)
+    p = DispatchTensorCore(arch, expand_w4=expand_w4)
     mod = run_pass(DispatchPools(), run_pass(p, mod_int))
     # layer names in the summary are the conv/dense bindings; the dispatcher reports requantize outputs
     convs = {}

@@ -264,10 +264,11 @@ def find_fusions(func: relax.Function):
 
 @mutator
 class _Dispatcher(PyExprMutator):
-    def __init__(self, mod, groups, residuals, arch, log, target_kind="cuda", s2d=None):
+    def __init__(self, mod, groups, residuals, arch, log, target_kind="cuda", s2d=None, expand_w4=True):
         super().__init__(mod)
         self.mod_, self.groups, self.arch, self.log, self.kind = mod, groups, arch, log, target_kind
         self.s2d = target_kind == "cuda" if s2d is None else s2d
+        self.expand_w4 = expand_w4
         self.residuals = residuals
         self.var2val = relax.analysis.get_var2val(mod["main"])
         self.packed: dict = {}   # original var -> new var holding its packed 4-bit form
@@ -297,8 +298,9 @@ class _Dispatcher(PyExprMutator):
         self._emit_kernel(binding.var, g, r)
 
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
-        from qcompile.schedules import ConvSpec, conv2d_int_plan, select_strategy
-        from qcompile.schedules.igemm import streamk_args
+        from qcompile.schedules import ConvSpec, conv2d_int_plan, select_strategy, tuned_knobs
+        from qcompile.schedules.igemm import streamk_args, w8_weights
+        from qcompile.schedules.reference import expand_w4
         from qcompile.schedules.spec import operand_plan, space_to_depth, space_to_depth_weights
 
         x_dtype = _x_dtype(g.x, self.var2val)
@@ -338,7 +340,11 @@ class _Dispatcher(PyExprMutator):
             w, spec0, spec = space_to_depth_weights(w, spec), spec, s2d
         if self.kind == "cuda":
             strategy = select_strategy(spec, self.arch)
-            funcs = conv2d_int_plan(spec, self.arch, strategy)
+            knobs = None
+            if not self.expand_w4:  # 4-bit weights stay packed: a tuned w8 kernel runs with its B unpacked instead
+                tk = tuned_knobs(spec, self.arch)
+                knobs = tk.replace(w8=False) if tk is not None and tk.w8 else None
+            funcs = conv2d_int_plan(spec, self.arch, strategy, knobs)
         else:  # the kernels' own TE compute (same epilogue and packing) for checking this pass on a CPU
             from qcompile.schedules.fallback import make_fallback
 
@@ -370,7 +376,9 @@ class _Dispatcher(PyExprMutator):
         if g.dense:
             x = self.builder_.emit(relax.op.reshape(x, (N, 1, 1, int(x.ty.shape[-1]))), var.name + "_x4d")
         wq = w.astype(np.int8)
-        if w_bits == 4:
+        if w_bits == 4 and self.kind == "cuda" and w8_weights(funcs[0]):  # 4-bit weights expanded (GemmKnobs.w8)
+            wq = expand_w4(w)
+        elif w_bits == 4:
             wq = pack_int4_np(wq, 3).view(np.int8)
         epi = [relax.const(g.bias, "int32"), relax.const(g.M, "int32"), relax.const(g.S, "int32")]
         if r is not None:
@@ -402,17 +410,21 @@ class _Dispatcher(PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="DispatchTensorCore")
 class DispatchTensorCore:
     """Replace requantized integer conv2d/dense in ``main`` by tensor-core kernels for ``arch``.
-    ``space_to_depth``: run the stem in its space-to-depth form (None: on CUDA, not with the CPU kernels)."""
+    ``space_to_depth``: run the stem in its space-to-depth form (None: on CUDA, not with the CPU kernels).
+    ``expand_w4``: 4-bit weights go to the kernels whose tuning record says ``w8`` expanded to 8 bits
+    (``reference.expand_w4``); False keeps every 4-bit weight packed (those kernels unpack B themselves)."""
 
-    def __init__(self, arch: str = "sm_90", log=None, target_kind: str = "cuda", space_to_depth=None):
+    def __init__(self, arch: str = "sm_90", log=None, target_kind: str = "cuda", space_to_depth=None,
+                 expand_w4: bool = True):
         self.arch, self.log, self.kind, self.s2d = arch, log, target_kind, space_to_depth
+        self.expand_w4 = expand_w4
         self.chosen: list = []
         self.fused: list = []
 
     @keeps_user_errors
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         groups, residuals = find_fusions(mod["main"])
-        d = _Dispatcher(mod, groups, residuals, self.arch, self.log, self.kind, self.s2d)
+        d = _Dispatcher(mod, groups, residuals, self.arch, self.log, self.kind, self.s2d, self.expand_w4)
         func = d.visit_expr(mod["main"])
         self.chosen, self.fused = d.chosen, d.fused
         out = d.builder_.get()

@@ -140,6 +140,13 @@ def streamk_args(func):
     return [int(v) for v in a["qcompile.streamk"]] if a is not None and "qcompile.streamk" in a else None
 
 
+def w8_weights(func) -> bool:
+    """Whether kernel ``func`` takes its 4-bit weights expanded (``GemmKnobs.w8``: pass
+    ``reference.expand_w4(w)``, int8 [..., C], instead of the packed int8 [..., C/2])."""
+    a = func.attrs
+    return a is not None and "qcompile.w8" in a
+
+
 def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None = None,
                    layout: str | None = None, adapt: bool = True, allow_split: bool = False):
     """Build the tensor-core PrimFunc. ``layout`` "NHWC" = implicit GEMM, "HWNC" = direct.
@@ -210,6 +217,12 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # needs only the warp's cp.async.wait_group + __syncwarp, not the block barrier: chunk kc+1's fragments are
     # loaded into the other register set while chunk kc's MMAs run (pipe -1: chunk kc-1's MMAs have retired)
     AWARP = AREG and kn.awarp
+    # w8: the weights come expanded to 8 bits (reference.expand_w4: x16, nibble-split order) and go into the B stages
+    # by cp.async like 8-bit ones (no packed B slots, no B unpack); B of chunk j lands in stage j % STG when chunk j's
+    # A is copied (PSTG - 1 chunks ahead), so the stage must have retired chunk j - STG by then: STG >= PSTG + GIF
+    W8 = AREG and bool(kn.w8)
+    if kn.w8 and UNPACK_LD and not AREG:
+        raise NotApplicable("w8 needs areg (the 4-bit register-A wgmma loader)")
     WSP = bool(UNPACK_LD and kn.wsp)  # warp-specialized (see GemmKnobs.wsp)
     NSET = 2 if (kn.pipe == 0 or AWARP) else 1  # areg: A-fragment register sets (chunk kc+1's loaded during kc's MMAs)
     if kn.areg and UNPACK_LD and (PSTG < 2 or kn.pipe not in (-1, 0)):
@@ -227,6 +240,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     SBO, LBO = 8 * AW, 16
     LAYOUT_TYPE = {32: 3, 64: 2, 128: 1}.get(AW, 0)  # descriptor bits 62-63
     GIF = 1 + kn.pipe if WG else 0  # wgmma: MMA groups (K-chunks) in flight
+    if W8 and STG < PSTG + GIF:
+        raise NotApplicable(f"w8: stages {STG} < pstages {PSTG} + {GIF} MMA groups in flight")
     MI = WTM // 64  # wgmma: m64 instructions per warpgroup tile
     INS_N = min(WTN, 128)  # wgmma: N of one instruction
     NI = WTN // INS_N
@@ -234,7 +249,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     VEC = kn.vec
     VPR = BK // VEC  # vectors per tile row
     A_IT = BM * BK // VEC // LNTH
-    B_IT = BN * BK // VEC // LNTH
+    B_IT = BN * (UBK if W8 else BK) // VEC // LNTH
     NK = (GKB + BK - 1) // BK
     CPS = -(-NK // SPLIT)  # K-chunks per split
     PAD = spec.pad_value
@@ -277,6 +292,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     x_st, w_st = ConvSpec.storage(spec.x_dtype), ("int8")
     o_st = ConvSpec.storage(spec.out_dtype)
     xs, ws, os_ = spec.shapes()
+    if W8:
+        ws = ws[:-1] + (C,)
     OB = spec.out_bits
     OSIGNED = spec.out_signed
     HAS_RES = spec.has_residual
@@ -300,7 +317,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     SMEM_PA = PSTG * BM * BK if AREG else 0
     # 4-bit wgmma with pstages: the per-thread packed ring, vector (stage, v, tid) at 16 bytes each (B only with areg)
     P_OFF = PA_OFF + SMEM_PA
-    PV_IT = B_IT if AREG else A_IT + B_IT
+    PV_IT = 0 if W8 else (B_IT if AREG else A_IT + B_IT)
     SMEM_P = PSTG * PV_IT * LNTH * 16
     SMEM_ALL = SMEM_A + SMEM_B + SMEM_PA + SMEM_P
     # erq: stage 1 of the requantize runs on the accumulator registers (each lane: rows g / g+8, column pairs
@@ -375,10 +392,10 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             return ((ih * W + iw) * N + n) * CB + cb
         return ((n * H + ih) * W + iw) * CB + cb
 
-    def w_index(k, kb):
+    def w_index(k, kb, cb=CB):  # (w8: kb counts the expanded bytes, cb = 2 * CB of them per tap)
         if HWNC:
-            return ((kb // CB) * K + k) * CB + kb % CB
-        return k * GKB + kb
+            return ((kb // cb) * K + k) * cb + kb % cb
+        return k * (R * S * cb) + kb
 
     def requant1(a, bias_v, m_v, s_v):
         """Stage 1: out = clip(round((acc + bias) * M / 2^S) + zo, lo, hi) in int64 fixed point (int32 ops
@@ -609,7 +626,13 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             ok = k < K and kb < GKB
             soff = B_OFF + (kc % STG) * (BN * BKP) + slot[2]
             gidx = T.meta_var(w_index(k, kb))
-            if UNPACK_LD and PRING:
+            if W8:  # 16 expanded bytes straight into the swizzled stage: row L // (UBK/16), chunk L % (UBK/16)
+                r8 = L // (UBK // 16)
+                c8 = L % (UBK // 16)
+                T.evaluate(a_cp(Bs, wf, B_OFF + (kc % STG) * (BN * BKP) + tile_off(r8, c8, BN),
+                                w_index(n0 + r8, kc * UBK + c8 * 16, 2 * CB),
+                                n0 + r8 < K and kc * UBK + c8 * 16 < 2 * GKB))
+            elif UNPACK_LD and PRING:
                 T.evaluate(a_cp(Bs, wf, p_slot(kc, it if AREG else A_IT + it, tid), gidx, ok))
             elif UNPACK_LD:
                 load_packed(rv, A_IT + it, wf, gidx, ok)
@@ -646,7 +669,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             T.evaluate(T.ptx.ld.shared.v4.b32(rv[v * 4], rv[v * 4 + 1], rv[v * 4 + 2], rv[v * 4 + 3],
                                               T.address_of(As[p_slot(kc, v, tid)])))
         if AREG:
-            store_tile(rv, As, tid, B_OFF + (kc % STG) * (BN * BKP), BN, B_IT, 0)
+            if not W8:
+                store_tile(rv, As, tid, B_OFF + (kc % STG) * (BN * BKP), BN, B_IT, 0)
         else:
             store_chunk(rv, As, As, tid, kc)
 
@@ -1052,7 +1076,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     T.ptx.cp.async_.commit_group()
                 if ksp[1] > 0:
                     T.ptx.cp.async_.wait_group(PD - 1)
-                    unpack_chunk(rv, As, tid, ksp[0])
+                    if not W8:  # (w8: nothing to unpack, B went straight into its stage)
+                        unpack_chunk(rv, As, tid, ksp[0])
                     if AWARP:  # chunk 0's A rows (copied by this warp) -> fragment set 0
                         T.evaluate(T.cuda.warp_sync())
                         load_afrag(ar, pw, As, lane, warp, wm, ksp[0], 0)
@@ -1092,7 +1117,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                             # kc+1-STG, retired by every warpgroup before this iteration's barrier (STG >= 2 + GIF)
                             if kc + 1 < ksp[1]:
                                 T.ptx.cp.async_.wait_group(PSTG - 2)
-                                unpack_chunk(rv, As, tid, ksp[0] + kc + 1)
+                                if not W8:
+                                    unpack_chunk(rv, As, tid, ksp[0] + kc + 1)
                                 if AWARP:  # the warp's A rows of chunk kc+1 landed: its fragments into the other set
                                     T.evaluate(T.cuda.warp_sync())
                                     load_afrag(ar, pw, As, lane, warp, wm, ksp[0] + kc + 1,
@@ -1214,6 +1240,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 T.func_attr({"tir.noalias": True})
                 run_plain(x, w, bias, Mq, Sq, out, None, None)
 
+    if W8:
+        conv = conv.with_attr("qcompile.w8", 1)
     conv = conv.with_attr("qcompile.knobs", str(kn)).with_attr("qcompile.strategy", "direct_hwnc" if HWNC else "implicit_gemm")
     if SK:  # (tile counters, workspace words): callers pass zeros int32[tiles] before out and get the workspace after it
         conv = conv.with_attr("qcompile.streamk", [NTILES, SK_WORDS])

@@ -38,6 +38,22 @@ def to_storage(vals: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(vals).astype(dtype)
 
 
+def expand_w4(w: np.ndarray) -> np.ndarray:
+    """4-bit weights (logical values, channels last, C % 32 == 0) -> the int8 buffer a ``GemmKnobs.w8`` kernel takes:
+
+        out[..., 32g + j]      = 16 * w[..., 32g + 2j]        (j < 16: the even channels of group g)
+        out[..., 32g + 16 + j] = 16 * w[..., 32g + 2j + 1]    (then the odd ones)
+
+    the order and scale in which the kernels' nibble split delivers the 4-bit A values (x16, evens then odds per 16
+    packed bytes), so the accumulators hold 256 x the sum as with both operands unpacked in the kernel."""
+    w = np.asarray(w).astype(np.int64)
+    C = w.shape[-1]
+    if C % 32:
+        raise ValueError(f"expand_w4: {C} channels, not a multiple of 32")
+    g = w.reshape(w.shape[:-1] + (C // 32, 16, 2)).swapaxes(-1, -2)
+    return (16 * g).reshape(w.shape).astype(np.int8)
+
+
 def from_storage(buf: np.ndarray, dtype: str, n: int | None = None) -> np.ndarray:
     if dtype in ("int4", "uint4"):
         u = unpack4(buf.view(np.uint8), dtype == "int4")

@@ -302,6 +302,10 @@ class GemmKnobs:
     #              tile's later parts go to a workspace as int32 partials, counted per tile, and its owner (the block
     #              holding its first chunk) waits for them, sums and runs the epilogue -- one kernel where split-K
     #              needs two; exact, but no robust gain on ResNet-50 on the H100 (docs/SCHEDULES.md); 0 = off
+    w8: bool = False  # 4-bit areg wgmma: the kernel takes the weights expanded to 8 bits at compile time (x16, in the
+    #                   nibble-split k order: schedules.reference.expand_w4) and copies them into the swizzled B stages
+    #                   with cp.async like 8-bit ones -- no B unpack in the kernel; the activations stay 4-bit in
+    #                   memory and are unpacked into the register A operand (weights take 8 bits of storage instead of 4)
 
     SPACE = {
         "BM": (32, 64, 128, 256),
@@ -324,6 +328,7 @@ class GemmKnobs:
         "erq": (False, True),
         "persist": (0, 1, 2),
         "sk": (0, 1, 2),
+        "w8": (False, True),
     }
 
     def replace(self, **kw) -> "GemmKnobs":
@@ -345,12 +350,13 @@ class GemmKnobs:
             tile_ok = (wtm % 64 == 0 and wtn in (64, 128, 256) and self.vec == 16 and self.stages >= 3 + self.pipe
                        and (not self.areg or (self.pstages >= 2 and self.pipe in (-1, 0)))
                        and (not self.awarp or (self.areg and self.pipe == -1 and self.WN == 1))
+                       and (not self.w8 or (self.areg and self.stages >= self.pstages + 1 + self.pipe))
                        and (not self.wsp or (not self.areg and self.pstages >= 2 and self.stages >= 2
                                              and self.pipe in (-1, 0)))
                        and (not (self.persist or self.sk) or (self.pstages == 0 and not self.areg and not self.wsp))
                        and not (self.persist and self.sk) and (not self.sk or self.split_k in (0, 1)))
         else:
-            tile_ok = (wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg
+            tile_ok = (wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg and not self.w8
                        and not self.awarp and not self.wsp and not self.persist and not self.sk)
         lth = self.load_threads
         return (

@@ -128,6 +128,25 @@ def make_cases(quick=False, bench=True):
             for lay in ("NHWC", "HWNC"):
                 add("check", f"wsp_{name}_b8_int4_{lay.lower()}", int4_spec(8, C, H, K, R, st, pd, v, lay), None,
                     knobs=dict(wsp, wsp=1 + li % 4 // 2))
+    # 4-bit register-A kernels taking the weights expanded to 8 bits (w8): every shape at batch 8 in both layouts
+    # (with and without warp-owned rows, pipe -1 / 0, every epilogue variant), split-K plans at batch 1, a 64-byte
+    # packed chunk (BK 32), one-warpgroup tiles with minb, and the odd shapes (mma.sync fallback)
+    ww8 = dict(wga, w8=True, stages=3)
+    for li, (name, C, H, K, R, st, pd) in enumerate(layers):
+        v = li % 3
+        lay = ("NHWC", "HWNC")[li % 2]
+        add("check", f"w8aw_{name}_b8_int4_{lay.lower()}", int4_spec(8, C, H, K, R, st, pd, v, lay), None,
+            knobs=dict(ww8, awarp=True))
+        add("check", f"w8_{name}_b8_int4_{lay.lower()}", int4_spec(8, C, H, K, R, st, pd, v, lay), None,
+            knobs=dict(ww8, pipe=0, stages=4) if li % 2 else dict(ww8, BK=32, pstages=4, stages=4))
+        if not li % 2:
+            add("check", f"w8_plan_{name}_b1_int4", int4_spec(1, C, H, K, R, st, pd, v), None, plan=True,
+                knobs=dict(ww8, BM=64, WM=1, pstages=2, stages=2, awarp=True))
+        else:
+            add("check", f"w8_1wg_{name}_b8_int4", int4_spec(8, C, H, K, R, st, pd, v), None,
+                knobs=dict(ww8, WM=1, BN=64 if li % 4 == 1 else 128, awarp=True, minb=3, erq=bool(li % 4 == 3)))
+    for (name, N, C, H, K, R, st, pd) in ODD:
+        add("check", f"w8_{name}_int4", int4_spec(N, C, H, K, R, st, pd, 1), None, knobs=dict(ww8, awarp=True))
     # the requantize on the accumulators with 8-bit staging (erq: every epilogue variant; the int32-output one keeps
     # the int32 staging) on mma.sync and wgmma kernels, 4-bit register-A kernels, and persistent 8-bit wgmma kernels
     # (persist: one and two blocks per SM, several tiles per block, chunks streamed across tile boundaries), at batch 8
@@ -192,7 +211,7 @@ def build_group(args):
     import tvm
     from qcompile.schedules import conv2d_int_kernel, conv2d_int_plan, select_strategy
     from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options, cuda_target
-    from qcompile.schedules.igemm import streamk_args
+    from qcompile.schedules.igemm import streamk_args, w8_weights
 
     ensure_stub_libcuda()
     arch, mode = group[0]["arch"], group[0]["mode"]
@@ -213,6 +232,7 @@ def build_group(args):
         c["knobs"] = str(f.attrs["qcompile.knobs"]) if f.attrs and "qcompile.knobs" in f.attrs else ""
         c["funcs"] = [c["func"] + ("_e" if i else "") for i in range(len(fs))]
         c["sk"] = streamk_args(f)
+        c["w8"] = w8_weights(f)
         for fn, f in zip(c["funcs"], fs):
             funcs[fn] = f.with_attr("global_symbol", fn)
         if len(fs) > 1:  # the same conv unsplit, to time against the split-K pair

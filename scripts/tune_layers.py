@@ -138,7 +138,7 @@ def smem_bytes(kn, spec=None) -> int:
     wtn = kn.BN // kn.WN
     stage_c = nwarp * 16 * ((wtn + 16) if kn.erq else staging_pitch(wtn) * 4)
     if kn.mma == "wgmma" and spec is not None and spec.x_bits == 4:
-        ring += kn.pstages * (kn.BM + kn.BN) * kn.BK  # the packed ring
+        ring += kn.pstages * (kn.BM + (0 if kn.w8 else kn.BN)) * kn.BK  # the packed ring (w8: A only)
         if kn.areg:  # no unpacked A stages
             ring -= kn.stages * kn.BM * pitch
     if kn.mma == "wgmma":  # one buffer: the staging tile on the ring, or beside it (persist, sk)
@@ -452,6 +452,42 @@ def make_cases_occ1wg(batches, layers=None, minbs=(0, 3, 4), erqs=(False, True))
     return cases + extra
 
 
+W8_TILES = ["wg128x128_bk128_1wg_g0", "wg128x64_1wg_g0", "wg128x128_bk128_g0", "wg64x128_bk128_g0", "wg128x64_bk128_g0"]
+
+
+def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3)):
+    """Every ResNet-50 layer as compiled now plus, for the 4-bit wgmma-able ones (or only ``layers``), register-A
+    kernels that take their weights expanded to 8 bits (``GemmKnobs.w8``: B copied into its stages like an 8-bit
+    operand, only A unpacked in the kernel) on the tile they compile with now, on the tile of the same layer's 8-bit
+    kernel (BK halved: packed bytes) and on each of ``tiles`` (WGMMA names), with warp-owned A rows (awarp, pipe -1), each
+    packed-ring depth in ``pstages`` (B's stages as many) and each ``__launch_bounds__`` minimum in ``minb``."""
+    from qcompile.schedules.igemm import _adapt_knobs
+
+    cases, extra = make_cases_as_compiled(batches), []
+    k8 = {c["layer"].rsplit("_", 1)[0]: c["knobs"] for c in cases if c["layer"].endswith("_int8") and c["knobs"]}
+    for c in _tunable(cases, ("int4",), layers):
+        spec, kn_now = c["spec"], c["knobs"]
+        if spec.x_bits != 4 or not _wg_ok(spec):
+            continue
+        base = [("now", kn_now)] if kn_now.mma == "wgmma" else []
+        t8 = k8.get(c["layer"].rsplit("_", 1)[0])
+        if t8 is not None and t8.mma == "wgmma":
+            base.append(("t8", _adapt_knobs(spec, t8.replace(BK=max(32, t8.BK // 2), persist=0, sk=0), "NHWC")))
+        base += [(cname, _wg_tile(spec, cname)) for cname in tiles or W8_TILES]
+        seen = set()
+        for cname, kn0 in base:
+            if kn0.WN != 1:
+                continue
+            for p in pstages:
+                for m in sorted({*minb, kn0.minb}):
+                    kn = kn0.replace(areg=True, awarp=True, w8=True, pipe=-1, pstages=p, stages=p, minb=m, wsp=0,
+                                     persist=0, sk=0)
+                    if _fits(kn, spec, seen):
+                        extra.append(dict(c, knobs=kn, variant=f"{cname}_w8_p{p}" + (f"_minb{m}" if m else ""),
+                                          is_default=False))
+    return cases + extra
+
+
 # stream-K 8-bit wgmma tiles (GemmKnobs.sk): (WGMMA name, sk = blocks per SM of the grid)
 SK_TILES = [("wg128x128_bk128_g0", 1), ("wg128x128_bk128_s2g0", 1), ("wg128x128_bk128_s2g0", 2),
             ("wg128x128_bk64_s4g0", 1), ("wg128x128_bk64_s4g0", 2), ("wg128x128_bk128_1wg_g0", 1),
@@ -631,7 +667,7 @@ def build_group(args):
     import tvm
     from qcompile.schedules import conv2d_int_plan
     from qcompile.schedules.build import cuda_target, ensure_stub_libcuda, nvcc_options
-    from qcompile.schedules.igemm import streamk_args
+    from qcompile.schedules.igemm import streamk_args, w8_weights
     from qcompile.schedules.tuning import knobs_to_dict, tuning_key
 
     ensure_stub_libcuda()
@@ -657,7 +693,7 @@ def build_group(args):
                          knobs=str(c["knobs"]) if c["knobs"] else "",
                          knobs_dict=knobs_to_dict(c["knobs"]) if c["knobs"] else None,
                          key=tuning_key(c["spec"]), spec=dataclasses.asdict(c["spec"]), so=so.name, func=c["func"],
-                         sk=streamk_args(funcs[nf[0]])))
+                         sk=streamk_args(funcs[nf[0]]), w8=w8_weights(funcs[nf[0]])))
     return gi, recs, time.time() - t
 
 
@@ -686,6 +722,8 @@ def cmd_build(a):
                                   (False, True) if not a.no_erq else (False,))
     elif a.splits:
         cases = make_cases_splits(a.batches, a.only_layers, tuple(a.splits))
+    elif a.w8:
+        cases = make_cases_w8(a.batches, a.only_layers, a.cands, tuple(a.pstages or (3, 4)), tuple(a.minb or (0, 3)))
     elif a.awarp:
         cases = make_cases_awarp(a.batches, a.only_layers, a.cands, tuple(a.minb or (0, 2)), tuple(a.pstages or (4,)))
     elif a.minb:
@@ -1109,7 +1147,6 @@ def cmd_log(a):
     from qcompile.schedules.tuning import KEY_FIELDS, KNOB_FIELDS, LOG_FORMAT
 
     res = json.loads(pathlib.Path(a.results).read_text())
-    man = {r["func"]: r for r in json.loads((TUNE_DIR / "manifest.json").read_text())} if TUNE_DIR.exists() else {}
     dst = ROOT / "tuning_logs" / f"{ARCH}.json"
     recs = {}
     if a.merge and dst.is_file():  # keep the records of shapes this run did not measure
@@ -1224,6 +1261,10 @@ def main():
     b.add_argument("--awarp", action="store_true",
                    help="as compiled + register-A kernels with warp-owned A rows (GemmKnobs.awarp) for the 4-bit layers "
                         "(--only-layers, --cands tiles, --minb, --pstages)")
+    b.add_argument("--w8", action="store_true",
+                   help="as compiled + register-A kernels taking their 4-bit weights expanded to 8 bits (GemmKnobs.w8) "
+                        "on the tile now, the 8-bit kernel's tile and W8_TILES (--cands) for the 4-bit layers "
+                        "(--only-layers, --pstages, --minb)")
     b.add_argument("--occ1wg", action="store_true",
                    help="as compiled + one-warpgroup 128-row tiles with minb 0/3/4 (--minb), with and without erq "
                         "(--no-erq: without), for the 8-bit layers (--only-layers)")

@@ -182,3 +182,36 @@ def test_dispatch_pools_cuda():
         f = max_pool_nhwc_kernel(N, 15, 15, C, dtype).with_attr("global_symbol", "mp")
         src = cuda_source(build_cuda(f, "sm_90", mode="ptx"))
         assert ins in src and ("*(uint4*)(xw_ptr" in src) == v16
+
+
+def test_dispatch_cuda_int4_weights_expanded_for_w8_kernels(monkeypatch):
+    """A 4-bit conv whose tuned knobs take the weights expanded (GemmKnobs.w8) gets them as the int8 constant
+    ``expand_w4(w)`` ([K, R, S, C], x16, nibble-split order); the same conv without w8, or with w8 and
+    ``expand_w4=False``, gets them packed ([K, R, S, C/2]) and a kernel that unpacks them."""
+    import qcompile.schedules as S
+    from qcompile.qdq import QDQBuilder, qtype
+    from qcompile.schedules import GemmKnobs
+    from qcompile.schedules.reference import expand_w4, pack4
+
+    rng = np.random.default_rng(5)
+    wv = rng.integers(-8, 8, (64, 64, 3, 3))
+    b = QDQBuilder()
+    x = b.input("x", (8, 64, 14, 14))
+    u4, s4 = qtype(4, False), qtype(4, True)
+    d0 = b.dequantize(b.quantize(x, 0.02, 0, u4, name="q_in"), 0.02, 0)
+    w = b.qweight(wv, np.full(64, 1e-2), s4, name="w")
+    h = b.relu(b.conv2d(d0, w, b.qbias(rng.integers(-99, 99, 64), 2e-4, "bias"), (1, 1), (1, 1, 1, 1), name="conv"))
+    mod = b.finish([b.dequantize(b.quantize(h, 0.05, 0, u4, name="q_conv"), 0.05, 0, name="out")])
+    mi = lower_to_integer(mod, "NHWC", pack_int4=False)
+    ohwi = np.transpose(wv, (0, 2, 3, 1))
+    aw = GemmKnobs(BM=128, BN=64, BK=64, WM=1, WN=1, stages=3, mma="wgmma", pipe=-1, pstages=3, areg=True, awarp=True)
+    packed = pack4(ohwi).view(np.int8)
+    # (the record's knobs, DispatchTensorCore's expand_w4 -- False: `qcompile --packed-int4-weights`, the weights)
+    for w8, expand, want in ((True, True, expand_w4(ohwi)), (False, True, packed), (True, False, packed)):
+        monkeypatch.setattr(S, "tuned_knobs", lambda spec, arch, kn=aw.replace(w8=w8): kn)
+        md = run_pass(DispatchTensorCore("sm_90", expand_w4=expand), mi)
+        f = md["qconv_q_conv"]
+        assert ("qcompile.w8" in f.attrs) == (w8 and expand)
+        assert "w: T.Buffer((%s), \"int8\")" % ", ".join(map(str, want.shape)) in f.script()
+        ws = [c for c in _constants(md["main"]) if c.dtype == np.int8 and c.shape == want.shape]
+        assert len(ws) == 1 and np.array_equal(ws[0], want)

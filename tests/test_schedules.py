@@ -220,6 +220,59 @@ def test_cuda_wgmma_int4_loaders():
         assert not bad.valid()
 
 
+def test_expand_w4_matches_the_kernels_a_unpack():
+    """The w8 weight buffer (reference.expand_w4) against a NumPy model of the register-A unpack: for a packed
+    16-byte k-step, lane q's fragment words hold (word q << 4) & 0xF0F0F0F0 (its 4 even values x16) at k 4q..4q+3 and
+    word q & 0xF0F0F0F0 (the odd ones x16) at 16 + 4q..; the s8 dot product of that A order with the expanded
+    weights is 256 x the dot product of the logical values, for signed and unsigned activations."""
+    rng = np.random.default_rng(11)
+    w = rng.integers(-8, 8, (5, 3, 64))
+    we = R.expand_w4(w).astype(np.int64)
+    assert we.dtype == np.int64 and np.abs(we).max() <= 128 and (we % 16 == 0).all()
+    for signed in (False, True):
+        x = rng.integers(-8, 8, 64) if signed else rng.integers(0, 16, 64)
+        packed = R.pack4(x).reshape(-1, 16)  # 2 k-steps of 16 packed bytes
+        a = []
+        for step in packed:
+            words = step.view(np.uint32)  # (little endian: byte 4q + i of the step is byte i of word q)
+            lo = [((int(wd) << 4) & 0xF0F0F0F0) for wd in words]
+            hi = [(int(wd) & 0xF0F0F0F0) for wd in words]
+            for part in (lo, hi):
+                b = np.array(part, np.uint32).view(np.uint8)
+                a.append(b.view(np.int8).astype(np.int64) if signed else b.astype(np.int64))
+        a = np.concatenate(a)
+        np.testing.assert_array_equal(we @ a, 256 * (w @ x))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        R.expand_w4(np.zeros((2, 48), np.int64))
+
+
+def test_cuda_wgmma_int4_w8():
+    """w8: the register-A kernel takes its weights expanded to 8 bits (int8 [K, R, S, C]) and copies B with cp.async
+    into its stages (no packed B slots read back); it needs areg and as many B stages as packed A stages (+ MMA groups
+    in flight); elsewhere the knob is refused (mma.sync) or ignored (8-bit operands)."""
+    from qcompile.schedules.igemm import w8_weights
+
+    spec = ConvSpec(**L3, x_dtype="uint4", w_bits=4, out_dtype="uint4", lo=0, hi=15)
+    aw = WG.replace(BK=64, stages=3, pipe=-1, pstages=3, areg=True, awarp=True)
+    kn = aw.replace(w8=True)
+    assert kn.valid()
+    f = conv2d_int_kernel(spec, "sm_90", None, kn)
+    assert w8_weights(f) and 'w: T.Buffer((128, 3, 3, 64), "int8")' in f.script()
+    f0 = conv2d_int_kernel(spec, "sm_90", None, aw)
+    assert not w8_weights(f0) and 'w: T.Buffer((128, 3, 3, 32), "int8")' in f0.script()
+    src, base = cuda_source(build_cuda(f, "sm_90", mode="ptx")), cuda_source(build_cuda(f0, "sm_90", mode="ptx"))
+    assert "ld.shared.b32" in src and "wgmma.mma_async.sync.aligned.m64n128k32.s32.u8.s8" in src
+    # the packed B slots: read back with ld.shared.v4 and stored unpacked with st.shared.v4 -- gone with w8
+    assert "ld.shared.v4.b32" in base and "ld.shared.v4.b32" not in src
+    for bad in (kn.replace(areg=False, awarp=False), kn.replace(stages=2), kn.replace(pipe=0, awarp=False)):
+        assert not bad.valid()
+        with pytest.raises(NotApplicable):
+            make_gemm_conv(spec, "sm_90", bad, adapt=False)
+    assert not GemmKnobs(w8=True).valid()
+    spec8 = ConvSpec(**L3, x_dtype="uint8", w_bits=8, out_dtype="uint8", lo=0, hi=255)
+    assert not w8_weights(conv2d_int_kernel(spec8, "sm_90", None, kn))
+
+
 def test_cuda_wgmma_warp_specialized():
     """wsp: producer warpgroups (after the consumers) fill the packed ring and unpack into the stages; named barriers
     1 + s (full) and 1 + STG + s (empty) count every thread; the producers skip the epilogue."""
