@@ -149,13 +149,14 @@ def main():
         net, bits = tag.rsplit("_", 1)
         d = root / tag
         wfile = root / entry.get("weights_from", tag) / "weights.npz"  # (an A/B build of one model may share them)
-        runs = [(b, f"b{b}.so") for b in sorted(int(k) for k in entry["batches"])
-                if (d / f"b{b}.so").exists() and wfile.exists()]  # (what the call carried)
+        wb = {b: (d / f"weights_b{b}.npz" if (d / f"weights_b{b}.npz").exists() else wfile)  # (per batch: w8 records)
+              for b in (int(k) for k in entry["batches"])}
+        runs = [(b, f"b{b}.so") for b in sorted(wb) if (d / f"b{b}.so").exists() and wb[b].exists()]  # (what the call carried)
         runs += [(int(p.stem[3:]), p.name) for p in sorted(d.glob("emb*.so"))]  # weights inside the .so
         for b, so in runs:
             row = {"net": net, "bits": bits, "batch": b, "weights": "embedded" if so.startswith("emb") else "beside"}
             try:
-                m = Module(str(d / so), "cuda", weights=str(wfile) if row["weights"] == "beside" else None)
+                m = Module(str(d / so), "cuda", weights=str(wb[b]) if row["weights"] == "beside" else None)
                 xf = d / f"x{b}.npy" if (d / f"x{b}.npy").exists() else root / f"x{b}.npy"  # inputs may be shared
                 if (d / f"y{b}.npy").exists():
                     x, y_ref = np.load(xf), np.load(d / f"y{b}.npy")
