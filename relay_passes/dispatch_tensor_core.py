@@ -376,7 +376,7 @@ class _Dispatcher(PyExprMutator):
         if g.dense:
             x = self.builder_.emit(relax.op.reshape(x, (N, 1, 1, int(x.ty.shape[-1]))), var.name + "_x4d")
         wq = w.astype(np.int8)
-        if w_bits == 4 and self.kind == "cuda" and w8_weights(funcs[0]):  # 4-bit weights expanded (GemmKnobs.w8)
+        if w_bits == 4 and w8_weights(funcs[0]):  # 4-bit weights expanded (GemmKnobs.w8)
             wq = expand_w4(w)
         elif w_bits == 4:
             wq = pack_int4_np(wq, 3).view(np.int8)

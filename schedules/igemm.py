@@ -220,9 +220,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # w8: the weights come expanded to 8 bits (reference.expand_w4: x16, nibble-split order) and go into the B stages
     # by cp.async like 8-bit ones (no packed B slots, no B unpack); B of chunk j lands in stage j % STG when chunk j's
     # A is copied (PSTG - 1 chunks ahead), so the stage must have retired chunk j - STG by then: STG >= PSTG + GIF
+    # (GemmKnobs.valid, checked above, requires areg and those stages)
     W8 = AREG and bool(kn.w8)
-    if kn.w8 and UNPACK_LD and not AREG:
-        raise NotApplicable("w8 needs areg (the 4-bit register-A wgmma loader)")
     WSP = bool(UNPACK_LD and kn.wsp)  # warp-specialized (see GemmKnobs.wsp)
     NSET = 2 if (kn.pipe == 0 or AWARP) else 1  # areg: A-fragment register sets (chunk kc+1's loaded during kc's MMAs)
     if kn.areg and UNPACK_LD and (PSTG < 2 or kn.pipe not in (-1, 0)):
@@ -240,8 +239,6 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     SBO, LBO = 8 * AW, 16
     LAYOUT_TYPE = {32: 3, 64: 2, 128: 1}.get(AW, 0)  # descriptor bits 62-63
     GIF = 1 + kn.pipe if WG else 0  # wgmma: MMA groups (K-chunks) in flight
-    if W8 and STG < PSTG + GIF:
-        raise NotApplicable(f"w8: stages {STG} < pstages {PSTG} + {GIF} MMA groups in flight")
     MI = WTM // 64  # wgmma: m64 instructions per warpgroup tile
     INS_N = min(WTN, 128)  # wgmma: N of one instruction
     NI = WTN // INS_N

@@ -356,8 +356,8 @@ class GemmKnobs:
                        and (not (self.persist or self.sk) or (self.pstages == 0 and not self.areg and not self.wsp))
                        and not (self.persist and self.sk) and (not self.sk or self.split_k in (0, 1)))
         else:
-            tile_ok = (wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg and not self.w8
-                       and not self.awarp and not self.wsp and not self.persist and not self.sk)
+            tile_ok = (wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg
+                       and not self.w8 and not self.awarp and not self.wsp and not self.persist and not self.sk)
         lth = self.load_threads
         return (
             self.BM % self.WM == 0 and self.BN % self.WN == 0 and tile_ok
