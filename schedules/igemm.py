@@ -333,7 +333,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # of the tile-major order (tile = G // NK, output channels fastest); a tile whose chunks span blocks is summed by
     # its owner, the block holding its first chunk (int32 partials through the workspace skw, counted in skc)
     SK = bool(kn.sk) and SPLIT == 1 and WG and not UNPACK_LD
-    PERSIST = (bool(kn.persist) or SK) and SPLIT == 1 and WG and not UNPACK_LD
+    # (4-bit: the register-A loader with warp-owned rows and expanded weights, whose B is copied like an 8-bit operand)
+    PERSIST = (bool(kn.persist) or SK) and SPLIT == 1 and WG and (not UNPACK_LD or (W8 and AWARP and not SK))
     NTILES = GRID_M * GRID_N
     TOTIT = NTILES * NK
     GP = (min(TOTIT, kn.sk * ai.sms) if SK else min(NTILES, kn.persist * ai.sms)) if PERSIST else 0
@@ -569,7 +570,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         offset at tap (0, 0), its top and left input coordinates); a row past Mtot gets a top coordinate that fails
         every bounds check."""
         for it in T.unroll(A_IT):
-            slot = T.meta_var(tile_slot(it * LNTH + tid, BM))
+            slot = T.meta_var(awarp_slot(it, tid) if AWARP else tile_slot(it * LNTH + tid, BM))
             m = m0 + slot[0]
             dec = T.meta_var(row_decode(m))
             ri[it * 3] = x_index(dec[0], dec[1] * sh - pt, dec[2] * sw - pl, 0)
@@ -627,8 +628,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 r8 = L // (UBK // 16)
                 c8 = L % (UBK // 16)
                 T.evaluate(a_cp(Bs, wf, B_OFF + (kc % STG) * (BN * BKP) + tile_off(r8, c8, BN),
-                                w_index(n0 + r8, kc * UBK + c8 * 16, 2 * CB),
-                                n0 + r8 < K and kc * UBK + c8 * 16 < 2 * GKB))
+                                w_index(n0 + r8, (kc % NK if PERSIST else kc) * UBK + c8 * 16, 2 * CB),
+                                n0 + r8 < K and (kc % NK if PERSIST else kc) * UBK + c8 * 16 < 2 * GKB))
             elif UNPACK_LD and PRING:
                 T.evaluate(a_cp(Bs, wf, p_slot(kc, it if AREG else A_IT + it, tid), gidx, ok))
             elif UNPACK_LD:
@@ -808,10 +809,26 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 for e in T.unroll(RBV):
                     rb[e] = rf[res_base(m, k) + e]
 
+    def nib_word(yb, e0):
+        """4-bit output: the 32-bit word of yb[e0 .. e0+7] (element e in bits 4e..4e+3, the byte order of the packed
+        storage), summed from shifted values: an in-range unsigned value needs no mask (one LEA / IMAD per element)."""
+        w = None
+        for e in range(8):
+            v = T.Cast("uint32", yb[e0 + e])
+            if not (lo >= 0 and hi <= 15):
+                v = T.bitwise_and(v, T.uint32(15))
+            v = T.shift_left(v, T.uint32(4 * e)) if e else v
+            w = v if w is None else w + v
+        return w
+
     @T.macro
-    def store_out(of, ob, yb, m, k):
-        """Output (m, k..k+EV) from yb: packed to 4-bit pairs, or cast, and stored as one vector."""
-        if OB == 4:
+    def store_out(of, ofw, ob, yb, m, k):
+        """Output (m, k..k+EV) from yb: packed to 4-bit (whole 32-bit words when EV % 8 == 0), or cast, and stored
+        as one vector."""
+        if OB == 4 and EV % 8 == 0:
+            for wv in T.vectorized(EV // 8):
+                ofw[(m * K + k) // 8 + wv] = nib_word(yb, wv * 8)
+        elif OB == 4:
             for e in T.unroll(OUT_VEC):
                 ob[e] = T.Cast(o_st, T.bitwise_or(T.bitwise_and(yb[2 * e], 15),
                                                   T.shift_left(T.bitwise_and(yb[2 * e + 1], 15), 4)))
@@ -882,7 +899,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                             load_residual(rq2, rfw, rf, q2, rb, rbw, rpre, m, k, it)
                             for e in T.unroll(EV):
                                 yb[e] = requant2(staged(sb, e), q2, e, res_value(rb, rbw, e))
-                            store_out(of, ob, yb, m, k)
+                            store_out(of, ofw, ob, yb, m, k)
                 elif SPLIT > 1:  # split-K partial sums: int32, no epilogue (schedules/splitk.py)
                     if m < Mtot and k < K:
                         for e in T.unroll(EV):
@@ -897,7 +914,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         for e in T.unroll(EV):
                             yb[e] = requant(Cs[cbase + row * CSP + cs_col(cc) + e], pb[e], pm[e], ps[e], q2, e,
                                             res_value(rb, rbw, e))
-                        store_out(of, ob, yb, m, k)
+                        store_out(of, ofw, ob, yb, m, k)
             T.evaluate(T.cuda.warp_sync())  # (tvm_storage_sync("warp") emits __syncthreads)
 
     @T.macro
@@ -994,7 +1011,53 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             # before this barrier
             ad[0] = smem_desc(As)
             ad[1] = ad[0] + T.uint64(B_OFF // 16)
-            if PERSIST:
+            if PERSIST and AREG:
+                # the persistent chunk stream of the register-A loader (awarp + w8): chunk g's packed A in ring slot
+                # g % PSTG, its B in stage g % STG, PSTG - 1 chunks in flight across tile boundaries (the next tile's
+                # first chunks land while a tile's epilogue runs); the fragment set of chunk g is g % 2 (unrolled by
+                # two), chunk g+1's fragments loaded while chunk g's MMAs run -- at a tile's end after its epilogue
+                tot = (NTILES - bxn + GP - 1) // GP * NK
+                for s0 in T.unroll(PD):
+                    if s0 < tot:
+                        o0 = T.meta_var(tile_origin(s0, bxn))
+                        if not POINTWISE and (s0 == 0 or T.truncmod(s0, NK) == 0):
+                            decode_rows(ri, tid, o0[0])
+                        load_chunk(xf, wf, rv, As, As, tid, o0[0], o0[1], s0, ri_)
+                    T.ptx.cp.async_.commit_group()
+                T.ptx.cp.async_.wait_group(PD - 1)
+                T.evaluate(T.cuda.warp_sync())
+                load_afrag(ar, pw, As, lane, warp, wm, 0, 0)
+                for g2 in T.serial((tot + 1) // 2):
+                    for par in T.unroll(2):
+                        g = g2 * 2 + par
+                        if g < tot:
+                            T.ptx.fence.proxy.async_.shared__cta()
+                            T.tvm_storage_sync("shared")
+                            T.ptx.wgmma.fence.sync.aligned()
+                            mma_chunk(acc, ad, ar, wm, wn, g, par)
+                            T.ptx.wgmma.commit_group.sync.aligned()
+                            if g + PSTG - 1 < tot:  # into chunk g-1's slots (read before this barrier / retired)
+                                o1 = T.meta_var(tile_origin(g + PSTG - 1, bxn))
+                                if not POINTWISE and T.truncmod(g + PSTG - 1, NK) == 0:
+                                    decode_rows(ri, tid, o1[0])
+                                load_chunk(xf, wf, rv, As, As, tid, o1[0], o1[1], g + PSTG - 1, ri_)
+                            T.ptx.cp.async_.commit_group()
+                            if g + 1 < tot:
+                                T.ptx.cp.async_.wait_group(PSTG - 2)
+                                if g % NK != NK - 1:  # the warp's A rows of chunk g+1 -> the other set
+                                    T.evaluate(T.cuda.warp_sync())
+                                    load_afrag(ar, pw, As, lane, warp, wm, g + 1, ((par + 1) % 2) * (KS * MI * 4))
+                            T.ptx.wgmma.wait_group.sync.aligned(0)
+                            if g % NK == NK - 1:  # the tile's last chunk: its epilogue, fresh accumulators
+                                o2 = T.meta_var(tile_origin(g, bxn))
+                                epilogue(bias, Mq, Sq, rf, rfw, rq2, of, ofw, Cs, Cb, acc, pb, pm, ps, q2, rb, rbw, yb,
+                                         ob, sb, tid, o2[0], o2[1], bz, rpre)
+                                for e in T.unroll(EMT * NT * 4):
+                                    acc[e] = T.Cast(ACC_T, 0)
+                                if g + 1 < tot:  # (after the epilogue: its registers are not held across it)
+                                    T.evaluate(T.cuda.warp_sync())
+                                    load_afrag(ar, pw, As, lane, warp, wm, g + 1, ((par + 1) % 2) * (KS * MI * 4))
+            elif PERSIST:
                 # one K-chunk stream over the block's tiles (chunk g: tile g // NK, K-chunk g % NK, ring stage g % STG):
                 # the loads run STG-1-GIF chunks ahead across tile boundaries, so the next tile's first chunks land
                 # while this tile's epilogue (staging beside the ring) runs. sk: the stream is the global iterations
@@ -1093,7 +1156,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     if s0 < ksp[1]:
                         load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + s0)
                     T.ptx.cp.async_.commit_group()
-            if AREG:  # unrolled by two: the A-fragment register set of chunk kc is kc % NSET, a constant
+            if AREG and not PERSIST:  # unrolled by two: the A-fragment register set of chunk kc is kc % NSET, a constant
                 for kc2 in T.serial((ksp[1] + 1) // 2):
                     for par in T.unroll(2):
                         kc = kc2 * 2 + par

@@ -294,10 +294,10 @@ class GemmKnobs:
     erq: bool = False  # requantize in the accumulator registers and stage the 8-bit intermediate (not int32) through
     #                    shared memory: a quarter of the epilogue's shared traffic and staging tile (where the
     #                    intermediate does not fit 8 bits, or split-K, the int32 staging runs: same bits)
-    persist: int = 0  # 8-bit wgmma: a persistent grid of persist x SMs blocks walking the output tiles; the K-chunk
+    persist: int = 0  # wgmma: a persistent grid of persist x SMs blocks walking the output tiles; the K-chunk
     #                   stream runs on across tiles, so the next tile's loads are in flight during a tile's epilogue
-    #                   (staging tile beside the ring instead of on it); 0 = one block per tile (also what 4-bit
-    #                   operands and split-K pairs get)
+    #                   (staging tile beside the ring instead of on it); 8-bit operands, or the 4-bit register-A
+    #                   loader with w8 and awarp; 0 = one block per tile (also what split-K pairs get)
     sk: int = 0  # 8-bit wgmma, stream-K: a grid of sk x SMs blocks splits the (tile, K-chunk) iterations evenly; a
     #              tile's later parts go to a workspace as int32 partials, counted per tile, and its owner (the block
     #              holding its first chunk) waits for them, sums and runs the epilogue -- one kernel where split-K
@@ -353,7 +353,9 @@ class GemmKnobs:
                        and (not self.w8 or (self.areg and self.stages >= self.pstages + 1 + self.pipe))
                        and (not self.wsp or (not self.areg and self.pstages >= 2 and self.stages >= 2
                                              and self.pipe in (-1, 0)))
-                       and (not (self.persist or self.sk) or (self.pstages == 0 and not self.areg and not self.wsp))
+                       and (not self.sk or (self.pstages == 0 and not self.areg and not self.wsp))
+                       and (not self.persist or (self.pstages == 0 and not self.areg and not self.wsp)
+                            or (self.w8 and self.awarp))
                        and not (self.persist and self.sk) and (not self.sk or self.split_k in (0, 1)))
         else:
             tile_ok = (wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg

@@ -147,6 +147,24 @@ def make_cases(quick=False, bench=True):
                 knobs=dict(ww8, WM=1, BN=64 if li % 4 == 1 else 128, awarp=True, minb=3, erq=bool(li % 4 == 3)))
     for (name, N, C, H, K, R, st, pd) in ODD:
         add("check", f"w8_{name}_int4", int4_spec(N, C, H, K, R, st, pd, 1), None, knobs=dict(ww8, awarp=True))
+    # ... persistent (persist 1 / 2 blocks per SM: the chunk stream crosses tile boundaries): every shape at batch 8 in
+    # both layouts (every epilogue variant, BK 32 / 64, one and two warpgroups, erq), batch 32 where batch 8 gives
+    # fewer tiles than SMs (several tiles per block for the im2col shapes too), split-K plans at batch 1 (persist off
+    # there) and the odd shapes
+    wp8 = dict(ww8, awarp=True, WM=1, BN=64)
+    for li, (name, C, H, K, R, st, pd) in enumerate(layers):
+        v = li % 3
+        lay = ("NHWC", "HWNC")[li % 2]
+        kp = dict(wp8, persist=1 + li % 2, erq=bool(li % 4 == 3), WM=1 + (li % 3 == 2), BM=128 * (1 + (li % 3 == 2)))
+        if li % 4 == 1:
+            kp.update(BK=32, pstages=4, stages=4)
+        add("check", f"w8p_{name}_b8_int4_{lay.lower()}", int4_spec(8, C, H, K, R, st, pd, v, lay), None, knobs=kp)
+        if 8 * H * H // st // st < 132 * 128:
+            add("check", f"w8p_{name}_b32_int4", int4_spec(32, C, H, K, R, st, pd, v), None, knobs=kp)
+        if li % 3 == 0:
+            add("check", f"w8p_plan_{name}_b1_int4", int4_spec(1, C, H, K, R, st, pd, v), None, plan=True, knobs=kp)
+    for (name, N, C, H, K, R, st, pd) in ODD:
+        add("check", f"w8p_{name}_int4", int4_spec(N, C, H, K, R, st, pd, 1), None, knobs=dict(wp8, persist=2))
     # the requantize on the accumulators with 8-bit staging (erq: every epilogue variant; the int32-output one keeps
     # the int32 staging) on mma.sync and wgmma kernels, 4-bit register-A kernels, and persistent 8-bit wgmma kernels
     # (persist: one and two blocks per SM, several tiles per block, chunks streamed across tile boundaries), at batch 8

@@ -455,12 +455,13 @@ def make_cases_occ1wg(batches, layers=None, minbs=(0, 3, 4), erqs=(False, True))
 W8_TILES = ["wg128x128_bk128_1wg_g0", "wg128x64_1wg_g0", "wg128x128_bk128_g0", "wg64x128_bk128_g0", "wg128x64_bk128_g0"]
 
 
-def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3)):
+def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3), persist=()):
     """Every ResNet-50 layer as compiled now plus, for the 4-bit wgmma-able ones (or only ``layers``), register-A
     kernels that take their weights expanded to 8 bits (``GemmKnobs.w8``: B copied into its stages like an 8-bit
     operand, only A unpacked in the kernel) on the tile they compile with now, on the tile of the same layer's 8-bit
     kernel (BK halved: packed bytes) and on each of ``tiles`` (WGMMA names), with warp-owned A rows (awarp, pipe -1), each
-    packed-ring depth in ``pstages`` (B's stages as many) and each ``__launch_bounds__`` minimum in ``minb``."""
+    packed-ring depth in ``pstages`` (B's stages as many) and each ``__launch_bounds__`` minimum in ``minb``; with
+    ``persist``, also as persistent kernels of that many blocks per SM (the chunk stream across tile boundaries)."""
     from qcompile.schedules.igemm import _adapt_knobs
 
     cases, extra = make_cases_as_compiled(batches), []
@@ -479,12 +480,17 @@ def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3))
             if kn0.WN != 1:
                 continue
             for p in pstages:
-                for m in sorted({*minb, kn0.minb}):
+                for m in sorted({*minb, kn0.minb}) if minb else ():  # (none: --persist alone)
                     kn = kn0.replace(areg=True, awarp=True, w8=True, pipe=-1, pstages=p, stages=p, minb=m, wsp=0,
                                      persist=0, sk=0)
                     if _fits(kn, spec, seen):
                         extra.append(dict(c, knobs=kn, variant=f"{cname}_w8_p{p}" + (f"_minb{m}" if m else ""),
                                           is_default=False))
+                for n in persist:
+                    kn = kn0.replace(areg=True, awarp=True, w8=True, pipe=-1, pstages=p, stages=p, minb=0, wsp=0,
+                                     persist=n, sk=0)
+                    if _fits(kn, spec, seen):
+                        extra.append(dict(c, knobs=kn, variant=f"{cname}_w8_p{p}_persist{n}", is_default=False))
     return cases + extra
 
 
@@ -723,7 +729,8 @@ def cmd_build(a):
     elif a.splits:
         cases = make_cases_splits(a.batches, a.only_layers, tuple(a.splits))
     elif a.w8:
-        cases = make_cases_w8(a.batches, a.only_layers, a.cands, tuple(a.pstages or (3, 4)), tuple(a.minb or (0, 3)))
+        cases = make_cases_w8(a.batches, a.only_layers, a.cands, tuple(a.pstages or (3, 4)),
+                              tuple(a.minb or (() if a.persist else (0, 3))), tuple(a.persist))
     elif a.awarp:
         cases = make_cases_awarp(a.batches, a.only_layers, a.cands, tuple(a.minb or (0, 2)), tuple(a.pstages or (4,)))
     elif a.minb:
@@ -984,13 +991,18 @@ def cmd_device(a):
             ms = timed([f for _, f in funcs], last)
             for (v, _), t in zip(funcs, ms):
                 v["ms"] = t
+            if a.confirm:  # the default and the fastest few again, each alone as the layer bench times it
+                recs_v = {r["variant"]: r for r in recs}
+                top = sorted(funcs, key=lambda vf: (not vf[0]["is_default"], vf[0]["ms"]))
+                for v, f in [top[0]] + sorted(top[1:], key=lambda vf: vf[0]["ms"])[:a.confirm]:
+                    v["bench_ms"] = DR.run_bench(recs_v[v["variant"]], func=f)
         ok_v = [v for v in row["variants"] if v.get("ok")]
         dflt = next((v for v in row["variants"] if v["is_default"]), None)
-        best = min(ok_v, key=lambda v: v["ms"]) if ok_v else None
+        best = min(ok_v, key=_tkey(ok_v)) if ok_v else None
         row["best"] = best["variant"] if best else None
         results["tune"].append(row)
-        d_ms = dflt.get("ms", float("nan")) if dflt else float("nan")
-        b_ms = best["ms"] if best else float("nan")
+        d_ms = _tkey(ok_v)(dflt) if dflt and dflt.get("ok") else float("nan")
+        b_ms = _tkey(ok_v)(best) if best else float("nan")
         flag = "" if len(ok_v) == len(row["variants"]) else f"  FAIL {[v['variant'] for v in row['variants'] if not v.get('ok')]}"
         log(f"TUNE {layer:<26} {len(ok_v)}/{len(row['variants'])} exact  default {d_ms:.4f}ms  best {str(row['best']):<13}"
             f" {b_ms:.4f}ms  x{d_ms / b_ms:.2f}  [{time.time() - T0:.0f}s]{flag}")
@@ -1143,14 +1155,27 @@ def cmd_ncu_target(a):
 # ------------------------------------------------------------------------------------------------------------
 # log + table (here)
 # ------------------------------------------------------------------------------------------------------------
+def _tkey(variants):
+    """The time variants are ranked by: with --confirm, their bench-setting time (``bench_ms``: each kernel alone,
+    as the layer bench times it), and only the confirmed ones compete; else the interleaved median (``ms``)."""
+    if any("bench_ms" in v for v in variants):
+        return lambda v: v.get("bench_ms", float("inf"))
+    return lambda v: v["ms"]
+
+
 def cmd_log(a):
     from qcompile.schedules.tuning import KEY_FIELDS, KNOB_FIELDS, LOG_FORMAT
 
     res = json.loads(pathlib.Path(a.results).read_text())
     dst = ROOT / "tuning_logs" / f"{ARCH}.json"
     recs = {}
-    if a.merge and dst.is_file():  # keep the records of shapes this run did not measure
-        recs = json.loads(dst.read_text())["records"]
+    gen = ("python scripts/tune_layers.py build && (device) python3 scripts/tune_layers.py device "
+           "&& python scripts/tune_layers.py log tune_results.json")
+    if a.merge and dst.is_file():  # keep the records of shapes this run did not measure, and how the log was made
+        old = json.loads(dst.read_text())
+        recs, gen = old["records"], old.get("generated_by", gen)
+    if a.note:
+        gen = f"{gen}; {a.note}"
     run_ms = {}
     for row in res["tune"]:
         vs = row["variants"]
@@ -1161,21 +1186,21 @@ def cmd_log(a):
             continue
         if a.merge and len(vs) == 1:  # only the as-compiled kernel timed (bench rows of a partial round): no news
             continue
-        best = min(ok, key=lambda v: v["ms"])
+        tk = _tkey(ok)
+        best = min(ok, key=tk)
         # keep the default unless the best is clearly faster (2%: about the run-to-run spread of the median)
-        chosen = best if best["ms"] < dflt["ms"] * (1 - a.min_gain) else dflt
+        chosen = best if tk(best) < tk(dflt) * (1 - a.min_gain) else dflt
         if row["key"] in run_ms and run_ms[row["key"]] <= chosen["ms"]:
             continue  # two layers of one key (the stem's INT4 and INT8 rows: both 8-bit as compiled): the faster
-        run_ms[row["key"]] = chosen["ms"]
+        run_ms[row["key"]] = tk(chosen)
         if a.merge and chosen is dflt and recs.get(row["key"], {}).get("knobs") == dflt["knobs"]:
             continue  # the knobs it compiles with held: keep their record (variant name, timing of that round)
-        recs[row["key"]] = dict(knobs=chosen["knobs"], variant=chosen["variant"], ms=round(chosen["ms"], 5),
-                                default_ms=round(dflt["ms"], 5), speedup=round(dflt["ms"] / chosen["ms"], 3),
+        recs[row["key"]] = dict(knobs=chosen["knobs"], variant=chosen["variant"], ms=round(tk(chosen), 5),
+                                default_ms=round(tk(dflt), 5), speedup=round(tk(dflt) / tk(chosen), 3),
                                 variants_tried=len(vs), variants_exact=len(ok), layer=row["layer"],
                                 date=res["date"], device=res["device"])
     data = {"format": LOG_FORMAT, "arch": ARCH, "key_fields": list(KEY_FIELDS), "knob_fields": list(KNOB_FIELDS),
-            "generated_by": "python scripts/tune_layers.py build && (device) python3 scripts/tune_layers.py device "
-                            "&& python scripts/tune_layers.py log tune_results.json",
+            "generated_by": gen,
             "timing": "median of 7 rounds x 10 launches (CUDA events; one CUDA-graph replay from 2026-11-23 on), "
                       "variants interleaved",
             "records": dict(sorted(recs.items()))}
@@ -1265,6 +1290,9 @@ def main():
                    help="as compiled + register-A kernels taking their 4-bit weights expanded to 8 bits (GemmKnobs.w8) "
                         "on the tile now, the 8-bit kernel's tile and W8_TILES (--cands) for the 4-bit layers "
                         "(--only-layers, --pstages, --minb)")
+    b.add_argument("--persist", type=int, nargs="+", default=[],
+                   help="with --w8: persistent kernels (GemmKnobs.persist) of these blocks per SM (only those unless "
+                        "--minb is given)")
     b.add_argument("--occ1wg", action="store_true",
                    help="as compiled + one-warpgroup 128-row tiles with minb 0/3/4 (--minb), with and without erq "
                         "(--no-erq: without), for the 8-bit layers (--only-layers)")
@@ -1281,12 +1309,16 @@ def main():
     d.add_argument("--ncu-before", type=float, default=380, help="s after start: ncu only if reached before this")
     d.add_argument("--ncu-timeout", type=float, default=100)
     d.add_argument("--ncu-layer", default="r50_l3_3x3_b64")
+    d.add_argument("--confirm", type=int, default=0,
+                   help="re-time the default and the N fastest variants of each layer alone, as the layer bench does "
+                        "(bench_ms), and rank by that")
     n = sub.add_parser("ncu-target")
     n.add_argument("dir")
     n.add_argument("funcs", nargs="+")
     lg = sub.add_parser("log")
     lg.add_argument("results")
     lg.add_argument("--min-gain", type=float, default=0.02)
+    lg.add_argument("--note", default="", help="appended to the log's generated_by (what this round ran)")
     lg.add_argument("--merge", action="store_true", help="update the existing log instead of replacing it")
     t = sub.add_parser("table")
     t.add_argument("results")

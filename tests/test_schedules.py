@@ -348,6 +348,40 @@ def test_cuda_erq_and_persist():
     assert _src(s4, "sm_90", knobs=wg4.replace(persist=1)) == _src(s4, "sm_90", knobs=wg4)
 
 
+def ri_decl(script):
+    """The shape of the persistent kernel's decoded-rows buffer ``ri`` in a TVMScript kernel (None: not declared)."""
+    m = re.search(r"ri = T\.alloc_local\(\(([0-9, ]+)\)", script)
+    return tuple(int(v) for v in m.group(1).split(",") if v.strip()) if m else None
+
+
+def test_cuda_wgmma_int4_w8_persist():
+    """persist on the 4-bit register-A loader with warp-owned rows and expanded weights (awarp + w8): a grid of
+    persist x SMs blocks walks the tiles, the packed-A / B chunk stream crossing tile boundaries (im2col rows decoded
+    once per tile), under __launch_bounds__(threads, persist); the other 4-bit loaders do not take it."""
+    from qcompile.schedules.igemm import w8_weights
+
+    kn = GemmKnobs(BM=128, BN=64, BK=64, WM=1, WN=1, stages=3, pstages=3, pipe=-1, mma="wgmma", areg=True, awarp=True,
+                   w8=True, persist=2)
+    assert kn.valid()
+    for shape, pointwise in ((dict(N=64, H=28, W=28, C=64, K=256, R=1, S=1), True), (dict(L3, N=32, H=28, W=28), False)):
+        spec = ConvSpec(**shape, x_dtype="uint4", w_bits=4, out_dtype="uint4", lo=0, hi=15)
+        P = spec.P
+        tiles = -(-(spec.N * P * P) // 128) * (spec.K // 64)
+        f = make_gemm_conv(spec, "sm_90", kn, adapt=False)
+        assert w8_weights(f) and tiles > 2 * 132
+        assert f'T.launch_thread("blockIdx.x", {2 * 132})' in f.script()
+        src = cuda_source(build_cuda(f, "sm_90", mode="ptx"))
+        assert "__launch_bounds__(128, 2)" in src and "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8" in src
+        plain = make_gemm_conv(spec, "sm_90", kn.replace(persist=0), adapt=False).script()
+        assert f'T.launch_thread("blockIdx.x", {spec.K // 64})' in plain
+        # not pointwise: the rows' decode kept in registers per tile (3 words per A vector of the thread)
+        a_it = 128 * 64 // 16 // 128
+        assert ri_decl(f.script()) == ((3 * a_it,) if not pointwise else None)  # (pointwise: no decode)
+    for bad in (kn.replace(w8=False), kn.replace(awarp=False), kn.replace(areg=False, awarp=False, w8=False),
+                kn.replace(sk=2, persist=0)):
+        assert not bad.valid()
+
+
 def test_cuda_stream_k():
     """sk: a grid of sk x SMs blocks splits the (tile, K-chunk) iterations evenly; the blocks holding a tile's later
     chunks store int32 partials and count themselves (red.release.gpu), the tile's owner waits for the count

@@ -228,3 +228,48 @@ def test_stem_round_tunes_the_space_to_depth_form():
     assert all(c["knobs"].valid() for c in extra)
     layer = tl.int8_spec(64, 3, 224, 64, 7, 2, 3, s2d=False)
     assert (layer.C, layer.R, layer.strides) == (4, 7, (2, 2))
+
+
+def _tune_layers(monkeypatch, tmp_path):
+    import importlib.util
+    import pathlib
+
+    p = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tune_layers.py"
+    spec = importlib.util.spec_from_file_location("tune_layers_under_test", p)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "ROOT", tmp_path)
+    return mod
+
+
+def test_log_merge_keeps_generated_by_and_ranks_by_confirmed_time(tmp_path, monkeypatch):
+    """`tune_layers.py log RESULTS --merge --note ...`: records of shapes the run did not measure stay, the log's
+    generated_by is kept with the note appended, and with --confirm timings (bench_ms) a variant is ranked by those,
+    not by its interleaved median."""
+    import argparse
+
+    TL = _tune_layers(monkeypatch, tmp_path)
+    (tmp_path / "tuning_logs").mkdir()
+    dst = tmp_path / "tuning_logs" / "sm_90.json"
+    kept = {"knobs": {"BM": 64}, "variant": "v_old", "ms": 1.0}
+    dst.write_text(json.dumps({"generated_by": "earlier rounds", "records": {"OTHER": kept}}))
+    knobs = {"default": {"BM": 128}, "fast_interleaved": {"BM": 256}, "fast_alone": {"BM": 64, "BN": 64}}
+    ms = {"default": 0.100, "fast_interleaved": 0.080, "fast_alone": 0.090}
+    bench_ms = {"default": 0.100, "fast_interleaved": 0.099, "fast_alone": 0.085}
+    row = {"layer": "r50_x_b256_int4", "key": "KEY", "variants": [
+        dict(variant=v, knobs=knobs[v], is_default=v == "default", ok=True, ms=ms[v], bench_ms=bench_ms[v])
+        for v in knobs]}
+    res = tmp_path / "tune_results.json"
+    res.write_text(json.dumps({"device": "H100", "date": "2026-11-23", "tune": [row]}))
+    TL.cmd_log(argparse.Namespace(results=str(res), merge=True, note="round N: build --w8", min_gain=0.02))
+    log = json.loads(dst.read_text())
+    assert log["generated_by"] == "earlier rounds; round N: build --w8"
+    assert log["records"]["OTHER"] == kept
+    rec = log["records"]["KEY"]
+    assert rec["variant"] == "fast_alone" and rec["knobs"] == knobs["fast_alone"]
+    assert rec["ms"] == 0.085 and rec["default_ms"] == 0.1
+    # a gain under --min-gain keeps the default
+    TL.cmd_log(argparse.Namespace(results=str(res), merge=False, note="", min_gain=0.2))
+    log = json.loads(dst.read_text())
+    assert log["records"]["KEY"]["variant"] == "default" and "OTHER" not in log["records"]
+    assert log["generated_by"].startswith("python scripts/tune_layers.py build")
