@@ -172,12 +172,32 @@ def has_4bit(model: onnx.ModelProto) -> bool:
     return any(t.data_type in (TensorProto.INT4, TensorProto.UINT4) for t in model.graph.initializer)
 
 
+def ort_int8_kernels_exact() -> bool:
+    """Whether onnxruntime's fused int8 CPU kernels (the QLinearConv / QGemm its graph optimizer makes of a QDQ
+    Conv / Gemm) compute exact integer sums on this machine. On x86 without VNNI (AVX2 / AVX-512 with no
+    ``avx512_vnni`` / ``avx_vnni`` flag) its u8 x s8 kernels add products pairwise in saturating int16
+    (``vpmaddubsw``), the overflow onnxruntime's ``reduce_range`` option exists for: the outputs then differ from the
+    QDQ graph's own semantics by several quantization steps. Elsewhere (VNNI, ARM) they are exact."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
 def run_onnx(path_or_model, x: np.ndarray, disable_optimizations: bool = False) -> np.ndarray:
     """Run with onnxruntime (CPU EP); a model with a static batch is fed ``x`` in slices of that batch.
 
     Models with 4-bit tensors run at ``ORT_ENABLE_BASIC``: at the extended level ORT's QDQ
     rules drop the DQ/Q around MaxPool without checking the type and fail with
-    ``INVALID_GRAPH ... tensor(uint4) ... MaxPool`` (onnxruntime 1.32).
+    ``INVALID_GRAPH ... tensor(uint4) ... MaxPool`` (onnxruntime 1.32). ``disable_optimizations``: the graph
+    as written, each DequantizeLinear / float op / QuantizeLinear on its own -- the QDQ format's defining semantics,
+    whatever this CPU's int8 kernels do (see :func:`ort_int8_kernels_exact`).
     """
     import onnxruntime as ort
     model = path_or_model if isinstance(path_or_model, onnx.ModelProto) else onnx.load(path_or_model)

@@ -455,16 +455,17 @@ def make_cases_occ1wg(batches, layers=None, minbs=(0, 3, 4), erqs=(False, True))
 W8_TILES = ["wg128x128_bk128_1wg_g0", "wg128x64_1wg_g0", "wg128x128_bk128_g0", "wg64x128_bk128_g0", "wg128x64_bk128_g0"]
 
 
-def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3), persist=()):
+def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3), persist=(), r18=False):
     """Every ResNet-50 layer as compiled now plus, for the 4-bit wgmma-able ones (or only ``layers``), register-A
     kernels that take their weights expanded to 8 bits (``GemmKnobs.w8``: B copied into its stages like an 8-bit
     operand, only A unpacked in the kernel) on the tile they compile with now, on the tile of the same layer's 8-bit
     kernel (BK halved: packed bytes) and on each of ``tiles`` (WGMMA names), with warp-owned A rows (awarp, pipe -1), each
     packed-ring depth in ``pstages`` (B's stages as many) and each ``__launch_bounds__`` minimum in ``minb``; with
-    ``persist``, also as persistent kernels of that many blocks per SM (the chunk stream across tile boundaries)."""
+    ``persist``, also as persistent kernels of that many blocks per SM (the chunk stream across tile boundaries).
+    ``r18``: the same for the ResNet-18 shapes ResNet-50 does not have (make_cases_r18's, as compiled) instead."""
     from qcompile.schedules.igemm import _adapt_knobs
 
-    cases, extra = make_cases_as_compiled(batches), []
+    cases, extra = make_cases_r18(batches, names=()) if r18 else make_cases_as_compiled(batches), []
     k8 = {c["layer"].rsplit("_", 1)[0]: c["knobs"] for c in cases if c["layer"].endswith("_int8") and c["knobs"]}
     for c in _tunable(cases, ("int4",), layers):
         spec, kn_now = c["spec"], c["knobs"]
@@ -613,7 +614,7 @@ def make_cases_r18(batches, names=None, splits=None):
                 now = tuned_knobs(spec, ARCH) or _adapt_knobs(spec, DEFAULT_KNOBS[ARCH], "NHWC")
                 vs, seen = [("default", now)], {now}
                 vs += _split_variants(now, splits or (), seen)
-                for cname in ((names or WG_SWEEP_G0) if _wg_ok(spec) and not splits else ()):
+                for cname in ((WG_SWEEP_G0 if names is None else names) if _wg_ok(spec) and not splits else ()):
                     kn0 = _wg_tile(spec, cname)
                     kns = [(cname, kn0)] if spec.x_bits == 8 else [
                         (cname + "_ar", kn0.replace(pstages=4, areg=True, pipe=-1, stages=2)),
@@ -713,6 +714,9 @@ def cmd_build(a):
             f.unlink()
     if a.wgmma:
         cases = make_cases_wgmma(a.batches, a.only_layers, a.dtypes, a.cands, a.pstages, a.areg, a.areg_pipes)
+    elif a.r18 and a.w8:
+        cases = make_cases_w8(a.batches, a.only_layers, a.cands, tuple(a.pstages or (3, 4)),
+                              tuple(a.minb or (() if a.persist else (0, 3))), tuple(a.persist), r18=True)
     elif a.r18:
         cases = make_cases_r18(a.batches, a.cands, tuple(a.splits) if a.splits else None)
     elif a.wsp:
@@ -1269,7 +1273,8 @@ def main():
     b.add_argument("--areg-pipes", type=int, nargs="+", default=[-1], help="with --areg: pipe values (-1, 0)")
     b.add_argument("--areg", action="store_true", help="with --pstages: as register-A kernels (GemmKnobs.areg)")
     b.add_argument("--r18", action="store_true",
-                   help="the ResNet-18-only shapes (not in ResNet-50): as compiled + wgmma tiles (--cands), INT8 and INT4")
+                   help="the ResNet-18-only shapes (not in ResNet-50): as compiled + wgmma tiles (--cands), INT8 and INT4; "
+                        "with --w8: the w8 variants of their 4-bit layers instead")
     b.add_argument("--wsp", action="store_true",
                    help="as compiled + warp-specialized kernels (GemmKnobs.wsp, WSP_TILES) for the 4-bit layers "
                         "(--only-layers)")
