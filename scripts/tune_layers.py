@@ -714,9 +714,9 @@ def cmd_build(a):
             f.unlink()
     if a.wgmma:
         cases = make_cases_wgmma(a.batches, a.only_layers, a.dtypes, a.cands, a.pstages, a.areg, a.areg_pipes)
-    elif a.r18 and a.w8:
+    elif a.w8:  # (with --r18: the ResNet-18-only shapes)
         cases = make_cases_w8(a.batches, a.only_layers, a.cands, tuple(a.pstages or (3, 4)),
-                              tuple(a.minb or (() if a.persist else (0, 3))), tuple(a.persist), r18=True)
+                              tuple(a.minb or (() if a.persist else (0, 3))), tuple(a.persist), r18=a.r18)
     elif a.r18:
         cases = make_cases_r18(a.batches, a.cands, tuple(a.splits) if a.splits else None)
     elif a.wsp:
@@ -732,9 +732,6 @@ def cmd_build(a):
                                   (False, True) if not a.no_erq else (False,))
     elif a.splits:
         cases = make_cases_splits(a.batches, a.only_layers, tuple(a.splits))
-    elif a.w8:
-        cases = make_cases_w8(a.batches, a.only_layers, a.cands, tuple(a.pstages or (3, 4)),
-                              tuple(a.minb or (() if a.persist else (0, 3))), tuple(a.persist))
     elif a.awarp:
         cases = make_cases_awarp(a.batches, a.only_layers, a.cands, tuple(a.minb or (0, 2)), tuple(a.pstages or (4,)))
     elif a.minb:
@@ -1194,7 +1191,7 @@ def cmd_log(a):
         best = min(ok, key=tk)
         # keep the default unless the best is clearly faster (2%: about the run-to-run spread of the median)
         chosen = best if tk(best) < tk(dflt) * (1 - a.min_gain) else dflt
-        if row["key"] in run_ms and run_ms[row["key"]] <= chosen["ms"]:
+        if row["key"] in run_ms and run_ms[row["key"]] <= tk(chosen):
             continue  # two layers of one key (the stem's INT4 and INT8 rows: both 8-bit as compiled): the faster
         run_ms[row["key"]] = tk(chosen)
         if a.merge and chosen is dflt and recs.get(row["key"], {}).get("knobs") == dflt["knobs"]:

@@ -162,9 +162,8 @@ def test_tuned_kernel_builds_for_cuda():
     assert kinds == {"sync", "wgmma"}
 
 
-def test_loader_round_candidates():
-    """scripts/tune_layers.py's 4-bit loader rounds (--awarp, --wsp) propose valid, distinct knobs that fit the H100's
-    shared memory, for 4-bit layers only, next to the as-compiled kernel of every layer."""
+def _tune_layers():
+    """scripts/tune_layers.py as a module (it is a script, not part of the package)."""
     import importlib.util
     import pathlib
 
@@ -172,6 +171,13 @@ def test_loader_round_candidates():
     spec = importlib.util.spec_from_file_location("tune_layers", path)
     tl = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tl)
+    return tl
+
+
+def test_loader_round_candidates():
+    """scripts/tune_layers.py's 4-bit loader rounds (--awarp, --wsp) propose valid, distinct knobs that fit the H100's
+    shared memory, for 4-bit layers only, next to the as-compiled kernel of every layer."""
+    tl = _tune_layers()
     layers = ["r50_l4_3x3_b64_int4", "r50_l3_3x3_b64_int8"]
     for cases, flag in ((tl.make_cases_awarp([64], layers), "awarp"), (tl.make_cases_wsp([64], layers), "wsp")):
         extra = [c for c in cases if c["variant"] != "default"]
@@ -185,13 +191,7 @@ def test_loader_round_candidates():
 def test_stream_k_and_split_round_candidates(tmp_path):
     """--sk proposes stream-K variants (8-bit layers only, valid, distinct, fitting sk blocks per SM); --splits the
     as-compiled knobs with each K-split; the tuner builds what compiled models run: the split-K pair where it splits."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tune_layers.py"
-    spec = importlib.util.spec_from_file_location("tune_layers", path)
-    tl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tl)
+    tl = _tune_layers()
     layers = ["r50_l4_3x3_b8_int4", "r50_l4_3x3_b8_int8"]
     extra = [c for c in tl.make_cases_sk([8], layers) if c["variant"] != "default"]
     assert extra and all(c["layer"] == "r50_l4_3x3_b8_int8" and c["knobs"].sk and c["knobs"].valid() for c in extra)
@@ -213,13 +213,7 @@ def test_stream_k_and_split_round_candidates(tmp_path):
 def test_stem_round_tunes_the_space_to_depth_form():
     """--stem proposes tiles for the stem as compiled models run it (the 4x4 stride-1 conv over 16 channels), and the
     tuner's layer table maps the stem's rows to it while cuDNN gets the layer itself (7x7 stride 2, 4 channels)."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tune_layers.py"
-    spec = importlib.util.spec_from_file_location("tune_layers", path)
-    tl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tl)
+    tl = _tune_layers()
     cases = tl.make_cases_stem([64])
     assert {c["layer"] for c in cases} == {"r50_stem_b64_int8", "r50_stem_b64_int4"}
     assert all((c["spec"].C, c["spec"].R, c["spec"].strides) == (16, 4, (1, 1)) for c in cases)
@@ -230,25 +224,14 @@ def test_stem_round_tunes_the_space_to_depth_form():
     assert (layer.C, layer.R, layer.strides) == (4, 7, (2, 2))
 
 
-def _tune_layers(monkeypatch, tmp_path):
-    import importlib.util
-    import pathlib
-
-    p = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tune_layers.py"
-    spec = importlib.util.spec_from_file_location("tune_layers_under_test", p)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    monkeypatch.setattr(mod, "ROOT", tmp_path)
-    return mod
-
-
 def test_log_merge_keeps_generated_by_and_ranks_by_confirmed_time(tmp_path, monkeypatch):
     """`tune_layers.py log RESULTS --merge --note ...`: records of shapes the run did not measure stay, the log's
     generated_by is kept with the note appended, and with --confirm timings (bench_ms) a variant is ranked by those,
     not by its interleaved median."""
     import argparse
 
-    TL = _tune_layers(monkeypatch, tmp_path)
+    TL = _tune_layers()
+    monkeypatch.setattr(TL, "ROOT", tmp_path)
     (tmp_path / "tuning_logs").mkdir()
     dst = tmp_path / "tuning_logs" / "sm_90.json"
     kept = {"knobs": {"BM": 64}, "variant": "v_old", "ms": 1.0}
