@@ -299,7 +299,7 @@ class _Dispatcher(PyExprMutator):
 
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
         from qcompile.schedules import ConvSpec, conv2d_int_plan, select_strategy, tuned_knobs
-        from qcompile.schedules.igemm import streamk_args, w8_weights
+        from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
         from qcompile.schedules.reference import expand_w4
         from qcompile.schedules.spec import operand_plan, space_to_depth, space_to_depth_weights
 
@@ -343,7 +343,7 @@ class _Dispatcher(PyExprMutator):
             knobs = None
             if not self.expand_w4:  # 4-bit weights stay packed: a tuned w8 kernel runs with its B unpacked instead
                 tk = tuned_knobs(spec, self.arch)
-                knobs = tk.replace(w8=False) if tk is not None and tk.w8 else None
+                knobs = tk.replace(w8=False, agl=False) if tk is not None and tk.w8 else None
             funcs = conv2d_int_plan(spec, self.arch, strategy, knobs)
         else:  # the kernels' own TE compute (same epilogue and packing) for checking this pass on a CPU
             from qcompile.schedules.fallback import make_fallback
@@ -376,8 +376,8 @@ class _Dispatcher(PyExprMutator):
         if g.dense:
             x = self.builder_.emit(relax.op.reshape(x, (N, 1, 1, int(x.ty.shape[-1]))), var.name + "_x4d")
         wq = w.astype(np.int8)
-        if w_bits == 4 and w8_weights(funcs[0]):  # 4-bit weights expanded (GemmKnobs.w8)
-            wq = expand_w4(w)
+        if w_bits == 4 and w8_weights(funcs[0]):  # 4-bit weights expanded (GemmKnobs.w8; agl: k-permuted too)
+            wq = expand_w4(w, w8_kperm(funcs[0]))
         elif w_bits == 4:
             wq = pack_int4_np(wq, 3).view(np.int8)
         epi = [relax.const(g.bias, "int32"), relax.const(g.M, "int32"), relax.const(g.S, "int32")]

@@ -105,9 +105,8 @@ def _adapt_knobs(spec: ConvSpec, kn: GemmKnobs, layout: str) -> GemmKnobs:
     WN = max(1, min(WN, BN // lo))
     BK = kn.BK
     kn = kn.replace(BM=BM, BN=BN, WM=WM, WN=WN, vec=vec, BK=BK)
-    nth = kn.load_threads
     # keep every thread busy with whole vectors
-    while (BM * BK) % (vec * nth) or (BN * BK) % (vec * nth):
+    while not kn.whole_vectors(BK):
         BK *= 2
     return kn.replace(BK=BK)
 
@@ -145,6 +144,13 @@ def w8_weights(func) -> bool:
     ``reference.expand_w4(w)``, int8 [..., C], instead of the packed int8 [..., C/2])."""
     a = func.attrs
     return a is not None and "qcompile.w8" in a
+
+
+def w8_kperm(func) -> int:
+    """The K-chunk (packed bytes) whose k permutation kernel ``func``'s expanded weights take (``GemmKnobs.agl``:
+    pass ``reference.expand_w4(w, kperm)``), else 0."""
+    a = func.attrs
+    return int(a["qcompile.w8_kperm"]) if a is not None and "qcompile.w8_kperm" in a else 0
 
 
 def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None = None,
@@ -222,12 +228,28 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # A is copied (PSTG - 1 chunks ahead), so the stage must have retired chunk j - STG by then: STG >= PSTG + GIF
     # (GemmKnobs.valid, checked above, requires areg and those stages)
     W8 = AREG and bool(kn.w8)
+    # agl (w8 + awarp): no A ring at all -- each thread loads the packed words of its own wgmma A fragments from global
+    # memory into a register ring AGD = pstages-1 chunks deep, unpacked one chunk ahead of its MMAs. Within a K-chunk
+    # thread q = lane % 4 takes packed bytes [q*BK/4, (q+1)*BK/4) of its rows g and g+8 (one 8- or 16-byte load per
+    # 16 bytes) and uses their word j at k-step j, where the plain fragment order has bytes 16j+4q..16j+4q+3: the
+    # expanded weights take the same permutation (reference.expand_w4(w, kperm=BK)), so the sums are unchanged
+    AGL = W8 and AWARP and bool(kn.agl)
+    if kn.agl and UNPACK_LD and (not AGL or layout != "NHWC" or GKB % BK):
+        raise NotApplicable("agl needs w8 + awarp, NHWC and whole K-chunks (R*S*C/2 % BK == 0)")
     WSP = bool(UNPACK_LD and kn.wsp)  # warp-specialized (see GemmKnobs.wsp)
     NSET = 2 if (kn.pipe == 0 or AWARP) else 1  # areg: A-fragment register sets (chunk kc+1's loaded during kc's MMAs)
+    if kn.agl and kn.pipe == 0:  # agl with a group in flight: chunk kc+1's set is neither kc's nor kc-1's
+        NSET = 3
+    # KEEP (agl, pipe 0): ptxas treats a register-A wgmma's fragment registers as free once the instruction issues, and
+    # gave the set of chunk kc+1 the physical registers of chunk kc's set while chunk kc was in flight (measured: a few
+    # wrong outputs on the 64x64 tile). Each set is therefore read once more after the wait that retires its chunk
+    # (XORed into a word per thread stored past the tiles in shared memory), so the three sets stay live, and distinct,
+    # across their MMAs
+    KEEP = bool(kn.agl and kn.pipe == 0 and UNPACK_LD)
     if kn.areg and UNPACK_LD and (PSTG < 2 or kn.pipe not in (-1, 0)):
         raise NotApplicable("areg needs pstages >= 2 and pipe -1 or 0")
-    if kn.awarp and UNPACK_LD and (not AREG or kn.pipe != -1 or kn.WN != 1):
-        raise NotApplicable("awarp needs areg, pipe -1 and WN == 1")
+    if kn.awarp and UNPACK_LD and (not AREG or kn.pipe not in ((-1, 0) if kn.agl else (-1,)) or kn.WN != 1):
+        raise NotApplicable("awarp needs areg, pipe -1 (agl: or 0) and WN == 1")
     if kn.wsp and not UNPACK_LD:
         raise NotApplicable("wsp is a 4-bit wgmma loader")
     if WSP and (AREG or PSTG < 2 or kn.stages < 2 or kn.pipe not in (-1, 0) or 2 * kn.stages > 15):
@@ -240,6 +262,12 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     LAYOUT_TYPE = {32: 3, 64: 2, 128: 1}.get(AW, 0)  # descriptor bits 62-63
     GIF = 1 + kn.pipe if WG else 0  # wgmma: MMA groups (K-chunks) in flight
     MI = WTM // 64  # wgmma: m64 instructions per warpgroup tile
+    AGD = PSTG - 1  # agl: chunks in the register ring
+    APV = min(16, BK // 4)  # agl: bytes per load
+    NAV = BK // 4 // APV  # agl: loads per row and chunk
+    AG_IT = MI * 2 * NAV  # agl: loads per thread and chunk
+    AGW = AG_IT * APV // 4  # agl: ring words per chunk
+    UNR = math.lcm(NSET, AGD) if AGL else 2  # the register-A main loop's unroll
     INS_N = min(WTN, 128)  # wgmma: N of one instruction
     NI = WTN // INS_N
     EMT = MI if WG else MT  # 16-row accumulator blocks per warp (the epilogue's row loop)
@@ -311,7 +339,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     B_OFF = SMEM_A if WG else 0
     AWP = min(BK, 128)  # areg: the packed A ring's swizzle atom (row bytes, up to 128)
     PA_OFF = SMEM_A + SMEM_B  # areg: packed A ring, PSTG stages of BM x BK bytes
-    SMEM_PA = PSTG * BM * BK if AREG else 0
+    SMEM_PA = PSTG * BM * BK if AREG and not AGL else 0
     # 4-bit wgmma with pstages: the per-thread packed ring, vector (stage, v, tid) at 16 bytes each (B only with areg)
     P_OFF = PA_OFF + SMEM_PA
     PV_IT = 0 if W8 else (B_IT if AREG else A_IT + B_IT)
@@ -353,6 +381,12 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # the epilogue's staging tile aliases the A ring (after the main loop's last barrier) or sits beside it: declared
     # as a view of As, since its stores are opaque st.shared that TVM's shared-memory planner cannot place on their own
     A_ALLOC, B_ALLOC = ((max(SMEM_ALL, C_OFF + STAGE_BYTES), 16) if WG else (max(SMEM_A, STAGE_BYTES), SMEM_B))
+    KEEP_OFF = -(-A_ALLOC // 16) * 16  # KEEP: a word per thread past everything else (a ring stage may still be read)
+    if KEEP:
+        A_ALLOC = KEEP_OFF + 4 * NTH
+        if A_ALLOC > ai.smem_per_block:
+            raise NotApplicable(f"{A_ALLOC // 1024} KiB of shared tiles exceed the {ai.smem_per_block // 1024} KiB "
+                                f"per block of {arch}")
     CS_IT = 16 * WTN // (32 * EV)
     LPR = WTN // EV  # lanes per staged row
     HOIST = 32 % LPR == 0  # then a lane's output channels do not change between the rows it writes
@@ -556,6 +590,37 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             T.evaluate(T.ptx.ld.global_.v4.b32(rv[v * 4], rv[v * 4 + 1], rv[v * 4 + 2], rv[v * 4 + 3],
                                                T.address_of(src[gidx])))
 
+    def agl_slot(it, tid):
+        """agl: (row, byte column, -) of load ``it`` of thread tid: instruction i = it // (2 NAV), row g + 8 h2 of the
+        warp's 16, bytes [q BK/4 + v APV, +APV) of the chunk (q = lane % 4, v = it % NAV)."""
+        i, h2, v = it // (2 * NAV), it // NAV % 2, it % NAV
+        return ((tid // 128) * WTM + i * 64 + (tid // 32 % 4) * 16 + tid % 32 // 4 + 8 * h2,
+                tid % 4 * (BK // 4) + v * APV, 0)
+
+    @T.macro
+    def load_words(dst, base, src, gidx, ok):
+        """agl: APV packed bytes at src[gidx] into dst[base:base + APV/4] (zeros where ``ok`` is false)."""
+        for e in T.unroll(APV // 4):
+            dst[base + e] = T.uint32(0)
+        if ok:
+            if APV == 16:
+                T.evaluate(T.ptx.ld.global_.nc.v4.b32(dst[base], dst[base + 1], dst[base + 2], dst[base + 3],
+                                                      T.address_of(src[gidx])))
+            else:
+                T.evaluate(T.ptx.ld.global_.nc.v2.b32(dst[base], dst[base + 1], T.address_of(src[gidx])))
+
+    @T.macro
+    def unpack_afrag(ar, pk, aslot, base):
+        """agl: the packed words of ring slot ``aslot`` -> fragment set at ``base`` (load_afrag's order and unpack;
+        word ks of a row's span is k-step ks)."""
+        for ks in T.unroll(KS):
+            for i in T.unroll(MI):
+                for h2 in T.unroll(2):
+                    ar[base + (ks * MI + i) * 4 + h2] = T.bitwise_and(
+                        T.shift_left(pk[aslot * AGW + (i * 2 + h2) * (KS) + ks], T.uint32(4)), MASK)
+                    ar[base + (ks * MI + i) * 4 + 2 + h2] = T.bitwise_and(pk[aslot * AGW + (i * 2 + h2) * KS + ks],
+                                                                          MASK)
+
     def awarp_slot(it, tid):
         """awarp: (row, 16-byte column, -) of A vector ``it`` of thread tid: the warp's rows wm*WTM + 64i + 16*(warp % 4)
         + 0..15 (i < MI), VPR consecutive lanes per row (coalesced)."""
@@ -578,14 +643,14 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             ri[it * 3 + 2] = dec[2] * sw - pl
 
     @T.macro
-    def load_chunk(xf, wf, rv, As, Bs, tid, m0, n0, kc, ri=None):
+    def load_chunk(xf, wf, rv, As, Bs, tid, m0, n0, kc, ri=None, pk=None, aslot=0):
         """Issue the loads of K-chunk ``kc`` into ring stage ``kc % STG`` (cp.async or plain loads); with ``ri``
-        (persist, sk, not pointwise) the A rows come decoded from decode_rows."""
-        for it in T.unroll(A_IT):
+        (persist, sk, not pointwise) the A rows come decoded from decode_rows; agl: A into slot ``aslot`` of ``pk``."""
+        for it in T.unroll(AG_IT if AGL else A_IT):
             L = it * LNTH + tid
-            slot = T.meta_var(awarp_slot(it, tid) if AWARP else tile_slot(L, BM))
+            slot = T.meta_var(agl_slot(it, tid) if AGL else (awarp_slot(it, tid) if AWARP else tile_slot(L, BM)))
             row = slot[0]
-            kb = (kc % NK if PERSIST else kc) * BK + slot[1] * VEC
+            kb = (kc % NK if PERSIST else kc) * BK + (slot[1] if AGL else slot[1] * VEC)
             m = m0 + row
             rs = T.truncdiv(kb, CB)  # (kb >= 0)
             cb = T.truncmod(kb, CB)
@@ -600,7 +665,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             tap = T.meta_var(x_index(0, T.truncdiv(rs, S) * dh, T.truncmod(rs, S) * dw, cb))  # (x_index is linear)
             gidx = T.meta_var(ri[it * 3] + tap if ri is not None else
                               (m * CB + kb if POINTWISE else x_index(dec[0], ih, iw, cb)))
-            if AREG:  # packed, into the block's A ring
+            if AGL and pk is not None:  # packed, into this thread's register ring (pk None: a loop agl never runs)
+                load_words(pk, aslot * AGW + it * (APV // 4), xf, gidx, ok)
+            elif AREG:  # packed, into the block's A ring
                 T.evaluate(a_cp(As, xf, pa_off(kc, row, slot[1]), gidx, ok))
             elif UNPACK_LD and PRING:  # packed, into this thread's slot of the packed ring
                 T.evaluate(a_cp(As, xf, p_slot(kc, it, tid), gidx, ok))
@@ -967,6 +1034,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         rv = T.alloc_buffer((4 * (A_IT + B_IT),), "uint32", scope="local")  # 4-bit wgmma: packed vectors in flight
         ar = T.alloc_buffer((NSET * KS * MI * 4 if AREG else 1,), "uint32", scope="local")  # areg: A fragments
         pw = T.alloc_buffer((2,), "uint32", scope="local")  # areg: packed A words
+        pk = T.alloc_buffer((AGD * AGW if AGL else 1,), "uint32", scope="local")  # agl: the packed A register ring
+        kal = T.alloc_buffer((1,), "uint32", scope="local")  # KEEP: the fragment sets' last reads
         # wgmma: one byte ring whatever the operand type (TVM names a lone dynamic buffer after it, and kernels of
         # one module must declare it with the same element type)
         As = T.alloc_buffer((A_ALLOC,), "uint8" if WG else x_st, scope="shared.dyn")
@@ -1002,6 +1071,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         n0 = bxn * BN
         for e in T.unroll(EMT * NT * 4):
             acc[e] = T.Cast(ACC_T, 0)
+        kal[0] = T.uint32(0)
         ksp = T.meta_var(k_span(bz))  # (first K-chunk, number of K-chunks) of this block
         if WG:
             # ---------------- main loop, wgmma: STG-deep ring, GIF = 1 + pipe MMA groups in flight ----------------
@@ -1132,13 +1202,15 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             elif PRING:  # packed ring (areg: A ring + B slots): chunks 0 .. PD-1 in flight, chunk 0 (its B) unpacked
                 for s0 in T.unroll(PD):
                     if s0 < ksp[1]:
-                        load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + s0)
+                        load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + s0, None, pk, s0)
                     T.ptx.cp.async_.commit_group()
                 if ksp[1] > 0:
                     T.ptx.cp.async_.wait_group(PD - 1)
                     if not W8:  # (w8: nothing to unpack, B went straight into its stage)
                         unpack_chunk(rv, As, tid, ksp[0])
-                    if AWARP:  # chunk 0's A rows (copied by this warp) -> fragment set 0
+                    if AGL:  # chunk 0's A words (ring slot 0) -> fragment set 0
+                        unpack_afrag(ar, pk, 0, 0)
+                    elif AWARP:  # chunk 0's A rows (copied by this warp) -> fragment set 0
                         T.evaluate(T.cuda.warp_sync())
                         load_afrag(ar, pw, As, lane, warp, wm, ksp[0], 0)
                 if not AREG:  # chunk 0's slots refilled at once (each thread consumed the vectors it copied)
@@ -1157,9 +1229,11 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + s0)
                     T.ptx.cp.async_.commit_group()
             if AREG and not PERSIST:  # unrolled by two: the A-fragment register set of chunk kc is kc % NSET, a constant
-                for kc2 in T.serial((ksp[1] + 1) // 2):
-                    for par in T.unroll(2):
-                        kc = kc2 * 2 + par
+                # (agl: by lcm(NSET, AGD), so that chunk kc's register ring slot kc % AGD is a constant too; with pipe 0
+                # three fragment sets: chunk kc+1's is unpacked while chunks kc and kc-1 may still be running)
+                for kc2 in T.serial((ksp[1] + UNR - 1) // UNR):
+                    for par in T.unroll(UNR):
+                        kc = kc2 * UNR + par
                         if kc < ksp[1]:
                             T.ptx.fence.proxy.async_.shared__cta()
                             T.tvm_storage_sync("shared")
@@ -1170,8 +1244,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                             T.ptx.wgmma.commit_group.sync.aligned()
                             # chunk kc+PSTG-1 into the stages of chunk kc-1: its A was read by every thread before
                             # this iteration's barrier, its B slots were unpacked (by their own thread) in iteration kc-2
-                            if kc + PSTG - 1 < ksp[1]:
-                                load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + kc + PSTG - 1)
+                            if kc + PSTG - 1 < ksp[1]:  # (agl: A into the ring slot of chunk kc, unpacked already)
+                                load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + kc + PSTG - 1, None, pk,
+                                           (par + PSTG - 1) % max(AGD, 1))
                             T.ptx.cp.async_.commit_group()
                             # chunk kc+1 landed (the next barrier publishes its A); its B into the stage of chunk
                             # kc+1-STG, retired by every warpgroup before this iteration's barrier (STG >= 2 + GIF)
@@ -1179,11 +1254,16 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                                 T.ptx.cp.async_.wait_group(PSTG - 2)
                                 if not W8:
                                     unpack_chunk(rv, As, tid, ksp[0] + kc + 1)
-                                if AWARP:  # the warp's A rows of chunk kc+1 landed: its fragments into the other set
+                                if AGL:  # chunk kc+1's A words (waits for their loads) -> the other set
+                                    unpack_afrag(ar, pk, (par + 1) % AGD, ((par + 1) % NSET) * (KS * MI * 4))
+                                elif AWARP:  # the warp's A rows of chunk kc+1 landed: its fragments into the other set
                                     T.evaluate(T.cuda.warp_sync())
                                     load_afrag(ar, pw, As, lane, warp, wm, ksp[0] + kc + 1,
                                                ((par + 1) % 2) * (KS * MI * 4))
                             T.ptx.wgmma.wait_group.sync.aligned(GIF)
+                            if KEEP:  # chunk kc-1 retired: the last read of its fragment set (see KEEP)
+                                for e in T.unroll(KS * MI * 4):
+                                    kal[0] = T.bitwise_xor(kal[0], ar[((par + 2) % 3) * (KS * MI * 4) + e])
             for kc in T.serial(0 if (AREG or WSP or PERSIST) else ksp[1], unroll=MAIN_UNROLL):
                 if not UNPACK_LD:
                     T.ptx.cp.async_.wait_group(STG - 2 - GIF)
@@ -1210,6 +1290,10 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     T.ptx.cp.async_.commit_group()
                 T.ptx.wgmma.wait_group.sync.aligned(GIF)
             T.ptx.wgmma.wait_group.sync.aligned(0)
+            if KEEP:  # every MMA of this warpgroup retired: the fragment sets' last reads, into a word of its own
+                for e in T.unroll(3 * KS * MI * 4):  # (past the ring: the other warpgroup's MMAs may still read it)
+                    kal[0] = T.bitwise_xor(kal[0], ar[e])
+                Cs[KEEP_OFF // 4 + tid] = T.Cast("int32", kal[0])
             T.tvm_storage_sync("shared")  # the epilogue's staging buffer may share memory with the ring
         elif PIPE == 1:
             # ---------------- main loop: STG-deep ring, one barrier per K-chunk ----------------
@@ -1302,6 +1386,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
 
     if W8:
         conv = conv.with_attr("qcompile.w8", 1)
+    if AGL:
+        conv = conv.with_attr("qcompile.w8_kperm", BK)
     conv = conv.with_attr("qcompile.knobs", str(kn)).with_attr("qcompile.strategy", "direct_hwnc" if HWNC else "implicit_gemm")
     if SK:  # (tile counters, workspace words): callers pass zeros int32[tiles] before out and get the workspace after it
         conv = conv.with_attr("qcompile.streamk", [NTILES, SK_WORDS])

@@ -38,18 +38,27 @@ def to_storage(vals: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(vals).astype(dtype)
 
 
-def expand_w4(w: np.ndarray) -> np.ndarray:
+def expand_w4(w: np.ndarray, kperm: int = 0) -> np.ndarray:
     """4-bit weights (logical values, channels last, C % 32 == 0) -> the int8 buffer a ``GemmKnobs.w8`` kernel takes:
 
         out[..., 32g + j]      = 16 * w[..., 32g + 2j]        (j < 16: the even channels of group g)
         out[..., 32g + 16 + j] = 16 * w[..., 32g + 2j + 1]    (then the odd ones)
 
     the order and scale in which the kernels' nibble split delivers the 4-bit A values (x16, evens then odds per 16
-    packed bytes), so the accumulators hold 256 x the sum as with both operands unpacked in the kernel."""
+    packed bytes), so the accumulators hold 256 x the sum as with both operands unpacked in the kernel.
+
+    ``kperm`` = BK (a ``GemmKnobs.agl`` kernel, w [K, R, S, C]): first the reduction (r, s, c), flattened, is permuted
+    in words of 8 values within each K-chunk of 2*BK values -- word 4j + q of a chunk takes word q*(BK/16) + j (the
+    A word thread q of a quad loads for k-step j) -- then expanded as above."""
     w = np.asarray(w).astype(np.int64)
     C = w.shape[-1]
     if C % 32:
         raise ValueError(f"expand_w4: {C} channels, not a multiple of 32")
+    if kperm:
+        ks, red = kperm // 16, int(np.prod(w.shape[1:]))
+        if kperm % 32 or red % (2 * kperm):
+            raise ValueError(f"expand_w4: reduction of {red} values is not whole K-chunks of {kperm} packed bytes")
+        w = w.reshape(w.shape[0], red // (2 * kperm), 4, ks, 8).swapaxes(2, 3).reshape(w.shape)
     g = w.reshape(w.shape[:-1] + (C // 32, 16, 2)).swapaxes(-1, -2)
     return (16 * g).reshape(w.shape).astype(np.int8)
 

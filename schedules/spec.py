@@ -306,6 +306,12 @@ class GemmKnobs:
     #                   nibble-split k order: schedules.reference.expand_w4) and copies them into the swizzled B stages
     #                   with cp.async like 8-bit ones -- no B unpack in the kernel; the activations stay 4-bit in
     #                   memory and are unpacked into the register A operand (weights take 8 bits of storage instead of 4)
+    agl: bool = False  # w8 + awarp, not persist, NHWC, K-chunks whole (R*S*C/2 % BK == 0): each thread loads its own
+    #                    wgmma A fragments straight from global memory into a register ring pstages-1 chunks deep
+    #                    (one 8/16-byte load per row and 16 packed bytes: the k order inside a K-chunk is permuted so
+    #                    that a thread's words of every k-step are adjacent, and the expanded weights take the same
+    #                    permutation: reference.expand_w4(w, kperm=BK)); no shared-memory round trip for A. Takes
+    #                    pipe 0 too (one MMA group left in flight; three A-fragment register sets)
 
     SPACE = {
         "BM": (32, 64, 128, 256),
@@ -313,7 +319,7 @@ class GemmKnobs:
         "BK": (32, 64, 128, 256),
         "WM": (1, 2, 4),
         "WN": (1, 2, 4),
-        "stages": (2, 3, 4),
+        "stages": (2, 3, 4, 5, 6, 7, 8),
         "vec": (16, 8, 4, 2, 1),
         "ev": (4, 8, 16),
         "pipe": (-1, 0, 1),
@@ -329,6 +335,7 @@ class GemmKnobs:
         "persist": (0, 1, 2),
         "sk": (0, 1, 2),
         "w8": (False, True),
+        "agl": (False, True),
     }
 
     def replace(self, **kw) -> "GemmKnobs":
@@ -349,8 +356,10 @@ class GemmKnobs:
         if self.mma == "wgmma":  # warpgroup tiles: 64-row multiples, one m64nN instruction per 128 (or fewer) cols
             tile_ok = (wtm % 64 == 0 and wtn in (64, 128, 256) and self.vec == 16 and self.stages >= 3 + self.pipe
                        and (not self.areg or (self.pstages >= 2 and self.pipe in (-1, 0)))
-                       and (not self.awarp or (self.areg and self.pipe == -1 and self.WN == 1))
+                       and (not self.awarp or (self.areg and self.WN == 1
+                                               and (self.pipe == -1 or (self.agl and self.pipe == 0))))
                        and (not self.w8 or (self.areg and self.stages >= self.pstages + 1 + self.pipe))
+                       and (not self.agl or (self.w8 and self.awarp and not self.persist))
                        and (not self.wsp or (not self.areg and self.pstages >= 2 and self.stages >= 2
                                              and self.pipe in (-1, 0)))
                        and (not self.sk or (self.pstages == 0 and not self.areg and not self.wsp))
@@ -359,13 +368,20 @@ class GemmKnobs:
                        and not (self.persist and self.sk) and (not self.sk or self.split_k in (0, 1)))
         else:
             tile_ok = (wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg
-                       and not self.w8 and not self.awarp and not self.wsp and not self.persist and not self.sk)
-        lth = self.load_threads
+                       and not self.w8 and not self.awarp and not self.wsp and not self.persist and not self.sk
+                       and not self.agl)
         return (
             self.BM % self.WM == 0 and self.BN % self.WN == 0 and tile_ok
-            and self.BK % 32 == 0 and (self.BM * self.BK) % (self.vec * lth) == 0
-            and (self.BN * self.BK) % (self.vec * lth) == 0 and nth <= 1024
+            and self.BK % 32 == 0 and self.whole_vectors() and nth <= 1024
         )
+
+    def whole_vectors(self, bk: int | None = None) -> bool:
+        """Whether every loading thread copies whole vectors of the A and B tiles of a K-chunk of ``bk`` (default BK)
+        bytes (agl: B only, A goes straight into registers -- and B's 8-bit expansion is 2 bk bytes per row)."""
+        bk, n = bk or self.BK, self.vec * self.load_threads
+        if self.agl:
+            return (self.BN * 2 * bk) % n == 0
+        return (self.BM * bk) % n == 0 and (self.BN * bk) % n == 0
 
     @classmethod
     def sample(cls, rng, **fixed) -> "GemmKnobs":

@@ -165,6 +165,29 @@ def make_cases(quick=False, bench=True):
             add("check", f"w8p_plan_{name}_b1_int4", int4_spec(1, C, H, K, R, st, pd, v), None, plan=True, knobs=kp)
     for (name, N, C, H, K, R, st, pd) in ODD:
         add("check", f"w8p_{name}_int4", int4_spec(N, C, H, K, R, st, pd, 1), None, knobs=dict(wp8, persist=2))
+    # ... A fragments loaded straight from global memory into registers (agl: w8 + awarp, NHWC, whole K-chunks): every
+    # shape at batch 8 with the largest K-chunk (packed bytes) its reduction is a whole number of, register rings 1-4
+    # chunks deep, one and two m64 instructions per warpgroup, BN 64 / 128, erq, every epilogue variant, pipe -1 and 0
+    # (one MMA group in flight, three fragment sets); split-K plans at batch 1; the odd shapes (where agl cannot apply:
+    # the kernel the selector falls back to)
+    wgl = dict(ww8, awarp=True, agl=True)
+    for li, (name, C, H, K, R, st, pd) in enumerate(layers):
+        v = li % 3
+        p = 2 + li % 4
+        kl = dict(wgl, BK=next((bk for bk in (128, 64, 32) if R * R * C // 2 % bk == 0), 32), pstages=p, stages=p,
+                  WM=1 + li % 2, BN=(64, 128)[li // 2 % 2], erq=bool(li % 4 == 3))
+        add("check", f"agl_{name}_b8_int4", int4_spec(8, C, H, K, R, st, pd, v), None, knobs=kl)
+        add("check", f"aglg1_{name}_b8_int4", int4_spec(8, C, H, K, R, st, pd, (v + 1) % 3), None,  # pipe 0: 3 sets
+            knobs=dict(kl, pipe=0, stages=p + 1, pstages=p, WM=2 - li % 2))
+        # (the smallest tile, one m64 instruction, 4 / 3-deep rings: where ptxas once shared two sets' registers)
+        add("check", f"aglg1s_{name}_b8_int4", int4_spec(8, C, H, K, R, st, pd, (v + 2) % 3), None,
+            knobs=dict(kl, pipe=0, stages=5 - li % 2, pstages=4 - li % 2, BM=64, BN=64, WM=1, minb=3 * (li % 2)))
+        if li % 3 == 0:
+            add("check", f"agl_plan_{name}_b1_int4", int4_spec(1, C, H, K, R, st, pd, v), None, plan=True,
+                knobs=dict(kl, BM=64, WM=1))
+    for (name, N, C, H, K, R, st, pd) in ODD:
+        add("check", f"agl_{name}_int4", int4_spec(N, C, H, K, R, st, pd, 1), None, knobs=dict(wgl, BK=32, pstages=3,
+                                                                                              stages=3))
     # the requantize on the accumulators with 8-bit staging (erq: every epilogue variant; the int32-output one keeps
     # the int32 staging) on mma.sync and wgmma kernels, 4-bit register-A kernels, and persistent 8-bit wgmma kernels
     # (persist: one and two blocks per SM, several tiles per block, chunks streamed across tile boundaries), at batch 8
@@ -229,7 +252,7 @@ def build_group(args):
     import tvm
     from qcompile.schedules import conv2d_int_kernel, conv2d_int_plan, select_strategy
     from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options, cuda_target
-    from qcompile.schedules.igemm import streamk_args, w8_weights
+    from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
 
     ensure_stub_libcuda()
     arch, mode = group[0]["arch"], group[0]["mode"]
@@ -251,6 +274,7 @@ def build_group(args):
         c["funcs"] = [c["func"] + ("_e" if i else "") for i in range(len(fs))]
         c["sk"] = streamk_args(f)
         c["w8"] = w8_weights(f)
+        c["w8_kperm"] = w8_kperm(f)
         for fn, f in zip(c["funcs"], fs):
             funcs[fn] = f.with_attr("global_symbol", fn)
         if len(fs) > 1:  # the same conv unsplit, to time against the split-K pair

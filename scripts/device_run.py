@@ -66,7 +66,11 @@ def get_func(rec):
     """The kernel of ``rec``, called with the packed 4-bit weights every record takes; a ``w8`` kernel (the weights
     expanded at compile time, ``GemmKnobs.w8``) gets them expanded, once per weight tensor (the first call, outside any
     CUDA-graph capture: every timer here warms up first)."""
-    f = _get_func(rec)
+    return w8_wrap(rec, _get_func(rec))
+
+
+def w8_wrap(rec, f):
+    """``f`` (a kernel of ``rec``) taking the packed 4-bit weights: expanded for a ``w8`` record (k-permuted for agl)."""
     if not rec.get("w8"):
         return f
     held = {}
@@ -75,7 +79,7 @@ def get_func(rec):
         if id(w) not in held:
             held.clear()
             wl = R.unpack4(np.asarray(w.numpy()).view(np.uint8), True)
-            held[id(w)] = (w, tvm.runtime.tensor(R.expand_w4(wl), DEV))
+            held[id(w)] = (w, tvm.runtime.tensor(R.expand_w4(wl, rec.get("w8_kperm", 0)), DEV))
         f(x, held[id(w)][1], *rest)
     if hasattr(f, "sk_counters"):
         run_w8.sk_counters = f.sk_counters
@@ -323,7 +327,7 @@ def main():
         if ok and rec.get("nosplit_func"):  # split-K pair vs the same conv in one kernel
             try:
                 t_split = run_bench(rec)
-                t_one = run_bench(rec, _mods[rec["so"]][rec["nosplit_func"]])
+                t_one = run_bench(rec, w8_wrap(rec, _mods[rec["so"]][rec["nosplit_func"]]))
                 results["checks"][-1].update(split_ms=t_split, nosplit_ms=t_one)
                 print(f"  SPLIT {rec['name']:<34} split-K {t_split * 1e3:7.1f} us   one kernel {t_one * 1e3:7.1f} us", flush=True)
             except Exception as e:  # noqa: BLE001

@@ -138,11 +138,12 @@ def smem_bytes(kn, spec=None) -> int:
     wtn = kn.BN // kn.WN
     stage_c = nwarp * 16 * ((wtn + 16) if kn.erq else staging_pitch(wtn) * 4)
     if kn.mma == "wgmma" and spec is not None and spec.x_bits == 4:
-        ring += kn.pstages * (kn.BM + (0 if kn.w8 else kn.BN)) * kn.BK  # the packed ring (w8: A only)
+        ring += kn.pstages * ((0 if kn.agl else kn.BM) + (0 if kn.w8 else kn.BN)) * kn.BK  # packed ring (w8: A only)
         if kn.areg:  # no unpacked A stages
             ring -= kn.stages * kn.BM * pitch
     if kn.mma == "wgmma":  # one buffer: the staging tile on the ring, or beside it (persist, sk)
-        return -(-ring // 16) * 16 + stage_c if (kn.persist or kn.sk) else max(ring, stage_c)
+        keep = 4 * kn.threads if (kn.agl and kn.pipe == 0) else 0  # (igemm's KEEP words)
+        return (-(-ring // 16) * 16 + stage_c if (kn.persist or kn.sk) else max(ring, stage_c)) + keep
     return ring + stage_c
 
 
@@ -455,14 +456,16 @@ def make_cases_occ1wg(batches, layers=None, minbs=(0, 3, 4), erqs=(False, True))
 W8_TILES = ["wg128x128_bk128_1wg_g0", "wg128x64_1wg_g0", "wg128x128_bk128_g0", "wg64x128_bk128_g0", "wg128x64_bk128_g0"]
 
 
-def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3), persist=(), r18=False):
+def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3), persist=(), r18=False, agl=False):
     """Every ResNet-50 layer as compiled now plus, for the 4-bit wgmma-able ones (or only ``layers``), register-A
     kernels that take their weights expanded to 8 bits (``GemmKnobs.w8``: B copied into its stages like an 8-bit
     operand, only A unpacked in the kernel) on the tile they compile with now, on the tile of the same layer's 8-bit
     kernel (BK halved: packed bytes) and on each of ``tiles`` (WGMMA names), with warp-owned A rows (awarp, pipe -1), each
     packed-ring depth in ``pstages`` (B's stages as many) and each ``__launch_bounds__`` minimum in ``minb``; with
     ``persist``, also as persistent kernels of that many blocks per SM (the chunk stream across tile boundaries).
-    ``r18``: the same for the ResNet-18 shapes ResNet-50 does not have (make_cases_r18's, as compiled) instead."""
+    ``r18``: the same for the ResNet-18 shapes ResNet-50 does not have (make_cases_r18's, as compiled) instead.
+    ``agl``: those kernels with their A fragments loaded straight from global memory (``GemmKnobs.agl``; the K-chunk
+    halved until the reduction is a whole number of them) instead, persist aside."""
     from qcompile.schedules.igemm import _adapt_knobs
 
     cases, extra = make_cases_r18(batches, names=()) if r18 else make_cases_as_compiled(batches), []
@@ -484,10 +487,18 @@ def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3),
                 for m in sorted({*minb, kn0.minb}) if minb else ():  # (none: --persist alone)
                     kn = kn0.replace(areg=True, awarp=True, w8=True, pipe=-1, pstages=p, stages=p, minb=m, wsp=0,
                                      persist=0, sk=0)
-                    if _fits(kn, spec, seen):
-                        extra.append(dict(c, knobs=kn, variant=f"{cname}_w8_p{p}" + (f"_minb{m}" if m else ""),
-                                          is_default=False))
-                for n in persist:
+                    kns = [(kn, "")]
+                    if agl:  # (and with one MMA group in flight: pipe 0, a B stage more)
+                        gkb, bk = spec.R * spec.S * spec.C // 2, kn.BK
+                        while bk > 32 and gkb % bk:
+                            bk //= 2
+                        kn = kn.replace(agl=True, BK=bk)
+                        kns = [(kn, ""), (kn.replace(pipe=0, stages=p + 1), "_g1")]
+                    for kn, g in kns:
+                        if _fits(kn, spec, seen):
+                            extra.append(dict(c, knobs=kn, variant=f"{cname}_w8{'agl' if agl else ''}_p{p}{g}"
+                                              + (f"_minb{m}" if m else ""), is_default=False))
+                for n in () if agl else persist:
                     kn = kn0.replace(areg=True, awarp=True, w8=True, pipe=-1, pstages=p, stages=p, minb=0, wsp=0,
                                      persist=n, sk=0)
                     if _fits(kn, spec, seen):
@@ -674,7 +685,7 @@ def build_group(args):
     import tvm
     from qcompile.schedules import conv2d_int_plan
     from qcompile.schedules.build import cuda_target, ensure_stub_libcuda, nvcc_options
-    from qcompile.schedules.igemm import streamk_args, w8_weights
+    from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
     from qcompile.schedules.tuning import knobs_to_dict, tuning_key
 
     ensure_stub_libcuda()
@@ -700,7 +711,8 @@ def build_group(args):
                          knobs=str(c["knobs"]) if c["knobs"] else "",
                          knobs_dict=knobs_to_dict(c["knobs"]) if c["knobs"] else None,
                          key=tuning_key(c["spec"]), spec=dataclasses.asdict(c["spec"]), so=so.name, func=c["func"],
-                         sk=streamk_args(funcs[nf[0]]), w8=w8_weights(funcs[nf[0]])))
+                         sk=streamk_args(funcs[nf[0]]), w8=w8_weights(funcs[nf[0]]),
+                         w8_kperm=w8_kperm(funcs[nf[0]])))
     return gi, recs, time.time() - t
 
 
@@ -716,7 +728,7 @@ def cmd_build(a):
         cases = make_cases_wgmma(a.batches, a.only_layers, a.dtypes, a.cands, a.pstages, a.areg, a.areg_pipes)
     elif a.w8:  # (with --r18: the ResNet-18-only shapes)
         cases = make_cases_w8(a.batches, a.only_layers, a.cands, tuple(a.pstages or (3, 4)),
-                              tuple(a.minb or (() if a.persist else (0, 3))), tuple(a.persist), r18=a.r18)
+                              tuple(a.minb or (() if a.persist else (0, 3))), tuple(a.persist), r18=a.r18, agl=a.agl)
     elif a.r18:
         cases = make_cases_r18(a.batches, a.cands, tuple(a.splits) if a.splits else None)
     elif a.wsp:
@@ -1165,7 +1177,7 @@ def _tkey(variants):
 
 
 def cmd_log(a):
-    from qcompile.schedules.tuning import KEY_FIELDS, KNOB_FIELDS, LOG_FORMAT
+    from qcompile.schedules.tuning import KEY_FIELDS, KNOB_FIELDS, LOG_FORMAT, knobs_from_dict
 
     res = json.loads(pathlib.Path(a.results).read_text())
     dst = ROOT / "tuning_logs" / f"{ARCH}.json"
@@ -1196,6 +1208,9 @@ def cmd_log(a):
         run_ms[row["key"]] = tk(chosen)
         if a.merge and chosen is dflt and recs.get(row["key"], {}).get("knobs") == dflt["knobs"]:
             continue  # the knobs it compiles with held: keep their record (variant name, timing of that round)
+        if knobs_from_dict(chosen["knobs"]) is None:  # (a record tuned_knobs would refuse: compiled models ignore it)
+            raise SystemExit(f"{row['layer']}: variant {chosen['variant']} has knobs outside GemmKnobs.SPACE or "
+                             f"invalid ({chosen['knobs']}); widen the space or drop the variant")
         recs[row["key"]] = dict(knobs=chosen["knobs"], variant=chosen["variant"], ms=round(tk(chosen), 5),
                                 default_ms=round(tk(dflt), 5), speedup=round(tk(dflt) / tk(chosen), 3),
                                 variants_tried=len(vs), variants_exact=len(ok), layer=row["layer"],
@@ -1292,6 +1307,9 @@ def main():
                    help="as compiled + register-A kernels taking their 4-bit weights expanded to 8 bits (GemmKnobs.w8) "
                         "on the tile now, the 8-bit kernel's tile and W8_TILES (--cands) for the 4-bit layers "
                         "(--only-layers, --pstages, --minb)")
+    b.add_argument("--agl", action="store_true",
+                   help="with --w8: those kernels with A loaded straight from global memory into registers "
+                        "(GemmKnobs.agl) instead")
     b.add_argument("--persist", type=int, nargs="+", default=[],
                    help="with --w8: persistent kernels (GemmKnobs.persist) of these blocks per SM (only those unless "
                         "--minb is given)")

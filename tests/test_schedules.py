@@ -273,6 +273,61 @@ def test_cuda_wgmma_int4_w8():
     assert not w8_weights(conv2d_int_kernel(spec8, "sm_90", None, kn))
 
 
+def test_expand_w4_kperm_matches_the_agl_loads():
+    """agl: within a K-chunk of BK packed bytes, thread q of a quad loads bytes [q BK/4, (q+1) BK/4) of its row and
+    feeds word j of them to k-step j (its fragment slots 4q.. get the word's even values x16, 16 + 4q.. the odd ones);
+    with the weights of reference.expand_w4(w, kperm=BK) the s8 sums over that A order are 256 x the logical ones --
+    for 1x1 and 3x3 reductions (chunks across taps), BK 32/64/128, signed and unsigned activations."""
+    rng = np.random.default_rng(12)
+    for (R_, C, bk) in ((1, 64, 32), (3, 64, 32), (3, 128, 64), (1, 256, 128), (3, 256, 128)):
+        w = rng.integers(-8, 8, (3, R_, R_, C))
+        we = R.expand_w4(w, kperm=bk).reshape(3, -1).astype(np.int64)
+        assert we.shape == (3, R_ * R_ * C) and (we % 16 == 0).all()
+        for signed in (False, True):
+            x = rng.integers(-8, 8, R_ * R_ * C) if signed else rng.integers(0, 16, R_ * R_ * C)
+            a = []
+            for chunk in R.pack4(x).reshape(-1, bk):
+                spans = chunk.reshape(4, bk // 4)  # thread q's bytes
+                for j in range(bk // 16):  # k-step j: word j of every thread's span
+                    words = [int(spans[q, 4 * j:4 * j + 4].view(np.uint32)[0]) for q in range(4)]
+                    for part in ([(wd << 4) & 0xF0F0F0F0 for wd in words], [wd & 0xF0F0F0F0 for wd in words]):
+                        b = np.array(part, np.uint32).view(np.uint8)
+                        a.append(b.view(np.int8).astype(np.int64) if signed else b.astype(np.int64))
+            np.testing.assert_array_equal(we @ np.concatenate(a), 256 * (w.reshape(3, -1) @ x))
+        if bk > 32:  # the plain order differs (the permutation is not the identity)
+            assert (R.expand_w4(w, kperm=bk) != R.expand_w4(w)).any()
+    with pytest.raises(ValueError, match="whole K-chunks"):
+        R.expand_w4(np.zeros((2, 3, 3, 64), np.int64), kperm=64)  # 288 packed bytes: not whole 64-byte chunks
+
+
+def test_cuda_wgmma_int4_agl():
+    """agl: the register-A w8 kernel with warp-owned rows loads its A fragment words from global memory (ld.global.nc,
+    16 or 8 bytes) into a register ring -- no A ring in shared memory (no ld.shared.b32 fragment reads) -- and says
+    which K-chunk its weights' k permutation has (w8_kperm); it takes pipe 0 too (awarp alone does not); shapes whose
+    reduction is not whole K-chunks, HWNC, and knobs without w8 + awarp, or with persist, are refused."""
+    from qcompile.schedules.igemm import w8_kperm
+
+    spec = ConvSpec(**dict(L3, C=128), x_dtype="uint4", w_bits=4, out_dtype="uint4", lo=0, hi=15)
+    kn = WG.replace(BN=64, BK=64, stages=4, pipe=-1, pstages=4, areg=True, awarp=True, w8=True)
+    for bk, ld in ((64, "ld.global.nc.v4.b32"), (32, "ld.global.nc.v2.b32")):
+        f, f0 = (conv2d_int_kernel(spec, "sm_90", None, k.replace(BK=bk)) for k in (kn.replace(agl=True), kn))
+        assert w8_kperm(f) == bk and w8_kperm(f0) == 0 and 'w: T.Buffer((128, 3, 3, 128), "int8")' in f.script()
+        src, base = cuda_source(build_cuda(f, "sm_90", mode="ptx")), cuda_source(build_cuda(f0, "sm_90", mode="ptx"))
+        assert ld in src and ld not in base and "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8" in src
+        assert "ld.shared.b32" in base and "ld.shared.b32" not in src
+    with pytest.warns(UserWarning, match="agl needs"):  # 3x3 on 64 channels: 288 packed bytes, not whole 64-byte chunks
+        assert w8_kperm(conv2d_int_kernel(dataclasses.replace(spec, C=64), "sm_90", None, kn.replace(agl=True))) == 0
+    with pytest.raises(NotApplicable, match="agl needs"):
+        make_gemm_conv(dataclasses.replace(spec, layout="HWNC"), "sm_90", kn.replace(agl=True), layout="HWNC",
+                       adapt=False)
+    for bad in (kn.replace(agl=True, awarp=False), kn.replace(agl=True, w8=False), GemmKnobs(agl=True),
+                kn.replace(agl=True, persist=1), kn.replace(pipe=0, stages=5), kn.replace(agl=True, pipe=0)):
+        assert not bad.valid()  # (pipe 0 with warp-owned rows: agl only, with a B stage more)
+    g1 = kn.replace(agl=True, pipe=0, stages=5)  # one MMA group in flight: three A-fragment sets, unrolled by lcm(3, 3)
+    src = cuda_source(build_cuda(conv2d_int_kernel(spec, "sm_90", None, g1), "sm_90", mode="ptx"))
+    assert g1.valid() and "wgmma.wait_group.sync.aligned 1;" in src and "ld.global.nc.v4.b32" in src
+
+
 def test_cuda_wgmma_warp_specialized():
     """wsp: producer warpgroups (after the consumers) fill the packed ring and unpack into the stages; named barriers
     1 + s (full) and 1 + STG + s (empty) count every thread; the producers skip the epilogue."""

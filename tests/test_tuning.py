@@ -227,8 +227,11 @@ def test_stem_round_tunes_the_space_to_depth_form():
 def test_log_merge_keeps_generated_by_and_ranks_by_confirmed_time(tmp_path, monkeypatch):
     """`tune_layers.py log RESULTS --merge --note ...`: records of shapes the run did not measure stay, the log's
     generated_by is kept with the note appended, and with --confirm timings (bench_ms) a variant is ranked by those,
-    not by its interleaved median."""
+    not by its interleaved median; a variant whose knobs tuned_knobs would refuse (outside GemmKnobs.SPACE) is not
+    written."""
     import argparse
+
+    from qcompile.schedules import GemmKnobs
 
     TL = _tune_layers()
     monkeypatch.setattr(TL, "ROOT", tmp_path)
@@ -236,7 +239,8 @@ def test_log_merge_keeps_generated_by_and_ranks_by_confirmed_time(tmp_path, monk
     dst = tmp_path / "tuning_logs" / "sm_90.json"
     kept = {"knobs": {"BM": 64}, "variant": "v_old", "ms": 1.0}
     dst.write_text(json.dumps({"generated_by": "earlier rounds", "records": {"OTHER": kept}}))
-    knobs = {"default": {"BM": 128}, "fast_interleaved": {"BM": 256}, "fast_alone": {"BM": 64, "BN": 64}}
+    knobs = {v: TU.knobs_to_dict(GemmKnobs(BM=bm, BN=bn)) for v, bm, bn in
+             (("default", 128, 128), ("fast_interleaved", 256, 128), ("fast_alone", 64, 64))}
     ms = {"default": 0.100, "fast_interleaved": 0.080, "fast_alone": 0.090}
     bench_ms = {"default": 0.100, "fast_interleaved": 0.099, "fast_alone": 0.085}
     row = {"layer": "r50_x_b256_int4", "key": "KEY", "variants": [
@@ -256,3 +260,10 @@ def test_log_merge_keeps_generated_by_and_ranks_by_confirmed_time(tmp_path, monk
     log = json.loads(dst.read_text())
     assert log["records"]["KEY"]["variant"] == "default" and "OTHER" not in log["records"]
     assert log["generated_by"].startswith("python scripts/tune_layers.py build")
+    # a winner outside the knob space (here stages=9): refused, naming the layer, the log left as it was
+    row["variants"][2]["knobs"] = dict(knobs["fast_alone"], stages=9)
+    res.write_text(json.dumps({"device": "H100", "date": "2026-11-23", "tune": [row]}))
+    before = dst.read_text()
+    with pytest.raises(SystemExit, match="r50_x_b256_int4: variant fast_alone"):
+        TL.cmd_log(argparse.Namespace(results=str(res), merge=True, note="", min_gain=0.02))
+    assert dst.read_text() == before
