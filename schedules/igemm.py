@@ -238,14 +238,14 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         raise NotApplicable("agl needs w8 + awarp, NHWC and whole K-chunks (R*S*C/2 % BK == 0)")
     WSP = bool(UNPACK_LD and kn.wsp)  # warp-specialized (see GemmKnobs.wsp)
     NSET = 2 if (kn.pipe == 0 or AWARP) else 1  # areg: A-fragment register sets (chunk kc+1's loaded during kc's MMAs)
-    if kn.agl and kn.pipe == 0:  # agl with a group in flight: chunk kc+1's set is neither kc's nor kc-1's
+    if AGL and kn.pipe == 0:  # agl with a group in flight: chunk kc+1's set is neither kc's nor kc-1's
         NSET = 3
     # KEEP (agl, pipe 0): ptxas treats a register-A wgmma's fragment registers as free once the instruction issues, and
     # gave the set of chunk kc+1 the physical registers of chunk kc's set while chunk kc was in flight (measured: a few
     # wrong outputs on the 64x64 tile). Each set is therefore read once more after the wait that retires its chunk
     # (XORed into a word per thread stored past the tiles in shared memory), so the three sets stay live, and distinct,
     # across their MMAs
-    KEEP = bool(kn.agl and kn.pipe == 0 and UNPACK_LD)
+    KEEP = AGL and kn.pipe == 0
     if kn.areg and UNPACK_LD and (PSTG < 2 or kn.pipe not in (-1, 0)):
         raise NotApplicable("areg needs pstages >= 2 and pipe -1 or 0")
     if kn.awarp and UNPACK_LD and (not AREG or kn.pipe not in ((-1, 0) if kn.agl else (-1,)) or kn.WN != 1):
@@ -482,11 +482,17 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         swz = T.bitwise_and(T.shift_right(row * aw, 7), w - 1)
         return (c // w) * (rows * aw) + row * aw + T.bitwise_xor(c % w, swz) * 16
 
+    def nib_lo(w):  # the even nibbles of packed word w, x16 (in the high half of each byte): s8/u8 MMA operand bytes
+        return T.bitwise_and(T.shift_left(w, T.uint32(4)), MASK)
+
+    def nib_hi(w):  # the odd nibbles, x16
+        return T.bitwise_and(w, MASK)
+
     def unpack_store(S_, soff_lo, soff_hi, rv, v):
         """Packed vector v (rv[4v:4v+4]: 16 bytes, 32 nibbles) -> two 16-byte s8/u8 chunks: even nibbles x16, odd
         nibbles x16."""
-        lo = [T.bitwise_and(T.shift_left(rv[v * 4 + e], T.uint32(4)), MASK) for e in range(4)]
-        hi = [T.bitwise_and(rv[v * 4 + e], MASK) for e in range(4)]
+        lo = [nib_lo(rv[v * 4 + e]) for e in range(4)]
+        hi = [nib_hi(rv[v * 4 + e]) for e in range(4)]
         return (T.ptx.st.shared.v4.b32(T.address_of(S_[soff_lo]), *lo),
                 T.ptx.st.shared.v4.b32(T.address_of(S_[soff_hi]), *hi))
 
@@ -616,10 +622,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         for ks in T.unroll(KS):
             for i in T.unroll(MI):
                 for h2 in T.unroll(2):
-                    ar[base + (ks * MI + i) * 4 + h2] = T.bitwise_and(
-                        T.shift_left(pk[aslot * AGW + (i * 2 + h2) * (KS) + ks], T.uint32(4)), MASK)
-                    ar[base + (ks * MI + i) * 4 + 2 + h2] = T.bitwise_and(pk[aslot * AGW + (i * 2 + h2) * KS + ks],
-                                                                          MASK)
+                    ar[base + (ks * MI + i) * 4 + h2] = nib_lo(pk[aslot * AGW + (i * 2 + h2) * KS + ks])
+                    ar[base + (ks * MI + i) * 4 + 2 + h2] = nib_hi(pk[aslot * AGW + (i * 2 + h2) * KS + ks])
 
     def awarp_slot(it, tid):
         """awarp: (row, 16-byte column, -) of A vector ``it`` of thread tid: the warp's rows wm*WTM + 64i + 16*(warp % 4)
@@ -752,8 +756,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         pw[h2], T.address_of(As[pa_off(kc, wm * WTM + i * 64 + (warp % 4) * 16 + lane // 4 + 8 * h2,
                                                        ks) + (lane % 4) * 4])))
                 for h2 in T.unroll(2):
-                    ar[base + (ks * MI + i) * 4 + h2] = T.bitwise_and(T.shift_left(pw[h2], T.uint32(4)), MASK)
-                    ar[base + (ks * MI + i) * 4 + 2 + h2] = T.bitwise_and(pw[h2], MASK)
+                    ar[base + (ks * MI + i) * 4 + h2] = nib_lo(pw[h2])
+                    ar[base + (ks * MI + i) * 4 + 2 + h2] = nib_hi(pw[h2])
 
     @T.macro
     def mma_chunk(acc, ad, ar, wm, wn, kc, aset):
@@ -790,11 +794,11 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         """The warp tile's MMAs on fragment buffer ``buf`` (INT4 on Hopper: unpacked to s8 first)."""
         if unpack:
             for e in T.unroll(MT * 4):
-                al[e] = T.bitwise_and(T.shift_left(af[buf * (MT * 4) + e], T.uint32(4)), MASK)
-                al[MT * 4 + e] = T.bitwise_and(af[buf * (MT * 4) + e], MASK)
+                al[e] = nib_lo(af[buf * (MT * 4) + e])
+                al[MT * 4 + e] = nib_hi(af[buf * (MT * 4) + e])
             for e in T.unroll(NT * 2):
-                bl[e] = T.bitwise_and(T.shift_left(bf[buf * (NT * 2) + e], T.uint32(4)), MASK)
-                bl[NT * 2 + e] = T.bitwise_and(bf[buf * (NT * 2) + e], MASK)
+                bl[e] = nib_lo(bf[buf * (NT * 2) + e])
+                bl[NT * 2 + e] = nib_hi(bf[buf * (NT * 2) + e])
             for h in T.unroll(2):
                 for i in T.unroll(MT):
                     for j in T.unroll(NT):
@@ -1071,7 +1075,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         n0 = bxn * BN
         for e in T.unroll(EMT * NT * 4):
             acc[e] = T.Cast(ACC_T, 0)
-        kal[0] = T.uint32(0)
+        if KEEP:
+            kal[0] = T.uint32(0)
         ksp = T.meta_var(k_span(bz))  # (first K-chunk, number of K-chunks) of this block
         if WG:
             # ---------------- main loop, wgmma: STG-deep ring, GIF = 1 + pipe MMA groups in flight ----------------
