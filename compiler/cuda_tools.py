@@ -7,6 +7,7 @@ header size, payload size) so that ``cuobjdump --list-elf`` / ``--dump-sass`` ca
 from __future__ import annotations
 
 import os
+import re
 import struct
 import subprocess
 
@@ -55,3 +56,56 @@ def find_tool(name: str):
         if os.access(cand, os.X_OK):
             return cand
     return None
+
+
+_SASS_INS = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);")
+
+
+def _sass_dest(op: str, args: str):
+    """Registers an SASS instruction writes in its first operand (none for stores, branches, barriers)."""
+    m = re.match(r"(R\d+)\b(?!\.)", args.strip())
+    if not m or op.startswith(("ST", "RED", "BRA", "BRX", "JMP", "CALL", "RET", "BAR", "BSSY", "BSYNC", "WARPSYNC",
+                               "LDGSTS", "IGMMA", "HGMMA")):  # (stores, control flow: their registers are read)
+        return ()
+    n = 4 if ".128" in op or op.startswith("LDSM") and op.endswith(".4") else (
+        2 if ".64" in op or ".WIDE" in op or op.startswith("LDSM") and op.endswith(".2") else 1)
+    r = int(m.group(1)[1:])
+    return tuple(range(r, r + n))
+
+
+def wgmma_a_hazards(sass: str) -> list:
+    """Instructions of an SASS listing that write a register-A wgmma's fragment registers (``IGMMA ... Ra, gdesc``:
+    Ra..Ra+3) while that wgmma may still be reading them: after it issues and before the ``WARPGROUP.DEPBAR.LE gsb0,
+    N`` that retires its group (groups end at the ``gsb0`` IGMMA; DEPBAR N leaves the newest N pending). The listing is
+    walked in address order (a loop's body once). PTX makes such reuse the program's fault only for the PTX registers
+    it names; ptxas has been seen to give other PTX registers the same physical ones (schedules/igemm.py, KEEP), so a
+    kernel is checked in its SASS. Returns "[function ]addr: instruction (fragment of IGMMA at addr)" strings."""
+    pending, group, out, fn = [], [], [], ""
+    for line in sass.splitlines():
+        f = re.search(r"Function\s*:\s*(\S+)", line)
+        if f:  # (a listing of several kernels: each walked on its own)
+            pending, group, fn = [], [], f.group(1) + " "
+            continue
+        m = _SASS_INS.search(line)
+        if not m:
+            continue
+        op, args = m.group(1), m.group(2)
+        addr = re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1)
+        if op.startswith("IGMMA") or op.startswith("HGMMA"):
+            a = re.match(r"\s*R\d+\s*,\s*R(\d+)\s*,", args)
+            if a:
+                group.append((addr, set(range(int(a.group(1)), int(a.group(1)) + 4))))
+            if re.search(r"\bgsb0\s*$", args.strip()):
+                pending.append(group)
+                group = []
+            continue
+        if op == "WARPGROUP.DEPBAR.LE":
+            keep = int(args.split(",")[-1].strip(), 0)
+            pending = pending[len(pending) - keep:] if keep else []
+            continue
+        dest = set(_sass_dest(op, args))
+        for g in pending + [group]:
+            for gaddr, regs in g:
+                if dest & regs:
+                    out.append(f"{fn}{addr}: {op} {args.strip()} (fragment of IGMMA at {gaddr})")
+    return out

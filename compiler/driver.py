@@ -56,6 +56,7 @@ def weights_path(so_path: str) -> str:
     return (so_path[:-3] if so_path.endswith(".so") else so_path) + WEIGHTS_SUFFIX
 
 
+
 @dataclass
 class CompileResult:
     executable: object
@@ -253,6 +254,10 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
         "weights": "beside" if opts.weights_beside else "embedded",
         "num_weights": len(weights),
     }
+    if opts.weights_beside:
+        from .runtime import weights_digest
+
+        meta["weights_sha256"] = weights_digest(weights)
     prog.step(f"building for {opts.target}{(' ' + opts.arch) if opts.arch else ''}")
     target = {"kind": "llvm"} if opts.target == "llvm" else {"kind": "cuda", "arch": opts.arch}
     if opts.target == "cuda":

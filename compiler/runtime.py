@@ -37,6 +37,20 @@ def _load_cuda_loader():
             pass
 
 
+def weights_digest(weights) -> str:
+    """sha256 over the weight arrays (dtype, shape, bytes), in order: what a ``--weights-beside`` module records and
+    ``Module`` checks its weights file against (equal shapes are not enough: the kernels of one batch size may take
+    some weights in a permuted order, e.g. 8-bit ``agl`` records)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for w in weights:
+        w = np.ascontiguousarray(w)
+        h.update(f"{w.dtype.str}{w.shape};".encode())
+        h.update(w.tobytes())
+    return h.hexdigest()
+
+
 class Module:
     """A loaded qcompile ``.so``: ``Module(path)(x) -> logits``."""
 
@@ -71,9 +85,14 @@ class Module:
             with np.load(wp) as z:
                 n = self.meta.get("num_weights", len(z.files))
                 try:
-                    self.weights = [tvm.runtime.tensor(z[f"w{i}"], self.dev) for i in range(n)]
+                    arrays = [z[f"w{i}"] for i in range(n)]
                 except KeyError as e:
                     raise RunError(f"weights file '{wp}' lacks {e}") from None
+            if "weights_sha256" in self.meta and weights_digest(arrays) != self.meta["weights_sha256"]:
+                raise RunError(f"weights file '{wp}' does not match '{path}': it holds other weights, or those of a "
+                               f"build whose kernels take some weights in another order (tuned per batch size: 4-bit "
+                               f"w8, 8-bit agl) -- use the weights file written with this module")
+            self.weights = [tvm.runtime.tensor(w, self.dev) for w in arrays]
 
     def check_input(self, x: np.ndarray) -> np.ndarray:
         want = tuple(self.meta["input_shape"])

@@ -300,7 +300,7 @@ class _Dispatcher(PyExprMutator):
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
         from qcompile.schedules import ConvSpec, conv2d_int_plan, select_strategy, tuned_knobs
         from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
-        from qcompile.schedules.reference import expand_w4
+        from qcompile.schedules.reference import expand_w4, permute_k8
         from qcompile.schedules.spec import operand_plan, space_to_depth, space_to_depth_weights
 
         x_dtype = _x_dtype(g.x, self.var2val)
@@ -343,7 +343,7 @@ class _Dispatcher(PyExprMutator):
             knobs = None
             if not self.expand_w4:  # 4-bit weights stay packed: a tuned w8 kernel runs with its B unpacked instead
                 tk = tuned_knobs(spec, self.arch)
-                knobs = tk.replace(w8=False, agl=False) if tk is not None and tk.w8 else None
+                knobs = tk.replace(w8=False, agl=False) if tk is not None and tk.w8 and w_bits == 4 else None
             funcs = conv2d_int_plan(spec, self.arch, strategy, knobs)
         else:  # the kernels' own TE compute (same epilogue and packing) for checking this pass on a CPU
             from qcompile.schedules.fallback import make_fallback
@@ -380,6 +380,8 @@ class _Dispatcher(PyExprMutator):
             wq = expand_w4(w, w8_kperm(funcs[0]))
         elif w_bits == 4:
             wq = pack_int4_np(wq, 3).view(np.int8)
+        elif w8_kperm(funcs[0]):  # 8-bit agl: the reduction k-permuted per K-chunk
+            wq = permute_k8(wq, w8_kperm(funcs[0]))
         epi = [relax.const(g.bias, "int32"), relax.const(g.M, "int32"), relax.const(g.S, "int32")]
         if r is not None:
             epi += [self._data(r.res, res["res_dtype"], 3), relax.const(r.rq2, "int32")]

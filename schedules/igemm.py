@@ -147,8 +147,9 @@ def w8_weights(func) -> bool:
 
 
 def w8_kperm(func) -> int:
-    """The K-chunk (packed bytes) whose k permutation kernel ``func``'s expanded weights take (``GemmKnobs.agl``:
-    pass ``reference.expand_w4(w, kperm)``), else 0."""
+    """The K-chunk (bytes of the operand in memory) whose k permutation kernel ``func``'s weights take
+    (``GemmKnobs.agl``: pass ``reference.expand_w4(w, kperm)`` for 4-bit weights, ``reference.permute_k8(w, kperm)``
+    for 8-bit ones), else 0."""
     a = func.attrs
     return int(a["qcompile.w8_kperm"]) if a is not None and "qcompile.w8_kperm" in a else 0
 
@@ -211,13 +212,18 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # (each thread later reads back, unpacks and stores the very vectors it copied: its own cp.async.wait_group
     # makes them visible, no barrier; global latency is hidden by the ring instead of held in registers)
     UNPACK_LD = WG and spec.x_bits == 4
-    PSTG = kn.pstages if UNPACK_LD else 0
+    # agl8: agl (below) on 8-bit operands -- the same register-A loader with nothing to unpack (a thread's A words are
+    # its fragments, two per k-step and row), the 8-bit weights k-permuted alike (reference.permute_k8); the areg /
+    # awarp / w8 / pstages knobs it requires mean what they mean for 4-bit (w8: B is an 8-bit operand anyway)
+    AGL8 = WG and spec.x_bits == 8 and bool(kn.agl)
+    REGA = UNPACK_LD or AGL8  # the register-A loader family
+    PSTG = kn.pstages if REGA else 0
     PRING = PSTG > 0
     # areg: the A tile is copied packed (cp.async) into a PSTG-deep swizzled ring shared by the block, and each
     # thread reads its wgmma A fragment from it (two 32-bit words per m64 instruction and k-step: rows g and g+8,
     # packed bytes 4q..4q+3 of the step) and unpacks it in registers for the register-A form of wgmma; only B is
     # stored unpacked. (A's unpacked stores and wgmma's shared-memory reads of A are gone: less shared traffic.)
-    AREG = UNPACK_LD and kn.areg
+    AREG = REGA and kn.areg
     PD = PSTG - 1 if AREG else PSTG  # packed chunks the prologue puts in flight (areg: A's stage frees one later)
     # awarp: each warp copies the packed A rows (16 per m64 instruction) its own fragments read, so their arrival
     # needs only the warp's cp.async.wait_group + __syncwarp, not the block barrier: chunk kc+1's fragments are
@@ -234,8 +240,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # 16 bytes) and uses their word j at k-step j, where the plain fragment order has bytes 16j+4q..16j+4q+3: the
     # expanded weights take the same permutation (reference.expand_w4(w, kperm=BK)), so the sums are unchanged
     AGL = W8 and AWARP and bool(kn.agl)
-    if kn.agl and UNPACK_LD and (not AGL or layout != "NHWC" or GKB % BK):
-        raise NotApplicable("agl needs w8 + awarp, NHWC and whole K-chunks (R*S*C/2 % BK == 0)")
+    if kn.agl and REGA and (not AGL or layout != "NHWC" or GKB % BK):
+        raise NotApplicable("agl needs w8 + awarp, NHWC and whole K-chunks (R*S*C*bits/8 % BK == 0)")
     WSP = bool(UNPACK_LD and kn.wsp)  # warp-specialized (see GemmKnobs.wsp)
     NSET = 2 if (kn.pipe == 0 or AWARP) else 1  # areg: A-fragment register sets (chunk kc+1's loaded during kc's MMAs)
     if AGL and kn.pipe == 0:  # agl with a group in flight: chunk kc+1's set is neither kc's nor kc-1's
@@ -245,16 +251,19 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # wrong outputs on the 64x64 tile). Each set is therefore read once more after the wait that retires its chunk
     # (XORed into a word per thread stored past the tiles in shared memory), so the three sets stay live, and distinct,
     # across their MMAs
-    KEEP = AGL and kn.pipe == 0
-    if kn.areg and UNPACK_LD and (PSTG < 2 or kn.pipe not in (-1, 0)):
+    # (agl8: with pipe -1 too, and with fragments computed from the loaded words, not copied: see unpack_afrag)
+    KEEP = AGL and (kn.pipe == 0 or AGL8)
+    if kn.areg and REGA and (PSTG < 2 or kn.pipe not in (-1, 0)):
         raise NotApplicable("areg needs pstages >= 2 and pipe -1 or 0")
-    if kn.awarp and UNPACK_LD and (not AREG or kn.pipe not in ((-1, 0) if kn.agl else (-1,)) or kn.WN != 1):
+    if kn.awarp and REGA and (not AREG or kn.pipe not in ((-1, 0) if kn.agl else (-1,)) or kn.WN != 1):
         raise NotApplicable("awarp needs areg, pipe -1 (agl: or 0) and WN == 1")
     if kn.wsp and not UNPACK_LD:
         raise NotApplicable("wsp is a 4-bit wgmma loader")
     if WSP and (AREG or PSTG < 2 or kn.stages < 2 or kn.pipe not in (-1, 0) or 2 * kn.stages > 15):
         raise NotApplicable("wsp needs pstages >= 2, 2 <= stages <= 7, pipe -1 or 0, no areg")
     UBK = 2 * BK if UNPACK_LD else BK
+    if AGL8 and (kn.BN * BK) % (kn.vec * LNTH):  # (GemmKnobs.whole_vectors counts agl's B as 4-bit's, 2 BK per row)
+        raise NotApplicable(f"agl8: the B tile of {kn.BN} x {BK} bytes is not whole 16-byte vectors per thread")
     BKP = UBK if WG else BK + 16
     AW = min(UBK, 128)
     SWM = AW // 16 - 1
@@ -488,6 +497,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     def nib_hi(w):  # the odd nibbles, x16
         return T.bitwise_and(w, MASK)
 
+    def rot16(w):  # agl8: the word's 16-bit halves swapped (bytes b2 b3 b0 b1)
+        return T.bitwise_or(T.shift_left(w, T.uint32(16)), T.shift_right(w, T.uint32(16)))
+
     def unpack_store(S_, soff_lo, soff_hi, rv, v):
         """Packed vector v (rv[4v:4v+4]: 16 bytes, 32 nibbles) -> two 16-byte s8/u8 chunks: even nibbles x16, odd
         nibbles x16."""
@@ -618,12 +630,20 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     @T.macro
     def unpack_afrag(ar, pk, aslot, base):
         """agl: the packed words of ring slot ``aslot`` -> fragment set at ``base`` (load_afrag's order and unpack;
-        word ks of a row's span is k-step ks)."""
+        word ks of a row's span is k-step ks). agl8: words 2 ks and 2 ks + 1 of a row's span are its k 4q.. and
+        16 + 4q.. of k-step ks, their 16-bit halves swapped (rot16): an instruction writing the fragment register
+        itself -- as plain copies of the loaded words ptxas gave wgmma copies and let later loads overwrite them while
+        it ran (see KEEP); the weights take the same swap (reference.permute_k8)."""
         for ks in T.unroll(KS):
             for i in T.unroll(MI):
                 for h2 in T.unroll(2):
-                    ar[base + (ks * MI + i) * 4 + h2] = nib_lo(pk[aslot * AGW + (i * 2 + h2) * KS + ks])
-                    ar[base + (ks * MI + i) * 4 + 2 + h2] = nib_hi(pk[aslot * AGW + (i * 2 + h2) * KS + ks])
+                    if AGL8:
+                        ar[base + (ks * MI + i) * 4 + h2] = rot16(pk[aslot * AGW + (i * 2 + h2) * 2 * KS + 2 * ks])
+                        ar[base + (ks * MI + i) * 4 + 2 + h2] = rot16(
+                            pk[aslot * AGW + (i * 2 + h2) * 2 * KS + 2 * ks + 1])
+                    else:
+                        ar[base + (ks * MI + i) * 4 + h2] = nib_lo(pk[aslot * AGW + (i * 2 + h2) * KS + ks])
+                        ar[base + (ks * MI + i) * 4 + 2 + h2] = nib_hi(pk[aslot * AGW + (i * 2 + h2) * KS + ks])
 
     def awarp_slot(it, tid):
         """awarp: (row, 16-byte column, -) of A vector ``it`` of thread tid: the warp's rows wm*WTM + 64i + 16*(warp % 4)
@@ -699,8 +719,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 r8 = L // (UBK // 16)
                 c8 = L % (UBK // 16)
                 T.evaluate(a_cp(Bs, wf, B_OFF + (kc % STG) * (BN * BKP) + tile_off(r8, c8, BN),
-                                w_index(n0 + r8, (kc % NK if PERSIST else kc) * UBK + c8 * 16, 2 * CB),
-                                n0 + r8 < K and (kc % NK if PERSIST else kc) * UBK + c8 * 16 < 2 * GKB))
+                                w_index(n0 + r8, (kc % NK if PERSIST else kc) * UBK + c8 * 16, UBK // BK * CB),
+                                n0 + r8 < K and (kc % NK if PERSIST else kc) * UBK + c8 * 16 < UBK // BK * GKB))
             elif UNPACK_LD and PRING:
                 T.evaluate(a_cp(Bs, wf, p_slot(kc, it if AREG else A_IT + it, tid), gidx, ok))
             elif UNPACK_LD:
@@ -1266,9 +1286,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                                     load_afrag(ar, pw, As, lane, warp, wm, ksp[0] + kc + 1,
                                                ((par + 1) % 2) * (KS * MI * 4))
                             T.ptx.wgmma.wait_group.sync.aligned(GIF)
-                            if KEEP:  # chunk kc-1 retired: the last read of its fragment set (see KEEP)
+                            if KEEP:  # chunk kc-GIF retired: the last read of its fragment set (see KEEP)
                                 for e in T.unroll(KS * MI * 4):
-                                    kal[0] = T.bitwise_xor(kal[0], ar[((par + 2) % 3) * (KS * MI * 4) + e])
+                                    kal[0] = T.bitwise_xor(kal[0], ar[((par + NSET - GIF) % NSET) * (KS * MI * 4) + e])
             for kc in T.serial(0 if (AREG or WSP or PERSIST) else ksp[1], unroll=MAIN_UNROLL):
                 if not UNPACK_LD:
                     T.ptx.cp.async_.wait_group(STG - 2 - GIF)
@@ -1296,7 +1316,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 T.ptx.wgmma.wait_group.sync.aligned(GIF)
             T.ptx.wgmma.wait_group.sync.aligned(0)
             if KEEP:  # every MMA of this warpgroup retired: the fragment sets' last reads, into a word of its own
-                for e in T.unroll(3 * KS * MI * 4):  # (past the ring: the other warpgroup's MMAs may still read it)
+                for e in T.unroll(NSET * KS * MI * 4):  # (past the ring: the other warpgroup's MMAs may still read it)
                     kal[0] = T.bitwise_xor(kal[0], ar[e])
                 Cs[KEEP_OFF // 4 + tid] = T.Cast("int32", kal[0])
             T.tvm_storage_sync("shared")  # the epilogue's staging buffer may share memory with the ring
@@ -1389,7 +1409,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 T.func_attr({"tir.noalias": True})
                 run_plain(x, w, bias, Mq, Sq, out, None, None)
 
-    if W8:
+    if W8 and UNPACK_LD:
         conv = conv.with_attr("qcompile.w8", 1)
     if AGL:
         conv = conv.with_attr("qcompile.w8_kperm", BK)

@@ -63,6 +63,25 @@ def expand_w4(w: np.ndarray, kperm: int = 0) -> np.ndarray:
     return (16 * g).reshape(w.shape).astype(np.int8)
 
 
+def permute_k8(w: np.ndarray, kperm: int) -> np.ndarray:
+    """8-bit weights (logical values, w [K, R, S, C]) -> the int8 buffer a ``GemmKnobs.agl`` kernel on 8-bit operands
+    takes: the reduction (r, s, c), flattened, permuted in 4-byte words within each K-chunk of ``kperm`` bytes, and
+    the 16-bit halves of each word swapped --
+
+        out[chunk, 8 ks + 4 h + q] = rot16(w[chunk, q (kperm / 16) + 2 ks + h])     (words; h = 0, 1; q = 0..3)
+
+    thread q of a quad loads bytes [q kperm/4, (q+1) kperm/4) of its A rows and uses their words 2 ks and 2 ks + 1,
+    halves swapped, as its fragment words of k-step ks (k 4q.. and 16 + 4q.. of the step's 32), so B must hold, at
+    those k, the weights of the activations the words carry."""
+    w = np.asarray(w)
+    red = int(np.prod(w.shape[1:]))
+    if kperm % 32 or red % kperm:
+        raise ValueError(f"permute_k8: reduction of {red} bytes is not whole K-chunks of {kperm} bytes")
+    ks = kperm // 32
+    p = w.reshape(w.shape[0], red // kperm, 4, ks, 2, 4).transpose(0, 1, 3, 4, 2, 5)[..., [2, 3, 0, 1]]
+    return np.ascontiguousarray(p).reshape(w.shape).astype(np.int8)
+
+
 def from_storage(buf: np.ndarray, dtype: str, n: int | None = None) -> np.ndarray:
     if dtype in ("int4", "uint4"):
         u = unpack4(buf.view(np.uint8), dtype == "int4")

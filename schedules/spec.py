@@ -311,7 +311,10 @@ class GemmKnobs:
     #                    (one 8/16-byte load per row and 16 packed bytes: the k order inside a K-chunk is permuted so
     #                    that a thread's words of every k-step are adjacent, and the expanded weights take the same
     #                    permutation: reference.expand_w4(w, kperm=BK)); no shared-memory round trip for A. Takes
-    #                    pipe 0 too (one MMA group left in flight; three A-fragment register sets)
+    #                    pipe 0 too (one MMA group left in flight; three A-fragment register sets). On 8-bit operands
+    #                    (with the same areg / awarp / w8 / pstages knobs; R*S*C % BK == 0): the same loader without
+    #                    the unpack, the 8-bit weights k-permuted alike (reference.permute_k8); one m64 row block per
+    #                    warpgroup keeps it within the registers (two spill)
 
     SPACE = {
         "BM": (32, 64, 128, 256),

@@ -106,8 +106,9 @@ def main():
                     if b in a.check_batch:
                         from qcompile.runtime import Module
 
-                        x = np.random.default_rng(100 + b).standard_normal((b, 3, 224, 224)).astype("float32")
-                        np.save(os.path.join(d, f"x{b}.npy"), x)
+                        x = check_input(b)
+                        np.save(os.path.join(d, f"x{b}.npy"), x)  # (bench_e2e.py regenerates it where not carried)
+                        info["x_sha1"] = hashlib.sha1(x.tobytes()).hexdigest()
                         r2 = compile_model(onnx_path, CompileOptions(layout=a.layout, batch=b), log=lambda s: None)
                         so2 = os.path.join(td, f"llvm_b{b}.so")  # distinct paths: dlopen caches by path
                         r2.export(so2)
@@ -125,6 +126,11 @@ def main():
             json.dump(manifest, open(man_path, "w"), indent=1)
     print(json.dumps({k: (v.get("weights_mb"), sum(b.get("so_mb", 0) for b in v["batches"].values()))
                       for k, v in manifest.items()}))
+
+
+def check_input(b: int) -> np.ndarray:
+    """The batch-b check input (standard normal, seed 100 + b): float32 [b, 3, 224, 224]."""
+    return np.random.default_rng(100 + b).standard_normal((b, 3, 224, 224)).astype("float32")
 
 
 if __name__ == "__main__":

@@ -188,6 +188,24 @@ def make_cases(quick=False, bench=True):
     for (name, N, C, H, K, R, st, pd) in ODD:
         add("check", f"agl_{name}_int4", int4_spec(N, C, H, K, R, st, pd, 1), None, knobs=dict(wgl, BK=32, pstages=3,
                                                                                               stages=3))
+    # ... and on 8-bit operands (agl8: the same loader without the unpack, the weights k-permuted by
+    # reference.permute_k8): every shape at batch 8 with the largest K-chunk its reduction is a whole number of, rings
+    # 1-4 chunks deep, one m64 instruction per warpgroup (64 rows, or 128 on two warpgroups), BN 64 / 128, erq, every
+    # epilogue variant, pipe -1 and 0; split-K plans at batch 1; the odd shapes (the kernel the selector falls back to)
+    for li, (name, C, H, K, R, st, pd) in enumerate(layers):
+        v = li % 3
+        p = 2 + li % 4
+        kl = dict(wgl, BK=next((bk for bk in (128, 64, 32) if R * R * C % bk == 0), 32), pstages=p, stages=p,
+                  WM=1 + li % 2, BM=64 * (1 + li % 2), BN=(64, 128)[li // 2 % 2], erq=bool(li % 4 == 3))
+        add("check", f"agl8_{name}_b8_int8", int8_spec(8, C, H, K, R, st, pd, v), None, knobs=kl)
+        add("check", f"agl8g1_{name}_b8_int8", int8_spec(8, C, H, K, R, st, pd, (v + 1) % 3), None,
+            knobs=dict(kl, pipe=0, stages=p + 1, WM=2 - li % 2, BM=64 * (2 - li % 2), BK=min(kl["BK"], 64)))
+        if li % 3 == 0:
+            add("check", f"agl8_plan_{name}_b1_int8", int8_spec(1, C, H, K, R, st, pd, v), None, plan=True,
+                knobs=dict(kl, BM=64, WM=1))
+    for (name, N, C, H, K, R, st, pd) in ODD:
+        add("check", f"agl8_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 1), None, knobs=dict(wgl, BK=32, pstages=3,
+                                                                                              stages=3, BM=64, WM=1))
     # the requantize on the accumulators with 8-bit staging (erq: every epilogue variant; the int32-output one keeps
     # the int32 staging) on mma.sync and wgmma kernels, 4-bit register-A kernels, and persistent 8-bit wgmma kernels
     # (persist: one and two blocks per SM, several tiles per block, chunks streamed across tile boundaries), at batch 8
@@ -252,6 +270,7 @@ def build_group(args):
     import tvm
     from qcompile.schedules import conv2d_int_kernel, conv2d_int_plan, select_strategy
     from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options, cuda_target
+    from qcompile.cuda_tools import cuobjdump, find_tool, wgmma_a_hazards
     from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
 
     ensure_stub_libcuda()
@@ -289,8 +308,12 @@ def build_group(args):
     with nvcc_options(arch, mode, keep=str(keep)):
         lib = tvm.compile(tvm.IRModule(funcs), target=cuda_target(arch))
     lib.export_library(str(so))
+    hz = []
+    if arch == "sm_90" and mode == "sass" and find_tool("cuobjdump"):  # register-A wgmma: fragments kept in flight
+        hz = wgmma_a_hazards(cuobjdump(str(so), "-sass"))
     for c in group:
         c["so"] = so.name
+        c["sass_hazards"] = [h for h in hz if h.split()[0].rsplit("_kernel", 1)[0] in c["funcs"]][:8]
     return gi, [{k: v for k, v in c.items() if k != "spec"} | {"spec": spec_dict(c["spec"])} for c in group], time.time() - t
 
 
@@ -329,6 +352,9 @@ def main():
             print(f"  group {gi} ({len(recs)} kernels) {dt:.1f}s  total {time.time() - t0:.0f}s", flush=True)
     manifest.sort(key=lambda r: r["func"])
     (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    for r in manifest:  # (cuda_tools.wgmma_a_hazards: such a kernel may compute wrong sums on the GPU)
+        for h in r.get("sass_hazards", []):
+            print(f"SASS HAZARD {r['name']}: {h}", flush=True)
     # SASS proof for the sm_75 / sm_86 builds (their SASS is built here; the device runs the PTX)
     sass_dir = OUT / "sass"
     sass_dir.mkdir(exist_ok=True)

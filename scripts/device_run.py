@@ -70,16 +70,21 @@ def get_func(rec):
 
 
 def w8_wrap(rec, f):
-    """``f`` (a kernel of ``rec``) taking the packed 4-bit weights: expanded for a ``w8`` record (k-permuted for agl)."""
-    if not rec.get("w8"):
+    """``f`` (a kernel of ``rec``) taking the packed 4-bit (or plain 8-bit) weights: expanded for a ``w8`` record
+    (k-permuted for agl), k-permuted for an 8-bit agl one."""
+    if not rec.get("w8") and not rec.get("w8_kperm"):
         return f
     held = {}
 
     def run_w8(x, w, *rest):
         if id(w) not in held:
             held.clear()
-            wl = R.unpack4(np.asarray(w.numpy()).view(np.uint8), True)
-            held[id(w)] = (w, tvm.runtime.tensor(R.expand_w4(wl, rec.get("w8_kperm", 0)), DEV))
+            if rec.get("w8"):
+                wl = R.unpack4(np.asarray(w.numpy()).view(np.uint8), True)
+                wk = R.expand_w4(wl, rec.get("w8_kperm", 0))
+            else:
+                wk = R.permute_k8(np.asarray(w.numpy()), rec["w8_kperm"])
+            held[id(w)] = (w, tvm.runtime.tensor(wk, DEV))
         f(x, held[id(w)][1], *rest)
     if hasattr(f, "sk_counters"):
         run_w8.sk_counters = f.sk_counters

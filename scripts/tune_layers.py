@@ -141,8 +141,11 @@ def smem_bytes(kn, spec=None) -> int:
         ring += kn.pstages * ((0 if kn.agl else kn.BM) + (0 if kn.w8 else kn.BN)) * kn.BK  # packed ring (w8: A only)
         if kn.areg:  # no unpacked A stages
             ring -= kn.stages * kn.BM * pitch
+    agl8 = kn.mma == "wgmma" and kn.agl and spec is not None and spec.x_bits == 8
+    if agl8:  # 8-bit agl: no A stages
+        ring -= kn.stages * kn.BM * pitch
     if kn.mma == "wgmma":  # one buffer: the staging tile on the ring, or beside it (persist, sk)
-        keep = 4 * kn.threads if (kn.agl and kn.pipe == 0) else 0  # (igemm's KEEP words)
+        keep = 4 * kn.threads if (kn.agl and (kn.pipe == 0 or agl8)) else 0  # (igemm's KEEP words)
         return (-(-ring // 16) * 16 + stage_c if (kn.persist or kn.sk) else max(ring, stage_c)) + keep
     return ring + stage_c
 
@@ -454,9 +457,11 @@ def make_cases_occ1wg(batches, layers=None, minbs=(0, 3, 4), erqs=(False, True))
 
 
 W8_TILES = ["wg128x128_bk128_1wg_g0", "wg128x64_1wg_g0", "wg128x128_bk128_g0", "wg64x128_bk128_g0", "wg128x64_bk128_g0"]
+AGL8_TILES = ["wg128x256_bk128_s2g0"]  # (8-bit agl: one m64 row block per warpgroup, so two warpgroups for 128 rows)
 
 
-def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3), persist=(), r18=False, agl=False):
+def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3), persist=(), r18=False, agl=False,
+                  dtype="int4"):
     """Every ResNet-50 layer as compiled now plus, for the 4-bit wgmma-able ones (or only ``layers``), register-A
     kernels that take their weights expanded to 8 bits (``GemmKnobs.w8``: B copied into its stages like an 8-bit
     operand, only A unpacked in the kernel) on the tile they compile with now, on the tile of the same layer's 8-bit
@@ -465,20 +470,23 @@ def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3),
     ``persist``, also as persistent kernels of that many blocks per SM (the chunk stream across tile boundaries).
     ``r18``: the same for the ResNet-18 shapes ResNet-50 does not have (make_cases_r18's, as compiled) instead.
     ``agl``: those kernels with their A fragments loaded straight from global memory (``GemmKnobs.agl``; the K-chunk
-    halved until the reduction is a whole number of them) instead, persist aside."""
+    halved until the reduction is a whole number of them) instead, persist aside. ``dtype`` "int8" (agl only): the
+    8-bit layers' agl kernels (A words straight into registers, weights k-permuted: reference.permute_k8) on the same
+    tiles with BK as the tile has it and 64."""
     from qcompile.schedules.igemm import _adapt_knobs
 
     cases, extra = make_cases_r18(batches, names=()) if r18 else make_cases_as_compiled(batches), []
     k8 = {c["layer"].rsplit("_", 1)[0]: c["knobs"] for c in cases if c["layer"].endswith("_int8") and c["knobs"]}
-    for c in _tunable(cases, ("int4",), layers):
+    bits = 8 if dtype == "int8" else 4
+    for c in _tunable(cases, (dtype,), layers):
         spec, kn_now = c["spec"], c["knobs"]
-        if spec.x_bits != 4 or not _wg_ok(spec):
+        if spec.x_bits != bits or not _wg_ok(spec) or (bits == 8 and not agl):
             continue
         base = [("now", kn_now)] if kn_now.mma == "wgmma" else []
-        t8 = k8.get(c["layer"].rsplit("_", 1)[0])
+        t8 = k8.get(c["layer"].rsplit("_", 1)[0]) if bits == 4 else None
         if t8 is not None and t8.mma == "wgmma":
             base.append(("t8", _adapt_knobs(spec, t8.replace(BK=max(32, t8.BK // 2), persist=0, sk=0), "NHWC")))
-        base += [(cname, _wg_tile(spec, cname)) for cname in tiles or W8_TILES]
+        base += [(cname, _wg_tile(spec, cname)) for cname in tiles or (W8_TILES + AGL8_TILES if bits == 8 else W8_TILES)]
         seen = set()
         for cname, kn0 in base:
             if kn0.WN != 1:
@@ -489,12 +497,17 @@ def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3),
                                      persist=0, sk=0)
                     kns = [(kn, "")]
                     if agl:  # (and with one MMA group in flight: pipe 0, a B stage more)
-                        gkb, bk = spec.R * spec.S * spec.C // 2, kn.BK
+                        gkb, bk = spec.R * spec.S * spec.C * bits // 8, kn.BK
                         while bk > 32 and gkb % bk:
                             bk //= 2
-                        kn = kn.replace(agl=True, BK=bk)
-                        kns = [(kn, ""), (kn.replace(pipe=0, stages=p + 1), "_g1")]
+                        kns = []
+                        for b in sorted({bk, 64} if bits == 8 and bk > 64 else {bk}):
+                            kn1 = kn.replace(agl=True, BK=b)
+                            sfx = f"_bk{b}" if bits == 8 else ""
+                            kns += [(kn1, sfx), (kn1.replace(pipe=0, stages=p + 1), sfx + "_g1")]
                     for kn, g in kns:
+                        if bits == 8 and ((kn.BN * kn.BK) % (kn.vec * kn.load_threads) or kn.BM // kn.WM > 64):
+                            continue  # (agl8: B in whole 16-byte vectors per thread; two m64 rows per warpgroup spill)
                         if _fits(kn, spec, seen):
                             extra.append(dict(c, knobs=kn, variant=f"{cname}_w8{'agl' if agl else ''}_p{p}{g}"
                                               + (f"_minb{m}" if m else ""), is_default=False))
@@ -701,6 +714,9 @@ def build_group(args):
     with nvcc_options(ARCH, "sass"):
         lib = tvm.compile(tvm.IRModule(funcs), target=cuda_target(ARCH))
     lib.export_library(str(so))
+    from qcompile.cuda_tools import cuobjdump, find_tool, wgmma_a_hazards
+
+    hz = wgmma_a_hazards(cuobjdump(str(so), "-sass")) if find_tool("cuobjdump") else []  # (register-A wgmma)
     recs = []
     for c in group:
         nf = names[c["func"]]
@@ -712,7 +728,8 @@ def build_group(args):
                          knobs_dict=knobs_to_dict(c["knobs"]) if c["knobs"] else None,
                          key=tuning_key(c["spec"]), spec=dataclasses.asdict(c["spec"]), so=so.name, func=c["func"],
                          sk=streamk_args(funcs[nf[0]]), w8=w8_weights(funcs[nf[0]]),
-                         w8_kperm=w8_kperm(funcs[nf[0]])))
+                         w8_kperm=w8_kperm(funcs[nf[0]]),
+                         sass_hazards=[h for h in hz if h.split()[0].rsplit("_kernel", 1)[0] in nf][:8]))
     return gi, recs, time.time() - t
 
 
@@ -728,7 +745,8 @@ def cmd_build(a):
         cases = make_cases_wgmma(a.batches, a.only_layers, a.dtypes, a.cands, a.pstages, a.areg, a.areg_pipes)
     elif a.w8:  # (with --r18: the ResNet-18-only shapes)
         cases = make_cases_w8(a.batches, a.only_layers, a.cands, tuple(a.pstages or (3, 4)),
-                              tuple(a.minb or (() if a.persist else (0, 3))), tuple(a.persist), r18=a.r18, agl=a.agl)
+                              tuple(a.minb or (() if a.persist else (0, 3))), tuple(a.persist), r18=a.r18, agl=a.agl,
+                              dtype="int8" if a.dtypes == ["int8"] else "int4")
     elif a.r18:
         cases = make_cases_r18(a.batches, a.cands, tuple(a.splits) if a.splits else None)
     elif a.wsp:
@@ -783,6 +801,9 @@ def cmd_build(a):
     (TUNE_DIR / "manifest.json").write_text(json.dumps(manifest, indent=0))
     mb = sum(f.stat().st_size for f in TUNE_DIR.glob("*.so")) / 2**20
     print(f"built in {time.time() - t0:.0f}s; {mb:.1f} MiB of .so in {TUNE_DIR}")
+    for r in manifest:  # (cuda_tools.wgmma_a_hazards: such a kernel may compute wrong sums on the GPU)
+        for h in r.get("sass_hazards", []):
+            print(f"SASS HAZARD {r['layer']} {r['variant']}: {h}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1277,7 +1298,8 @@ def main():
     b.add_argument("--targets", nargs="+", default=None, help="wide candidate sets for these layers (NAME_bN_DT)")
     b.add_argument("--wgmma", action="store_true", help="as compiled + wgmma candidates (--cands) for the --dtypes layers")
     b.add_argument("--only-layers", nargs="+", default=None, help="build only these NAME_bN_DT")
-    b.add_argument("--dtypes", nargs="+", default=["int8", "int4"], help="with --wgmma: candidates for these")
+    b.add_argument("--dtypes", nargs="+", default=["int8", "int4"], help="with --wgmma: candidates for these; with --w8 --agl, "
+                   "'--dtypes int8' alone: the 8-bit layers' agl kernels instead of the 4-bit ones")
     b.add_argument("--pstages", type=int, nargs="+", default=[],
                    help="with --wgmma: 4-bit candidates (and their wgmma knobs now) with these packed-ring depths")
     b.add_argument("--minb", type=int, nargs="+", default=None,

@@ -184,25 +184,33 @@ def test_dispatch_pools_cuda():
         assert ins in src and ("*(uint4*)(xw_ptr" in src) == v16
 
 
+def _one_conv(bits: int, seed: int):
+    """A QDQ model of one 3x3 conv (64 -> 64 channels, batch 8, 14x14) with ``bits``-bit unsigned activations and signed
+    weights, lowered to integer NHWC (4-bit: unpacked); returns (module, the weights' values [K, C, R, S])."""
+    from qcompile.qdq import QDQBuilder, qtype
+
+    rng = np.random.default_rng(seed)
+    wv = rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), (64, 64, 3, 3))
+    b = QDQBuilder()
+    x = b.input("x", (8, 64, 14, 14))
+    ua, sw = qtype(bits, False), qtype(bits, True)
+    ws = 1e-2 if bits == 4 else 1e-3
+    d0 = b.dequantize(b.quantize(x, 0.02, 0, ua, name="q_in"), 0.02, 0)
+    w = b.qweight(wv, np.full(64, ws), sw, name="w")
+    h = b.relu(b.conv2d(d0, w, b.qbias(rng.integers(-99, 99, 64), 0.02 * ws, "bias"), (1, 1), (1, 1, 1, 1), name="conv"))
+    mod = b.finish([b.dequantize(b.quantize(h, 0.05, 0, ua, name="q_conv"), 0.05, 0, name="out")])
+    return lower_to_integer(mod, "NHWC", pack_int4=False), wv
+
+
 def test_dispatch_cuda_int4_weights_expanded_for_w8_kernels(monkeypatch):
     """A 4-bit conv whose tuned knobs take the weights expanded (GemmKnobs.w8) gets them as the int8 constant
     ``expand_w4(w)`` ([K, R, S, C], x16, nibble-split order); the same conv without w8, or with w8 and
     ``expand_w4=False``, gets them packed ([K, R, S, C/2]) and a kernel that unpacks them."""
     import qcompile.schedules as S
-    from qcompile.qdq import QDQBuilder, qtype
     from qcompile.schedules import GemmKnobs
     from qcompile.schedules.reference import expand_w4, pack4
 
-    rng = np.random.default_rng(5)
-    wv = rng.integers(-8, 8, (64, 64, 3, 3))
-    b = QDQBuilder()
-    x = b.input("x", (8, 64, 14, 14))
-    u4, s4 = qtype(4, False), qtype(4, True)
-    d0 = b.dequantize(b.quantize(x, 0.02, 0, u4, name="q_in"), 0.02, 0)
-    w = b.qweight(wv, np.full(64, 1e-2), s4, name="w")
-    h = b.relu(b.conv2d(d0, w, b.qbias(rng.integers(-99, 99, 64), 2e-4, "bias"), (1, 1), (1, 1, 1, 1), name="conv"))
-    mod = b.finish([b.dequantize(b.quantize(h, 0.05, 0, u4, name="q_conv"), 0.05, 0, name="out")])
-    mi = lower_to_integer(mod, "NHWC", pack_int4=False)
+    mi, wv = _one_conv(4, 5)
     ohwi = np.transpose(wv, (0, 2, 3, 1))
     aw = GemmKnobs(BM=128, BN=64, BK=64, WM=1, WN=1, stages=3, mma="wgmma", pipe=-1, pstages=3, areg=True, awarp=True)
     packed = pack4(ohwi).view(np.int8)
@@ -214,4 +222,29 @@ def test_dispatch_cuda_int4_weights_expanded_for_w8_kernels(monkeypatch):
         assert ("qcompile.w8" in f.attrs) == (w8 and expand)
         assert "w: T.Buffer((%s), \"int8\")" % ", ".join(map(str, want.shape)) in f.script()
         ws = [c for c in _constants(md["main"]) if c.dtype == np.int8 and c.shape == want.shape]
+        assert len(ws) == 1 and np.array_equal(ws[0], want)
+
+
+def test_dispatch_cuda_int8_weights_kpermuted_for_agl_kernels(monkeypatch):
+    """An 8-bit conv whose tuned knobs load A straight into registers (GemmKnobs.agl on 8-bit operands) gets its weights
+    as the int8 constant ``permute_k8(w, BK)`` ([K, R, S, C], the reduction k-permuted per K-chunk) and a kernel that
+    says so (w8_kperm); the same knobs without agl, and ``expand_w4=False`` (a 4-bit option) with them, leave
+    ``permute_k8`` to agl alone: the plain [K, R, S, C] weights, resp. the permuted ones."""
+    import qcompile.schedules as S
+    from qcompile.schedules import GemmKnobs
+    from qcompile.schedules.igemm import w8_kperm
+    from qcompile.schedules.reference import permute_k8
+
+    mi, wv = _one_conv(8, 6)
+    ohwi = np.transpose(wv, (0, 2, 3, 1)).astype(np.int8)
+    agl = GemmKnobs(BM=64, BN=64, BK=64, WM=1, WN=1, stages=3, mma="wgmma", pipe=-1, pstages=3, areg=True,
+                    awarp=True, w8=True, agl=True)
+    assert not np.array_equal(permute_k8(ohwi, 64), ohwi)
+    for kn, expand, want, kp in ((agl, True, permute_k8(ohwi, 64), 64), (agl.replace(agl=False), True, ohwi, 0),
+                                 (agl, False, permute_k8(ohwi, 64), 64)):
+        monkeypatch.setattr(S, "tuned_knobs", lambda spec, arch, kn=kn: kn)
+        md = run_pass(DispatchTensorCore("sm_90", expand_w4=expand), mi)
+        f = md["qconv_q_conv"]
+        assert w8_kperm(f) == kp and "qcompile.w8" not in f.attrs
+        ws = [c for c in _constants(md["main"]) if c.dtype == np.int8 and c.shape == ohwi.shape]
         assert len(ws) == 1 and np.array_equal(ws[0], want)

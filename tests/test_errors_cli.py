@@ -170,3 +170,21 @@ def test_cpp_loader_runs_the_so(tiny_q8):
     from qcompile.runtime import Module
 
     assert out.stdout.strip() == f"output 1 x 10; top-1: {int(Module(so)(xv).argmax())}"
+
+
+def test_weights_beside_file_must_match(tiny_q8, tmp_path, capsys):
+    """--weights-beside: the module records a digest of its weights and refuses a weights file with other contents --
+    equal shapes included (the kernels of one batch size may take some weights permuted: 8-bit agl records) -- with a
+    message naming both files; the right file runs."""
+    d, model, x = tiny_q8
+    so = str(tmp_path / "wb.so")
+    assert qcompile_main([model, "--layout", "NHWC", "--weights-beside", "-o", so]) == 0
+    capsys.readouterr()
+    wf = so[:-3] + ".weights.npz"
+    assert qrun_main([so, "--input", x]) == 0
+    with np.load(wf) as z:
+        ws = {k: z[k] for k in z.files}
+    k = max(ws, key=lambda k: ws[k].size)  # the largest weight, permuted in place: same shape, same dtype
+    ws[k] = ws[k].reshape(-1)[::-1].reshape(ws[k].shape)
+    np.savez(wf, **ws)
+    _expect_error(capsys, qrun_main, [so, "--input", x], "does not match", wf)

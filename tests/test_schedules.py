@@ -300,6 +300,59 @@ def test_expand_w4_kperm_matches_the_agl_loads():
         R.expand_w4(np.zeros((2, 3, 3, 64), np.int64), kperm=64)  # 288 packed bytes: not whole 64-byte chunks
 
 
+def test_permute_k8_matches_the_agl8_loads():
+    """agl8: within a K-chunk of BK bytes, thread q of a quad loads bytes [q BK/4, (q+1) BK/4) of its row and feeds its
+    words 2 ks and 2 ks + 1, 16-bit halves swapped, to k-step ks as fragment bytes 4q.. and 16 + 4q..; with the weights of
+    reference.permute_k8(w, BK) the sums over that A order are the logical ones -- 1x1 and 3x3 reductions (chunks
+    across taps), BK 32/64/128, signed and unsigned activations; the permutation is a permutation, not the identity."""
+    rng = np.random.default_rng(13)
+    for (R_, C, bk) in ((1, 64, 32), (3, 64, 32), (3, 64, 64), (3, 128, 128), (1, 256, 128)):
+        w = rng.integers(-128, 128, (3, R_, R_, C)).astype(np.int8)
+        wp = R.permute_k8(w, bk)
+        assert wp.shape == w.shape and wp.dtype == np.int8
+        np.testing.assert_array_equal(np.sort(wp.reshape(3, -1), 1), np.sort(w.reshape(3, -1), 1))
+        for signed in (False, True):
+            x = rng.integers(-128, 128, R_ * R_ * C) if signed else rng.integers(0, 256, R_ * R_ * C)
+            a = []
+            for chunk in x.reshape(-1, bk):
+                spans = chunk.reshape(4, bk // 4)  # thread q's bytes
+                for ks in range(bk // 32):
+                    for h in range(2):  # k 16h + 4q + b of the step: byte b of word 2 ks + h of thread q
+                        a.append(np.concatenate([spans[q, 4 * (2 * ks + h):4 * (2 * ks + h) + 4][[2, 3, 0, 1]]
+                                                 for q in range(4)]))
+            np.testing.assert_array_equal(wp.reshape(3, -1).astype(np.int64) @ np.concatenate(a),
+                                          w.reshape(3, -1).astype(np.int64) @ x)
+        if bk > 32 or C > 32:
+            assert (wp != w).any()
+    with pytest.raises(ValueError, match="whole K-chunks"):
+        R.permute_k8(np.zeros((2, 3, 3, 64), np.int8), 128)  # 576 bytes: not whole 128-byte chunks
+
+
+def test_cuda_wgmma_int8_agl():
+    """agl on 8-bit operands: the register-A kernel loads its A fragment words from global memory (ld.global.nc, 16 or
+    8 bytes per row and K-chunk) into registers, issues the register-A wgmma (no A descriptor) and says which K-chunk
+    its weights' k permutation has (w8_kperm; not w8: the weights stay [K, R, S, C]); with pipe 0 one group stays in
+    flight; a reduction that is not whole K-chunks falls back (warned), HWNC is refused."""
+    from qcompile.schedules.igemm import w8_kperm, w8_weights
+
+    spec = ConvSpec(**L3, x_dtype="uint8", w_bits=8, out_dtype="uint8", lo=0, hi=255)
+    kn = WG.replace(BM=64, WM=1, BN=64, BK=64, stages=4, pipe=-1, pstages=4, areg=True, awarp=True, w8=True, agl=True)
+    plain = cuda_source(build_cuda(conv2d_int_kernel(spec, "sm_90", None, WG.replace(BM=64, WM=1, BN=64, BK=64)),
+                                   "sm_90", mode="ptx"))
+    assert "ld.global.nc" not in plain and '"l"(__a_desc)' in plain
+    for k, ld in ((kn, "ld.global.nc.v4.b32"), (kn.replace(BK=32), "ld.global.nc.v2.b32"),
+                  (kn.replace(pipe=0, stages=5), "ld.global.nc.v4.b32")):
+        f = conv2d_int_kernel(spec, "sm_90", None, k)
+        assert w8_kperm(f) == k.BK and not w8_weights(f) and 'w: T.Buffer((128, 3, 3, 64), "int8")' in f.script()
+        src = cuda_source(build_cuda(f, "sm_90", mode="ptx"))
+        assert ld in src and "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8" in src and '"r"(__a3)' in src
+        assert ("wgmma.wait_group.sync.aligned 1;" in src) == (k.pipe == 0)
+    with pytest.warns(UserWarning, match="agl needs"):  # 3x3 on 64 channels: 576 bytes, not whole 128-byte chunks
+        assert w8_kperm(conv2d_int_kernel(spec, "sm_90", None, kn.replace(BK=128))) == 0
+    with pytest.raises(NotApplicable, match="agl needs"):
+        make_gemm_conv(dataclasses.replace(spec, layout="HWNC"), "sm_90", kn, layout="HWNC", adapt=False)
+
+
 def test_cuda_wgmma_int4_agl():
     """agl: the register-A w8 kernel with warp-owned rows loads its A fragment words from global memory (ld.global.nc,
     16 or 8 bytes) into a register ring -- no A ring in shared memory (no ld.shared.b32 fragment reads) -- and says
@@ -524,6 +577,37 @@ def test_sass(tmp_path):
                keep=str(d))
     s = subprocess.run([tool, "-sass", str(d / "kernel.fatbin")], capture_output=True, text=True, env=env).stdout
     assert re.search(r"IGMMA\.64x128x32\.U8\.S8 R\d+, R\d+, gdesc", s) and "S4" not in s
+
+
+@pytest.mark.skipif(find_tool("cuobjdump") is None or find_tool("nvdisasm") is None,
+                    reason="cuobjdump/nvdisasm not installed (pip: nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
+def test_sass_register_a_fragments_not_overwritten_in_flight(tmp_path):
+    """Register-A wgmma: no instruction writes an IGMMA's A fragment registers before the DEPBAR retiring it
+    (cuda_tools.wgmma_a_hazards) -- the agl loaders on 8- and 4-bit operands, pipe -1 and 0, one and two warpgroups;
+    among them the 8-bit configuration whose first build (plain register copies as fragments) ptxas compiled with loads
+    into in-flight fragments (all 200k outputs wrong on the H100). The checker itself flags a hand-made hazard."""
+    from qcompile.cuda_tools import wgmma_a_hazards
+
+    tool = find_tool("cuobjdump")
+    env = dict(os.environ, PATH=os.path.dirname(find_tool("nvdisasm")) + os.pathsep + os.environ.get("PATH", ""))
+    agl = GemmKnobs(BM=128, BN=64, BK=128, WM=2, WN=1, stages=3, pipe=-1, mma="wgmma", pstages=3, areg=True,
+                    awarp=True, w8=True, agl=True)
+    s8 = ConvSpec(N=8, H=7, W=7, C=2048, K=512, R=1, S=1, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255)
+    s4 = ConvSpec(**dict(L3, C=128), x_dtype="uint4", w_bits=4, out_dtype="uint4", lo=0, hi=15)
+    for i, (spec, kn) in enumerate(((s8, agl), (s8, agl.replace(BK=64, BN=128, pipe=0, stages=4)),
+                                    (s4, agl.replace(BK=64, BM=64, WM=1, pstages=4, pipe=0, stages=5)),
+                                    (s4, agl.replace(BK=64, BN=128, pstages=4, stages=4)))):
+        d = tmp_path / f"k{i}"
+        build_cuda(conv2d_int_kernel(spec, "sm_90", knobs=kn), "sm_90", mode="sass", keep=str(d))
+        s = subprocess.run([tool, "-sass", str(d / "kernel.fatbin")], capture_output=True, text=True, env=env).stdout
+        assert re.search(r"IGMMA\.64x\d+x32\.U8\.S8 R\d+, R\d+, gdesc", s), kn
+        assert wgmma_a_hazards(s) == [], (kn, wgmma_a_hazards(s)[:4])
+    bad = ("        /*0100*/                   IGMMA.64x64x32.U8.S8 R24, R56, gdesc[UR4], R24, gsb0 ;\n"
+           "        /*0110*/              @!P3 LDG.E.128.CONSTANT R60, desc[UR14][R60.64] ;\n"
+           "        /*0120*/                   LDG.E.128.CONSTANT R56, desc[UR14][R58.64] ;\n"
+           "        /*0130*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;\n"
+           "        /*0140*/                   LDG.E.128.CONSTANT R56, desc[UR14][R58.64] ;\n")
+    assert [h.split(":")[0] for h in wgmma_a_hazards(bad)] == ["0120"]
 
 
 @pytest.mark.parametrize("spec", [
