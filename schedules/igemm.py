@@ -98,7 +98,7 @@ def _adapt_knobs(spec: ConvSpec, kn: GemmKnobs, layout: str) -> GemmKnobs:
     BM, BN, WM, WN = kn.BM, kn.BN, kn.WM, kn.WN
     lo = 64 if kn.mma == "wgmma" else 32  # smallest warp(group) tile side
     while BN > lo and BN // 2 >= spec.K:
-        BN //= 2
+        BN = BN // 2 if BN & (BN - 1) == 0 else lo  # (96 / 112: to the smallest tile)
     while BM > lo and BM // 2 >= Mtot:
         BM //= 2
     WM = max(1, min(WM, BM // lo))

@@ -263,7 +263,7 @@ def arch_info(arch: str) -> ArchMMA:
 @dataclass(frozen=True)
 class GemmKnobs:
     BM: int = 128  # block tile rows (output pixels x batch)
-    BN: int = 128  # block tile cols (output channels)
+    BN: int = 128  # block tile cols (output channels; wgmma: 96 / 112 too, where 128 leaves a wave of SMs part idle)
     BK: int = 64  # K-chunk in BYTES per pipeline stage (64 B = 64 int8 or 128 int4 elements)
     WM: int = 2  # warps along M
     WN: int = 2  # warps along N
@@ -318,7 +318,7 @@ class GemmKnobs:
 
     SPACE = {
         "BM": (32, 64, 128, 256),
-        "BN": (32, 64, 128, 256),
+        "BN": (32, 64, 96, 112, 128, 256),
         "BK": (32, 64, 128, 256),
         "WM": (1, 2, 4),
         "WN": (1, 2, 4),
@@ -357,7 +357,10 @@ class GemmKnobs:
         wtm, wtn = self.BM // self.WM, self.BN // self.WN
         nth = self.threads
         if self.mma == "wgmma":  # warpgroup tiles: 64-row multiples, one m64nN instruction per 128 (or fewer) cols
-            tile_ok = (wtm % 64 == 0 and wtn in (64, 128, 256) and self.vec == 16 and self.stages >= 3 + self.pipe
+            # (N per warpgroup: one m64nN instruction up to 128 columns -- 96 / 112 for the tile counts of narrow grids
+            # -- or 256 as two of 128)
+            tile_ok = (wtm % 64 == 0 and wtn in (64, 96, 112, 128, 256) and self.vec == 16
+                       and (16 * wtn) % (32 * self.ev) == 0 and self.stages >= 3 + self.pipe
                        and (not self.areg or (self.pstages >= 2 and self.pipe in (-1, 0)))
                        and (not self.awarp or (self.areg and self.WN == 1
                                                and (self.pipe == -1 or (self.agl and self.pipe == 0))))

@@ -188,6 +188,20 @@ def make_cases(quick=False, bench=True):
     for (name, N, C, H, K, R, st, pd) in ODD:
         add("check", f"agl_{name}_int4", int4_spec(N, C, H, K, R, st, pd, 1), None, knobs=dict(wgl, BK=32, pstages=3,
                                                                                               stages=3))
+    # N tiles of 112 / 96 columns (one m64n112 / m64n96 wgmma per k-step; the last N tile partly past K on most
+    # shapes): every shape at batch 8, 8-bit (one and two warpgroups, erq on some) and 4-bit register-A kernels with
+    # expanded weights (w8 + awarp, agl on some); the odd shapes (mma.sync fallback where wgmma cannot take them)
+    for li, (name, C, H, K, R, st, pd) in enumerate(layers):
+        v = li % 3
+        bn = (112, 96)[li % 2]
+        add("check", f"wgn_{name}_b8_int8", int8_spec(8, C, H, K, R, st, pd, v), None,
+            knobs=dict(wg, BN=bn, WM=1 + li % 3 // 2, BK=128 if li % 3 // 2 == 0 else 256, stages=3 - li % 3 // 2,
+                       erq=bool(li % 4 == 3)))
+        add("check", f"wgn_{name}_b8_int4", int4_spec(8, C, H, K, R, st, pd, (v + 1) % 3), None,
+            knobs=dict(ww8, awarp=True, WM=1, BN=bn, BK=64, pstages=3, stages=3,
+                       agl=bool(li % 2 and R * R * C // 2 % 64 == 0)))
+    for (name, N, C, H, K, R, st, pd) in ODD:
+        add("check", f"wgn_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 1), None, knobs=dict(wg, BN=112, WM=1))
     # ... and on 8-bit operands (agl8: the same loader without the unpack, the weights k-permuted by
     # reference.permute_k8): every shape at batch 8 with the largest K-chunk its reduction is a whole number of, rings
     # 1-4 chunks deep, one m64 instruction per warpgroup (64 rows, or 128 on two warpgroups), BN 64 / 128, erq, every

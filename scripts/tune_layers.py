@@ -98,6 +98,13 @@ WGMMA.update({  # narrow-N (K = 64 output channels) tiles
     "wg128x64_s4g0": dict(BM=128, BN=64, BK=128, WM=2, WN=1, stages=4, pipe=-1),
     "wg256x64_4wg_s2g0": dict(BM=256, BN=64, BK=128, WM=4, WN=1, stages=2, pipe=-1),
 })
+WGMMA.update({  # N tiles of 112 / 96 columns: ResNet-50's 512-channel layers at batch 64 (3136 rows) make 100 tiles of
+    # 128x128 -- 32 of the 132 SMs idle -- and 125 of 128x112 (the fifth N tile half empty)
+    "wg128x112_bk128_1wg_g0": dict(BM=128, BN=112, BK=128, WM=1, WN=1, stages=3, pipe=-1),
+    "wg128x112_bk256_s2g0": dict(BM=128, BN=112, BK=256, WM=2, WN=1, stages=2, pipe=-1),
+    "wg64x112_bk128_g0": dict(BM=64, BN=112, BK=128, WM=1, WN=1, stages=3, pipe=-1),
+    "wg128x96_bk128_1wg_g0": dict(BM=128, BN=96, BK=128, WM=1, WN=1, stages=3, pipe=-1),
+})
 WG_SWEEP_G0 = ["wg128x128_bk128_g0", "wg128x256_bk128_s2g0", "wg128x128_bk128_1wg_g0", "wg64x128_bk128_g0",
                "wg128x64_bk128_g0", "wg64x64_bk128_g0", "wg256x128_bk128_s2g0"]
 CAND.update({k: dict(v, mma="wgmma") for k, v in WGMMA.items()})
@@ -1097,11 +1104,13 @@ def cmd_device(a):
     if time.time() - T0 < a.ncu_before:
         targets = []
         nm, nb = a.ncu_layer.rsplit("_b", 1)
-        for layer in (layer_for(nm, int(nb), "int8"), layer_for(nm, int(nb), "int4")):
+        for layer in (layer_for(nm, int(nb), dt) for dt in ("int8", "int4") if shape_key(  # (those built)
+                space_to_depth(layer_spec(nm, int(nb))) or layer_spec(nm, int(nb)), dt) in by_shape):
             if layer in best_rec:
                 targets.append(best_rec[layer])
             if layer.endswith("int8") and layer in dflt_rec and dflt_rec[layer] is not best_rec.get(layer):
                 targets.append(dflt_rec[layer])
+            targets += [r for r in by_layer.get(layer, []) if r["variant"] in a.ncu_variants and r not in targets]
         results["ncu"] = run_ncu(targets, tdir, out, log, a.ncu_timeout)
         save()
     log(f"done in {time.time() - T0:.0f}s")
@@ -1351,6 +1360,8 @@ def main():
     d.add_argument("--ncu-before", type=float, default=380, help="s after start: ncu only if reached before this")
     d.add_argument("--ncu-timeout", type=float, default=100)
     d.add_argument("--ncu-layer", default="r50_l3_3x3_b64")
+    d.add_argument("--ncu-variants", nargs="+", default=[],
+                   help="also profile these tuning variants of the ncu layer (besides its best and default)")
     d.add_argument("--confirm", type=int, default=0,
                    help="re-time the default and the N fastest variants of each layer alone, as the layer bench does "
                         "(bench_ms), and rank by that")

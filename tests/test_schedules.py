@@ -353,6 +353,20 @@ def test_cuda_wgmma_int8_agl():
         make_gemm_conv(dataclasses.replace(spec, layout="HWNC"), "sm_90", kn, layout="HWNC", adapt=False)
 
 
+def test_cuda_wgmma_narrow_n_tiles():
+    """wgmma N tiles of 112 / 96 columns (tile counts of narrow grids): one m64n112 / m64n96 instruction per k-step, 8-
+    and 4-bit; the epilogue's lanes must cover a 16-row block in whole passes (ev 16 does not divide 112 columns)."""
+    spec8 = ConvSpec(**L3, x_dtype="uint8", w_bits=8, out_dtype="uint8", lo=0, hi=255)
+    spec4 = ConvSpec(**L3, x_dtype="uint4", w_bits=4, out_dtype="uint4", lo=0, hi=15)
+    for bn in (112, 96):
+        kn = WG.replace(BN=bn, WM=1, pipe=-1)
+        assert kn.valid() and kn.replace(BN=bn - 16).valid() == (bn == 112)
+        assert "wgmma.mma_async.sync.aligned.m64n%dk32.s32.u8.s8" % bn in _src(spec8, "sm_90", knobs=kn)
+        k4 = kn.replace(BK=64, pstages=3, areg=True, awarp=True, w8=True)
+        assert "wgmma.mma_async.sync.aligned.m64n%dk32.s32.u8.s8" % bn in _src(spec4, "sm_90", knobs=k4)
+    assert not WG.replace(BN=112, WM=1, ev=16).valid() and WG.replace(BN=96, WM=1, ev=16).valid()
+
+
 def test_cuda_wgmma_int4_agl():
     """agl: the register-A w8 kernel with warp-owned rows loads its A fragment words from global memory (ld.global.nc,
     16 or 8 bytes) into a register ring -- no A ring in shared memory (no ld.shared.b32 fragment reads) -- and says
