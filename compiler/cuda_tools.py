@@ -73,6 +73,17 @@ def _sass_dest(op: str, args: str):
     return tuple(range(r, r + n))
 
 
+def wgmma_a_hazards_by_kernel(so_path: str) -> dict:
+    """{kernel name: wgmma_a_hazards' lines} for the sm_90 SASS in ``so_path`` (kernels without any left out; empty
+    where cuobjdump is not installed): what the device build scripts record per case and print as SASS HAZARD."""
+    if not find_tool("cuobjdump"):
+        return {}
+    out = {}
+    for h in wgmma_a_hazards(cuobjdump(so_path, "-sass")):
+        out.setdefault(h.split()[0], []).append(h)
+    return out
+
+
 def wgmma_a_hazards(sass: str) -> list:
     """Instructions of an SASS listing that write a register-A wgmma's fragment registers (``IGMMA ... Ra, gdesc``:
     Ra..Ra+3) while that wgmma may still be reading them: after it issues and before the ``WARPGROUP.DEPBAR.LE gsb0,

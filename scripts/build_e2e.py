@@ -23,6 +23,7 @@ import time
 import numpy as np
 import torch
 
+from device_env import check_input
 from qcompile.driver import CompileOptions, compile_model, weights_path
 from qcompile.models.export_onnx import export_onnx
 from qcompile.models.quantize import quantize_model
@@ -126,11 +127,6 @@ def main():
             json.dump(manifest, open(man_path, "w"), indent=1)
     print(json.dumps({k: (v.get("weights_mb"), sum(b.get("so_mb", 0) for b in v["batches"].values()))
                       for k, v in manifest.items()}))
-
-
-def check_input(b: int) -> np.ndarray:
-    """The batch-b check input (standard normal, seed 100 + b): float32 [b, 3, 224, 224]."""
-    return np.random.default_rng(100 + b).standard_normal((b, 3, 224, 224)).astype("float32")
 
 
 if __name__ == "__main__":

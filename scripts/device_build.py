@@ -284,7 +284,7 @@ def build_group(args):
     import tvm
     from qcompile.schedules import conv2d_int_kernel, conv2d_int_plan, select_strategy
     from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options, cuda_target
-    from qcompile.cuda_tools import cuobjdump, find_tool, wgmma_a_hazards
+    from qcompile.cuda_tools import wgmma_a_hazards_by_kernel
     from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
 
     ensure_stub_libcuda()
@@ -322,12 +322,10 @@ def build_group(args):
     with nvcc_options(arch, mode, keep=str(keep)):
         lib = tvm.compile(tvm.IRModule(funcs), target=cuda_target(arch))
     lib.export_library(str(so))
-    hz = []
-    if arch == "sm_90" and mode == "sass" and find_tool("cuobjdump"):  # register-A wgmma: fragments kept in flight
-        hz = wgmma_a_hazards(cuobjdump(str(so), "-sass"))
+    hz = wgmma_a_hazards_by_kernel(str(so)) if arch == "sm_90" and mode == "sass" else {}  # (register-A wgmma)
     for c in group:
         c["so"] = so.name
-        c["sass_hazards"] = [h for h in hz if h.split()[0].rsplit("_kernel", 1)[0] in c["funcs"]][:8]
+        c["sass_hazards"] = [h for fn in c["funcs"] for h in hz.get(fn + "_kernel", [])][:8]
     return gi, [{k: v for k, v in c.items() if k != "spec"} | {"spec": spec_dict(c["spec"])} for c in group], time.time() - t
 
 

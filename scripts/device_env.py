@@ -10,6 +10,14 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def check_input(b: int):
+    """The end-to-end check input of batch b (scripts/build_e2e.py writes it, bench_e2e.py draws it again where it was
+    not carried): standard normal, seed 100 + b, float32 [b, 3, 224, 224]."""
+    import numpy as np
+
+    return np.random.default_rng(100 + b).standard_normal((b, 3, 224, 224)).astype("float32")
+
+
 def setup_runtime_and_reexec(script: str, argv):
     """Unless TVM imports already: unpack the runtime bundle to /tmp/tvmrt, install the tvm-ffi wheel there and
     exec ``script argv`` again with it on PYTHONPATH (TVM_USE_RUNTIME_LIB=1: libtvm_runtime alone)."""

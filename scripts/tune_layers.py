@@ -721,9 +721,9 @@ def build_group(args):
     with nvcc_options(ARCH, "sass"):
         lib = tvm.compile(tvm.IRModule(funcs), target=cuda_target(ARCH))
     lib.export_library(str(so))
-    from qcompile.cuda_tools import cuobjdump, find_tool, wgmma_a_hazards
+    from qcompile.cuda_tools import wgmma_a_hazards_by_kernel
 
-    hz = wgmma_a_hazards(cuobjdump(str(so), "-sass")) if find_tool("cuobjdump") else []  # (register-A wgmma)
+    hz = wgmma_a_hazards_by_kernel(str(so))  # (register-A wgmma)
     recs = []
     for c in group:
         nf = names[c["func"]]
@@ -736,7 +736,7 @@ def build_group(args):
                          key=tuning_key(c["spec"]), spec=dataclasses.asdict(c["spec"]), so=so.name, func=c["func"],
                          sk=streamk_args(funcs[nf[0]]), w8=w8_weights(funcs[nf[0]]),
                          w8_kperm=w8_kperm(funcs[nf[0]]),
-                         sass_hazards=[h for h in hz if h.split()[0].rsplit("_kernel", 1)[0] in nf][:8]))
+                         sass_hazards=[h for fn in nf for h in hz.get(fn + "_kernel", [])][:8]))
     return gi, recs, time.time() - t
 
 
@@ -960,7 +960,7 @@ def cmd_device(a):
 
     def layer_for(name, N, dt):  # (the stem runs its space-to-depth form)
         sp = layer_spec(name, N)
-        return by_shape[shape_key(space_to_depth(sp) or sp, dt)]
+        return by_shape.get(shape_key(space_to_depth(sp) or sp, dt))  # (None: not in this build)
     tune_layers = [k for k, rs in by_layer.items() if rs[0]["kind"] == "tune"]
     # batch 64 first (then 256): the time guard drops the tail, never the main batch
     tune_layers.sort(key=lambda k: (0 if "_b64_" in k else 1))
@@ -1067,9 +1067,8 @@ def cmd_device(a):
                 break
             key = f"{name}_b{N}"
             row = None
-            try:
-                layers = [layer_for(name, N, dt) for dt in ("int8", "int4")]
-            except KeyError:  # a partial build (--only-layers): bench the layers it has
+            layers = [layer_for(name, N, dt) for dt in ("int8", "int4")]
+            if None in layers:  # a partial build (--only-layers): bench the layers it has
                 continue
             for dt, layer in zip(("int8", "int4"), layers):
                 rec = best_rec.get(layer) or dflt_rec.get(layer) or by_layer[layer][0]
@@ -1104,8 +1103,7 @@ def cmd_device(a):
     if time.time() - T0 < a.ncu_before:
         targets = []
         nm, nb = a.ncu_layer.rsplit("_b", 1)
-        for layer in (layer_for(nm, int(nb), dt) for dt in ("int8", "int4") if shape_key(  # (those built)
-                space_to_depth(layer_spec(nm, int(nb))) or layer_spec(nm, int(nb)), dt) in by_shape):
+        for layer in filter(None, (layer_for(nm, int(nb), dt) for dt in ("int8", "int4"))):
             if layer in best_rec:
                 targets.append(best_rec[layer])
             if layer.endswith("int8") and layer in dflt_rec and dflt_rec[layer] is not best_rec.get(layer):
