@@ -105,6 +105,27 @@ WGMMA.update({  # N tiles of 112 / 96 columns: ResNet-50's 512-channel layers at
     "wg64x112_bk128_g0": dict(BM=64, BN=112, BK=128, WM=1, WN=1, stages=3, pipe=-1),
     "wg128x96_bk128_1wg_g0": dict(BM=128, BN=96, BK=128, WM=1, WN=1, stages=3, pipe=-1),
 })
+WGMMA.update({  # 256 columns per warpgroup (two m64n128 instructions on one A operand): the 4-bit register-A kernels
+    # of the compute-bound layers read B from shared memory once per 256 columns instead of per 128
+    "wg64x256_bk128_g0": dict(BM=64, BN=256, BK=128, WM=1, WN=1, stages=3, pipe=-1),
+})
+WGMMA.update({  # deeper pipelines (1-2 MMA groups in flight, 4-6 stages) for grids of one block per SM (the batch-64
+    # l4 3x3 layers: 100 tiles on 132 SMs, where no second block hides a chunk's wait)
+    "wg128x128_bk128_g1s4": dict(BM=128, BN=128, BK=128, WM=2, WN=1, stages=4, pipe=0),
+    "wg128x128_bk128_g2s5": dict(BM=128, BN=128, BK=128, WM=2, WN=1, stages=5, pipe=1),
+    "wg128x128_bk128_1wg_g1s4": dict(BM=128, BN=128, BK=128, WM=1, WN=1, stages=4, pipe=0),
+    "wg128x128_bk128_1wg_g2s5": dict(BM=128, BN=128, BK=128, WM=1, WN=1, stages=5, pipe=1),
+    "wg128x128_bk128_1wg_g0s5": dict(BM=128, BN=128, BK=128, WM=1, WN=1, stages=5, pipe=-1),
+    "wg128x128_bk64_1wg_g1s6": dict(BM=128, BN=128, BK=64, WM=1, WN=1, stages=6, pipe=0),
+    "wg128x128_bk256_1wg_g1s3": dict(BM=128, BN=128, BK=256, WM=1, WN=1, stages=3, pipe=0),
+    "wg128x128_bk256_g1s3": dict(BM=128, BN=128, BK=256, WM=2, WN=1, stages=3, pipe=0),
+    "wg128x128_bk128_g1s5": dict(BM=128, BN=128, BK=128, WM=2, WN=1, stages=5, pipe=0),
+    "wg128x128_bk128_g1s6": dict(BM=128, BN=128, BK=128, WM=2, WN=1, stages=6, pipe=0),
+    "wg128x128_bk128_g2s6": dict(BM=128, BN=128, BK=128, WM=2, WN=1, stages=6, pipe=1),
+    "wg128x128_bk64_g1s6": dict(BM=128, BN=128, BK=64, WM=2, WN=1, stages=6, pipe=0),
+    "wg128x128_bk64_g2s8": dict(BM=128, BN=128, BK=64, WM=2, WN=1, stages=8, pipe=1),
+    "wg128x128_bk128_g1s4_ev16": dict(BM=128, BN=128, BK=128, WM=2, WN=1, stages=4, pipe=0, ev=16),
+})
 WG_SWEEP_G0 = ["wg128x128_bk128_g0", "wg128x256_bk128_s2g0", "wg128x128_bk128_1wg_g0", "wg64x128_bk128_g0",
                "wg128x64_bk128_g0", "wg64x64_bk128_g0", "wg256x128_bk128_s2g0"]
 CAND.update({k: dict(v, mma="wgmma") for k, v in WGMMA.items()})
@@ -468,7 +489,7 @@ AGL8_TILES = ["wg128x256_bk128_s2g0"]  # (8-bit agl: one m64 row block per warpg
 
 
 def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3), persist=(), r18=False, agl=False,
-                  dtype="int4"):
+                  dtype="int4", shared_a_pipes=()):
     """Every ResNet-50 layer as compiled now plus, for the 4-bit wgmma-able ones (or only ``layers``), register-A
     kernels that take their weights expanded to 8 bits (``GemmKnobs.w8``: B copied into its stages like an 8-bit
     operand, only A unpacked in the kernel) on the tile they compile with now, on the tile of the same layer's 8-bit
@@ -479,7 +500,8 @@ def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3),
     ``agl``: those kernels with their A fragments loaded straight from global memory (``GemmKnobs.agl``; the K-chunk
     halved until the reduction is a whole number of them) instead, persist aside. ``dtype`` "int8" (agl only): the
     8-bit layers' agl kernels (A words straight into registers, weights k-permuted: reference.permute_k8) on the same
-    tiles with BK as the tile has it and 64."""
+    tiles with BK as the tile has it and 64. ``shared_a_pipes`` (4-bit, not agl): instead without warp-owned rows (A
+    fragments read from the packed shared ring behind the block barrier) with each of these ``pipe`` values (-1, 0)."""
     from qcompile.schedules.igemm import _adapt_knobs
 
     cases, extra = make_cases_r18(batches, names=()) if r18 else make_cases_as_compiled(batches), []
@@ -503,6 +525,9 @@ def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3),
                     kn = kn0.replace(areg=True, awarp=True, w8=True, pipe=-1, pstages=p, stages=p, minb=m, wsp=0,
                                      persist=0, sk=0)
                     kns = [(kn, "")]
+                    if not agl and bits == 4 and shared_a_pipes:  # (instead of the warp-owned rows)
+                        kns = [(kn.replace(awarp=False, agl=False, pipe=g, stages=p + 1 + g), f"_sa{g + 1}")
+                               for g in shared_a_pipes]
                     if agl:  # (and with one MMA group in flight: pipe 0, a B stage more)
                         gkb, bk = spec.R * spec.S * spec.C * bits // 8, kn.BK
                         while bk > 32 and gkb % bk:
@@ -530,7 +555,9 @@ def make_cases_w8(batches, layers=None, tiles=None, pstages=(3, 4), minb=(0, 3),
 SK_TILES = [("wg128x128_bk128_g0", 1), ("wg128x128_bk128_s2g0", 1), ("wg128x128_bk128_s2g0", 2),
             ("wg128x128_bk64_s4g0", 1), ("wg128x128_bk64_s4g0", 2), ("wg128x128_bk128_1wg_g0", 1),
             ("wg64x128_bk128_g0", 2), ("wg128x256_bk128_s2g0", 1),
-            ("wg64x64_bk128_g0", 2), ("wg64x64_bk128_g0", 4), ("wg64x128_bk128_g0", 1)]  # (small tiles: the fc)
+            ("wg64x64_bk128_g0", 2), ("wg64x64_bk128_g0", 4), ("wg64x128_bk128_g0", 1),  # (small tiles: the fc)
+            ("wg128x128_bk128_g1s4", 1), ("wg128x128_bk128_1wg_g1s4", 1), ("wg128x128_bk128_g2s5", 1),
+            ("wg128x128_bk64_1wg_g1s6", 1)]  # (deeper pipelines: one block per SM is what stream-K runs)
 
 
 def make_cases_sk(batches, layers=None, tiles=None):
@@ -753,7 +780,8 @@ def cmd_build(a):
     elif a.w8:  # (with --r18: the ResNet-18-only shapes)
         cases = make_cases_w8(a.batches, a.only_layers, a.cands, tuple(a.pstages or (3, 4)),
                               tuple(a.minb or (() if a.persist else (0, 3))), tuple(a.persist), r18=a.r18, agl=a.agl,
-                              dtype="int8" if a.dtypes == ["int8"] else "int4")
+                              dtype="int8" if a.dtypes == ["int8"] else "int4",
+                              shared_a_pipes=tuple(a.areg_pipes) if a.areg else ())
     elif a.r18:
         cases = make_cases_r18(a.batches, a.cands, tuple(a.splits) if a.splits else None)
     elif a.wsp:
@@ -1312,7 +1340,8 @@ def main():
     b.add_argument("--minb", type=int, nargs="+", default=None,
                    help="as compiled + these __launch_bounds__ minimum blocks per SM (GemmKnobs.minb) as variants")
     b.add_argument("--areg-pipes", type=int, nargs="+", default=[-1], help="with --areg: pipe values (-1, 0)")
-    b.add_argument("--areg", action="store_true", help="with --pstages: as register-A kernels (GemmKnobs.areg)")
+    b.add_argument("--areg", action="store_true", help="with --pstages: as register-A kernels (GemmKnobs.areg); with "
+                   "--w8: register-A kernels without warp-owned A rows (one per --areg-pipes value) instead")
     b.add_argument("--r18", action="store_true",
                    help="the ResNet-18-only shapes (not in ResNet-50): as compiled + wgmma tiles (--cands), INT8 and INT4; "
                         "with --w8: the w8 variants of their 4-bit layers instead")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import warnings
 
@@ -186,6 +187,25 @@ def test_loader_round_candidates():
         assert len(set(knobs)) == len(knobs) and all(k.valid() and getattr(k, flag) for k in knobs)
         assert all(tl.smem_bytes(k, c["spec"]) <= 220 * 1024 for k, c in zip(knobs, extra))
         assert len([c for c in cases if c["variant"] == "default"]) == 2 * 24  # every ResNet-50 layer, both widths
+
+
+def test_w8_shared_a_round_candidates():
+    """`build --w8 --areg --areg-pipes -1 0`: 4-bit register-A kernels taking 8-bit weights whose A fragments are read
+    from the block's packed shared ring (no warp-owned rows, no agl), one per pipe value, with the B ring deep enough
+    (stages >= pstages + 1 + pipe); valid, distinct, fitting shared memory, 4-bit layers only."""
+    tl = _tune_layers()
+    layers = ["r50_l4_3x3_b256_int4", "r50_l4_3x3_b256_int8", "r50_l2_3x3s2_b8_int4"]  # (the last: an agl record)
+    cases = tl.make_cases_w8([8, 256], layers, ["wg128x128_bk128_g0"], (3, 4), (0,), shared_a_pipes=(-1, 0))
+    extra = [c for c in cases if c["variant"] != "default"]
+    assert {c["layer"] for c in extra} == {"r50_l4_3x3_b256_int4", "r50_l2_3x3s2_b8_int4"}
+    knobs = [c["knobs"] for c in extra]
+    for layer in {c["layer"] for c in extra}:  # (distinct per layer)
+        mine = [c["knobs"] for c in extra if c["layer"] == layer]
+        assert len(set(mine)) == len(mine)
+    assert all(k.valid() and k.w8 and k.areg and not k.awarp and not k.agl for k in knobs)
+    assert {k.pipe for k in knobs} == {-1, 0} and all(k.stages == k.pstages + 1 + k.pipe for k in knobs)
+    assert all(tl.smem_bytes(k, c["spec"]) <= 220 * 1024 for k, c in zip(knobs, extra))
+    assert all(re.search(rf"_sa{c['knobs'].pipe + 1}(_minb\\d)?$", c["variant"]) for c in extra)
 
 
 def test_stream_k_and_split_round_candidates(tmp_path):
