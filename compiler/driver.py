@@ -297,6 +297,11 @@ def _dispatch_tensor_cores(mod_int, layout: str, arch: str, log, expand_w4: bool
         name = [b.var.name for blk in func.body.blocks for b in blk.bindings if b.value.same_as(g.acc_call)]
         if name and out.name in chosen:
             convs[name[0]] = chosen[out.name]
+    src = [s for _, s in p.sources]
+    if src and src.count("tuned") < len(src):  # (compiled models take tuned knobs wherever the log has the shape)
+        log(f"note: {len(src) - src.count('tuned')} of {len(src)} tensor-core layers have no tuning record for their "
+            f"shape on {arch} ({src.count('nearest')} take the layer's record at the nearest batch size, "
+            f"{src.count('default')} the {arch} defaults); scripts/tune_layers.py measures records")
     fb = [n for n, s in convs.items() if s == "fallback"]
     if fb:
         log(f"note: {len(fb)} layer(s) do not fit the tensor-core tiles and use the generic kernel: {', '.join(fb)}")
@@ -326,7 +331,7 @@ def emit_cuda(res: CompileResult, out_dir: str, log=print) -> list:
         cu = os.path.join(d, "all.cu")
         open(cu, "w").write(src)
         ptx = os.path.join(d, "all.ptx")
-        arch = res.meta["arch"].replace("sm_", "")
+        arch = res.meta["arch"].replace("sm_", "") + ("a" if "wgmma." in src else "")  # (wgmma: the sm_90a features)
         r = subprocess.run(["nvcc", "-ptx", f"-arch=compute_{arch}", "-o", ptx, cu], capture_output=True, text=True)
         if r.returncode:
             raise QCompileError(f"nvcc -ptx failed: {r.stderr[-500:]}")

@@ -273,6 +273,7 @@ class _Dispatcher(PyExprMutator):
         self.var2val = relax.analysis.get_var2val(mod["main"])
         self.packed: dict = {}   # original var -> new var holding its packed 4-bit form
         self.chosen: list = []   # (conv output, strategy)
+        self.sources: list = []  # (conv output, knobs source: tuned / nearest / default / user; kind cuda only)
         self.fused: list = []    # (conv output, residual add output) fused into one kernel
 
     def _data(self, x, dtype: str, layout_axis: int):
@@ -298,7 +299,8 @@ class _Dispatcher(PyExprMutator):
         self._emit_kernel(binding.var, g, r)
 
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
-        from qcompile.schedules import ConvSpec, conv2d_int_plan, select_strategy, tuned_knobs
+        from qcompile.schedules import ConvSpec, conv2d_int_plan, knobs_for, select_strategy
+        from qcompile.schedules.spec import packed_weight_knobs
         from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
         from qcompile.schedules.reference import expand_w4, permute_k8
         from qcompile.schedules.spec import operand_plan, space_to_depth, space_to_depth_weights
@@ -340,11 +342,13 @@ class _Dispatcher(PyExprMutator):
             w, spec0, spec = space_to_depth_weights(w, spec), spec, s2d
         if self.kind == "cuda":
             strategy = select_strategy(spec, self.arch)
-            knobs = None
-            if not self.expand_w4:  # 4-bit weights stay packed: a tuned w8 kernel runs with its B unpacked instead
-                tk = tuned_knobs(spec, self.arch)
-                knobs = tk.replace(w8=False, agl=False) if tk is not None and tk.w8 and w_bits == 4 else None
+            knobs = ksrc = None
+            if not self.expand_w4 and w_bits == 4:  # 4-bit weights stay packed: a w8 kernel runs with B unpacked
+                knobs, ksrc = knobs_for(spec, self.arch)
+                knobs = packed_weight_knobs(knobs)
             funcs = conv2d_int_plan(spec, self.arch, strategy, knobs)
+            if strategy != "fallback":
+                self.sources.append((g.out.name, ksrc or str(funcs[0].attrs["qcompile.knobs_source"])))
         else:  # the kernels' own TE compute (same epilogue and packing) for checking this pass on a CPU
             from qcompile.schedules.fallback import make_fallback
 
@@ -421,6 +425,7 @@ class DispatchTensorCore:
         self.arch, self.log, self.kind, self.s2d = arch, log, target_kind, space_to_depth
         self.expand_w4 = expand_w4
         self.chosen: list = []
+        self.sources: list = []
         self.fused: list = []
 
     @keeps_user_errors
@@ -428,7 +433,7 @@ class DispatchTensorCore:
         groups, residuals = find_fusions(mod["main"])
         d = _Dispatcher(mod, groups, residuals, self.arch, self.log, self.kind, self.s2d, self.expand_w4)
         func = d.visit_expr(mod["main"])
-        self.chosen, self.fused = d.chosen, d.fused
+        self.chosen, self.fused, self.sources = d.chosen, d.fused, d.sources
         out = d.builder_.get()
         out["main"] = func
         out = relax.transform.DeadCodeElimination(["main"])(out)

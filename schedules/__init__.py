@@ -5,14 +5,16 @@ Public interface (see docs/SCHEDULES.md):
     conv2d_int_plan(spec, arch="sm_90", strategy=None, knobs=None) -> [PrimFunc] (one kernel, or a split-K pair)
     select_strategy(spec, arch) -> "direct_hwnc" | "implicit_gemm" | "fallback"
     tuned_knobs(spec, arch) -> GemmKnobs | None   (measured best knobs from tuning_logs/<arch>.json)
+    knobs_for(spec, arch) -> (GemmKnobs, source)   (what kernels get: that record, the layer's record at the nearest
+                                                    batch size, or default_knobs(spec, arch))
     MMA_SHAPES, ConvSpec, GemmKnobs, DEFAULT_KNOBS
 """
 from __future__ import annotations
 
 import warnings
 
-from .spec import DEFAULT_KNOBS, MMA_SHAPES, ArchMMA, ConvSpec, GemmKnobs, MMAShape, arch_info
-from .tuning import tuned_knobs, tuning_key
+from .spec import DEFAULT_KNOBS, MMA_SHAPES, ArchMMA, ConvSpec, GemmKnobs, MMAShape, arch_info, default_knobs
+from .tuning import knobs_for, tuned_knobs, tuning_key
 
 STRATEGIES = ("direct_hwnc", "implicit_gemm", "fallback")
 
@@ -73,18 +75,17 @@ def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None 
                       allow_split: bool = False):
     """PrimFunc for one quantized conv layer. Params: x, w, bias, M, S, [res], out.
     ``strategy`` forces a rule (ValueError when it cannot take the spec); ``knobs`` a GemmKnobs. With
-    ``knobs=None`` the tensor-core rules use the measured best knobs from ``tuning_logs/<arch>.json`` when
-    it has a record for this shape (``tuned_knobs``), else ``DEFAULT_KNOBS[arch]``. The PrimFunc's
-    ``qcompile.knobs_source`` attribute says which ("user" | "tuned" | "default")."""
+    ``knobs=None`` the tensor-core rules use ``knobs_for``: the measured best knobs from ``tuning_logs/<arch>.json``
+    when it has a record for this shape, else its record for the same layer at the nearest batch size, else the
+    arch's defaults (``default_knobs``). The PrimFunc's ``qcompile.knobs_source`` attribute says which ("user" |
+    "tuned" | "nearest" | "default")."""
     if strategy is None:
         strategy = select_strategy(spec, arch)
     if strategy not in RULES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
     source = "user" if knobs is not None else "default"
     if knobs is None and strategy != "fallback":
-        knobs = tuned_knobs(spec, arch)
-        if knobs is not None:
-            source = "tuned"
+        knobs, source = knobs_for(spec, arch)
     f = RULES[strategy](spec, arch, knobs, allow_split=allow_split)
     if f is None:
         raise ValueError(f"strategy {strategy} does not apply to {spec} on {arch}")
@@ -113,4 +114,5 @@ def dense_int_kernel(M: int, N: int, K: int, arch: str = "sm_90", strategy: str 
 
 
 __all__ = ["conv2d_int_kernel", "conv2d_int_plan", "select_strategy", "dense_int_kernel", "MMA_SHAPES", "ConvSpec", "GemmKnobs",
-           "MMAShape", "ArchMMA", "DEFAULT_KNOBS", "arch_info", "STRATEGIES", "RULES", "tuned_knobs", "tuning_key"]
+           "MMAShape", "ArchMMA", "DEFAULT_KNOBS", "arch_info", "STRATEGIES", "RULES", "tuned_knobs", "tuning_key",
+           "knobs_for", "default_knobs"]

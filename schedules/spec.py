@@ -407,3 +407,36 @@ DEFAULT_KNOBS = {
     "sm_89": GemmKnobs(BM=128, BN=128, BK=64, WM=2, WN=2, stages=3),
     "sm_90": GemmKnobs(BM=128, BN=128, BK=64, WM=2, WN=2, stages=4),
 }
+# Untuned shapes on an arch with warpgroup MMA (no record for the shape, none for its layer at another batch size:
+# tuning.nearest_knobs): wgmma tiles where the operands take them (NHWC, 16-byte channel vectors, zero padding) --
+# the tiles most tuned records chose: 128x128 where the grid of them fills the SMs, 64x64 where it does not; 4-bit as
+# the register-A kernel with its weights expanded to 8 bits (the thirteenth round's record form: A read from the
+# shared ring). Key: (operand bits, grid of 128x128 tiles >= SMs). BK counts bytes (4-bit: packed).
+WGMMA_DEFAULT_KNOBS = {
+    (8, True): GemmKnobs(BM=128, BN=128, BK=128, WM=2, WN=1, stages=3, pipe=-1, mma="wgmma"),
+    (8, False): GemmKnobs(BM=64, BN=64, BK=128, WM=1, WN=1, stages=3, pipe=-1, mma="wgmma"),
+    (4, True): GemmKnobs(BM=128, BN=128, BK=64, WM=2, WN=1, stages=4, pipe=-1, mma="wgmma", pstages=4, areg=True,
+                         w8=True),
+    (4, False): GemmKnobs(BM=64, BN=64, BK=64, WM=1, WN=1, stages=4, pipe=-1, mma="wgmma", pstages=4, areg=True,
+                          w8=True),
+}
+
+
+def packed_weight_knobs(kn: GemmKnobs) -> GemmKnobs:
+    """``kn`` for 4-bit weights kept packed (``qcompile --packed-int4-weights``): a ``w8`` / ``agl`` kernel becomes the
+    register-A kernel that unpacks B itself (pipe -1 where ``agl`` had pipe 0, which warp-owned rows need)."""
+    if not kn.w8:
+        return kn
+    k = kn.replace(w8=False, agl=False)
+    return k if k.valid() else k.replace(pipe=-1)
+
+
+def default_knobs(spec: ConvSpec, arch: str) -> GemmKnobs:
+    """Knobs for a shape no tuning record covers: WGMMA_DEFAULT_KNOBS where the arch has wgmma and the operands take
+    it, else ``DEFAULT_KNOBS[arch]`` (mma.sync). Not adapted (the kernel builder shrinks tiles for small problems)."""
+    ai = arch_info(arch)
+    if (ai.wgmma and spec.layout == "NHWC" and spec.pad_value == 0 and spec.C * spec.x_bits // 8 % 16 == 0
+            and spec.x_bits in (4, 8)):
+        grid = -(-spec.N * spec.P * spec.Q // 128) * -(-spec.K // 128)
+        return WGMMA_DEFAULT_KNOBS[(spec.x_bits, grid >= ai.sms)]
+    return DEFAULT_KNOBS.get(arch, DEFAULT_KNOBS["sm_90"])

@@ -1,8 +1,10 @@
 """Per-architecture tuning logs: measured best GemmKnobs per conv shape (``tuning_logs/<arch>.json``).
 
-``tuned_knobs(spec, arch)`` returns the knobs recorded for ``spec`` on ``arch`` or ``None`` (no record: the
-caller uses ``DEFAULT_KNOBS``). A missing log for the arch, or a log whose key fields / knob fields no longer
-match this code (stale), also gives ``None`` and emits ONE warning per process per log file, naming it.
+``tuned_knobs(spec, arch)`` returns the knobs recorded for ``spec`` on ``arch`` or ``None``. A missing log for the
+arch, or a log whose key fields / knob fields no longer match this code (stale), also gives ``None`` and emits ONE
+warning per process per log file, naming it. ``knobs_for(spec, arch)`` is what a compiled model gets: that record,
+else the same layer's record at the nearest batch size (``nearest_knobs``), else the arch's defaults
+(``spec.default_knobs``: warpgroup-MMA tiles on sm_90 where the operands take them).
 
 Log format (written by ``scripts/tune_layers.py log``)::
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import threading
@@ -142,6 +145,45 @@ def load_log(arch: str) -> dict | None:
     with _LOCK:
         _CACHE[key] = log
     return log
+
+
+def nearest_knobs(spec: ConvSpec, arch: str = "sm_90") -> GemmKnobs | None:
+    """For a shape without a record of its own: the knobs recorded for the same layer (every key field but the batch
+    size) at the other batch size nearest in ratio (ties: the larger), with the K-split left to the automatic rule
+    (``split_k=0``: it depends on the grid). None when the log has no (valid) record of the layer at another batch."""
+    log = load_log(arch)
+    if log is None:
+        return None
+    parts = tuning_key(spec).split("|")
+    best = None
+    for key, rec in log["records"].items():
+        p = key.split("|")
+        if (len(p) != len(parts) or p[:1] + p[2:] != parts[:1] + parts[2:] or not p[1][1:].isdigit()
+                or int(p[1][1:]) == spec.N):
+            continue
+        n, kn = int(p[1][1:]), knobs_from_dict(rec.get("knobs"))
+        score = (abs(math.log(n / spec.N)), -n)
+        if kn is not None and (best is None or score < best[0]):
+            best = (score, kn)
+    return best[1].replace(split_k=0) if best is not None else None
+
+
+def knobs_for(spec: ConvSpec, arch: str = "sm_90") -> tuple[GemmKnobs, str]:
+    """The knobs a compiled model's tensor-core kernel gets for ``spec``, and where they come from: the shape's own
+    record ("tuned"); else the same layer's record at the nearest batch size ("nearest"), as long as its block tile
+    still makes at least one wave of blocks over the SMs at this batch size (a tile chosen for a larger batch can
+    leave most SMs idle: ResNet-50's l4 layers at batch 32 on their batch-64 128x128 tiles ran 1.3-2.2x slower than
+    on the defaults' 64x64, H100); else the arch's defaults ("default": ``spec.default_knobs``, warpgroup tiles on
+    sm_90 where the operands take them, sized by the grid)."""
+    from .spec import arch_info, default_knobs
+
+    kn = tuned_knobs(spec, arch)
+    if kn is not None:
+        return kn, "tuned"
+    kn = nearest_knobs(spec, arch)
+    if kn is not None and -(-spec.N * spec.P * spec.Q // kn.BM) * -(-spec.K // kn.BN) >= arch_info(arch).sms:
+        return kn, "nearest"
+    return default_knobs(spec, arch), "default"
 
 
 def tuned_knobs(spec: ConvSpec, arch: str = "sm_90") -> GemmKnobs | None:

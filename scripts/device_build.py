@@ -81,6 +81,21 @@ def make_cases(quick=False, bench=True):
             v = li % 2  # every other layer with the two-stage residual epilogue
             add("check", f"plan_{name}_b{N}_int8", int8_spec(N, C, H, K, R, st, pd, v), None, plan=True)
             add("check", f"plan_{name}_b{N}_int4", int4_spec(N, C, H, K, R, st, pd, v), None, plan=True)
+    # what shapes without a record of their own get (knobs_for), as plans: the layer's record at the nearest batch size
+    # (ResNet-50 at batch 2 and 32), or the arch's defaults (warpgroup tiles on channel counts no ResNet layer has,
+    # small and large grids, stride 1 and 2)
+    for li, (name, C, H, K, R, st, pd) in enumerate(distinct(RESNET50)):
+        for N in (2, 32):
+            v = li % 2
+            add("check", f"near_{name}_b{N}_int8", int8_spec(N, C, H, K, R, st, pd, v), None, plan=True)
+            add("check", f"near_{name}_b{N}_int4", int4_spec(N, C, H, K, R, st, pd, v), None, plan=True)
+    for (C, H, K, R, st, pd) in ((96, 28, 160, 3, 1, 1), (160, 14, 96, 1, 1, 0), (96, 15, 192, 3, 2, 1),
+                                 (32, 56, 48, 1, 1, 0)):
+        for N in (1, 4, 48):
+            for v in (0, 1):
+                nm = f"dflt_c{C}k{K}r{R}s{st}_b{N}"
+                add("check", f"{nm}_int8_v{v}", int8_spec(N, C, H, K, R, st, pd, v), None, plan=True)
+                add("check", f"{nm}_int4_v{v}", int4_spec(N, C, H, K, R, st, pd, v), None, plan=True)
     # the warpgroup-MMA kernels forced on every other shape (both layouts, every epilogue variant, split-K plans at
     # batch 1, the 4-bit register-staged loader) and on the odd shapes (channel bytes % 16: mma.sync fallback)
     wg = dict(BM=128, BN=128, BK=128, WM=2, WN=1, stages=3, pipe=-1, mma="wgmma")

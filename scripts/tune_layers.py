@@ -30,6 +30,7 @@ import math
 import multiprocessing as mp
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -298,7 +299,7 @@ def make_cases(batches, nvar, names=None, only_r=None, bench8=True, only_c=None)
 def make_cases_targeted(targets):
     """Wide candidate sets for named layers (``r50_l1_1x1a_b64_int4`` ...): the knobs they build with now
     ("default"), every CAND tile, and each of those with the one-barrier loop and with 16-element epilogue stores."""
-    from qcompile.schedules import DEFAULT_KNOBS, tuned_knobs
+    from qcompile.schedules import DEFAULT_KNOBS
     from qcompile.schedules.igemm import _adapt_knobs
     from qcompile.schedules.layers import RESNET50, distinct
 
@@ -309,7 +310,7 @@ def make_cases_targeted(targets):
         N, dt = int(rest.split("_")[0]), rest.split("_")[1]
         C, H, K, R, st, pd = shapes[name]
         spec = (int8_spec if dt == "int8" else int4_spec)(N, C, H, K, R, st, pd)
-        base = tuned_knobs(spec, ARCH) or _adapt_knobs(spec, DEFAULT_KNOBS[ARCH], "NHWC")
+        base = _now_knobs(spec)
         vs, seen = [("default", base)], {base}
         for cname in CAND:
             e = _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(**CAND[cname]), "NHWC")
@@ -654,8 +655,7 @@ def make_cases_r18(batches, names=None, splits=None):
     at each batch: the knobs they compile with now ("default") plus the wgmma tiles of ``names`` (WGMMA, default
     WG_SWEEP_G0); 4-bit tiles as register-A kernels (pstages 4), also with warp-owned A rows. With ``splits``: those
     knobs with each K-split instead (as make_cases_splits)."""
-    from qcompile.schedules import DEFAULT_KNOBS, select_strategy, tuned_knobs
-    from qcompile.schedules.igemm import _adapt_knobs
+    from qcompile.schedules import select_strategy
     from qcompile.schedules.layers import ALL_RESNET, RESNET50, distinct
 
     r50 = {tuple(l[1:]) for l in distinct(RESNET50)}
@@ -669,7 +669,7 @@ def make_cases_r18(batches, names=None, splits=None):
                 if select_strategy(spec, ARCH) != "implicit_gemm":
                     continue
                 layer = f"{name}_b{N}_{dt}"
-                now = tuned_knobs(spec, ARCH) or _adapt_knobs(spec, DEFAULT_KNOBS[ARCH], "NHWC")
+                now = _now_knobs(spec)
                 vs, seen = [("default", now)], {now}
                 vs += _split_variants(now, splits or (), seen)
                 for cname in ((WG_SWEEP_G0 if names is None else names) if _wg_ok(spec) and not splits else ()):
@@ -684,17 +684,23 @@ def make_cases_r18(batches, names=None, splits=None):
     return cases
 
 
-def make_cases_as_compiled(batches):
-    """One kernel per ResNet-50 shape: the knobs a compiled model gets (tuning log, else defaults); no tuning."""
-    from qcompile.schedules import DEFAULT_KNOBS, tuned_knobs
+def _now_knobs(spec):
+    """The knobs a compiled model's kernel for ``spec`` gets (``knobs_for``: the shape's record, the layer's record at
+    the nearest batch size, or the arch's defaults), adapted as the kernel builder adapts them."""
+    from qcompile.schedules import knobs_for
     from qcompile.schedules.igemm import _adapt_knobs
 
+    return _adapt_knobs(spec, knobs_for(spec, ARCH)[0], "NHWC")
+
+
+def make_cases_as_compiled(batches):
+    """One kernel per ResNet-50 shape: the knobs a compiled model gets (``_now_knobs``); no tuning."""
     cases = []
     for layer, spec, gemm in r50_layer_specs(batches):
         if not gemm:
             cases.append(fallback_case(layer, spec))
             continue
-        kn = tuned_knobs(spec, ARCH) or _adapt_knobs(spec, DEFAULT_KNOBS[ARCH], "NHWC")
+        kn = _now_knobs(spec)
         cases.append(dict(kind="tune" if spec.N != 8 else "bench", layer=layer, spec=spec, strategy="implicit_gemm",
                           knobs=kn, variant="default", is_default=True))
     return cases
@@ -1088,7 +1094,8 @@ def cmd_device(a):
         if row["best"]:
             best_rec[row["layer"]] = recs[row["best"]]
         dflt_rec[row["layer"]] = recs["default"]
-    for N in (8, 64, 256):
+    built = sorted({int(m.group(1)) for r in man for m in [re.search(r"_b(\d+)_int[48]$", r.get("layer") or "")] if m})
+    for N in built or (8, 64, 256):  # (the batch sizes the build has kernels for)
         for (name, C, H, K, R_, st, pd) in distinct(RESNET50):
             if time.time() - T0 > a.bench_budget:
                 log("bench time budget reached")
@@ -1299,7 +1306,7 @@ def cmd_table(a):
                       "per shape), sm_90 defaults (128x128x64 B tiles, 2x2 warps, 4-stage cp.async) at batch 8")
     # tuned-vs-default summary from the same run
     extra = []
-    for N in (8, 64, 256):
+    for N in sorted({r["N"] for r in rows}):
         rs = [r for r in rows if r["N"] == N]
         if not rs:
             continue

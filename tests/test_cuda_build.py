@@ -25,7 +25,11 @@ def tiny_onnx(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_75"])
 def test_cuda_build_embeds_gpu_code(tiny_onnx, tmp_path, arch):
-    res = compile_model(tiny_onnx, CompileOptions(target="cuda", arch=arch, layout="NHWC"), log=lambda s: None)
+    lines = []
+    res = compile_model(tiny_onnx, CompileOptions(target="cuda", arch=arch, layout="NHWC"), log=lines.append)
+    # (no tuning record covers the tiny model's shapes: compile says so, and what the layers took instead)
+    note = [ln for ln in lines if "have no tuning record" in ln]
+    assert len(note) == 1 and f"the {arch} defaults" in note[0], lines
     so = str(tmp_path / f"m_{arch}.so")
     res.export(so)
     data = open(so, "rb").read()
@@ -35,7 +39,8 @@ def test_cuda_build_embeds_gpu_code(tiny_onnx, tmp_path, arch):
     from qcompile.cuda_tools import cuobjdump, find_tool
 
     if find_tool("cuobjdump"):
-        assert f"{arch}.cubin" in cuobjdump(so, "--list-elf")
+        elf = cuobjdump(so, "--list-elf")  # (warpgroup-MMA kernels -- sm_90's untuned default -- build as sm_90a)
+        assert f"{arch}.cubin" in elf or (arch == "sm_90" and "sm_90a.cubin" in elf), elf
     kernels = emit_cuda(res, str(tmp_path / "emit"), log=lambda s: None)
     assert kernels
     for k, stem in kernels:

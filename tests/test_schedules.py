@@ -14,7 +14,7 @@ import pytest
 from qcompile.cuda_tools import find_tool
 import tvm
 
-from qcompile.schedules import (MMA_SHAPES, ConvSpec, GemmKnobs, conv2d_int_kernel, select_strategy)
+from qcompile.schedules import (DEFAULT_KNOBS, MMA_SHAPES, ConvSpec, GemmKnobs, conv2d_int_kernel, select_strategy)
 from qcompile.schedules import reference as R
 from qcompile.schedules.build import build_cuda, cuda_source, nvcc_options
 from qcompile.schedules.fallback import make_fallback
@@ -145,14 +145,22 @@ L3 = dict(N=8, H=14, W=14, C=64, K=128, R=3, S=3, padding=1)
 
 
 def test_cuda_int8_sm90_mma():
-    src = _src(ConvSpec(**L3, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255), "sm_90")
+    """sm_90's mma.sync kernel (DEFAULT_KNOBS: what shapes wgmma cannot take get), and the warpgroup-MMA kernel an
+    untuned NHWC shape with 16-byte channel vectors gets by default (schedules.default_knobs)."""
+    spec = ConvSpec(**L3, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255)
+    src = _src(spec, "sm_90", knobs=DEFAULT_KNOBS["sm_90"])
     assert "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32" in src
     assert "ldmatrix.sync.aligned.m8n8.x4" in src and "cp.async.cg.shared.global" in src
+    src = _src(spec.replace(N=3), "sm_90")  # (no tuning record at batch 3)
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8" in src and "mma.sync" not in src
 
 
 def test_cuda_int4_sm90_unpacks_to_s8():
-    src = _src(ConvSpec(**L3, x_dtype="int4", w_bits=4, out_dtype="int4", lo=-8, hi=7), "sm_90")
+    spec = ConvSpec(**L3, x_dtype="int4", w_bits=4, out_dtype="int4", lo=-8, hi=7)
+    src = _src(spec, "sm_90", knobs=DEFAULT_KNOBS["sm_90"])
     assert "m16n8k32.row.col.s32.s8.s8.s32" in src and ".s4" not in src
+    src = _src(spec.replace(N=3), "sm_90")  # the untuned default: register-A wgmma on the unpacked activations
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8" in src and ".s4" not in src
     src = _src(ConvSpec(**L3, layout="HWNC", x_dtype="uint4", w_bits=4, out_dtype="int8"), "sm_90")
     assert "m16n8k32.row.col.s32.u8.s8.s32" in src
 

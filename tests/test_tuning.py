@@ -8,7 +8,8 @@ import warnings
 
 import pytest
 
-from qcompile.schedules import DEFAULT_KNOBS, ConvSpec, conv2d_int_kernel, tuned_knobs, tuning_key
+from qcompile.schedules import (DEFAULT_KNOBS, ConvSpec, conv2d_int_kernel, default_knobs, knobs_for, tuned_knobs,
+                                tuning_key)
 from qcompile.schedules import tuning as TU
 from qcompile.schedules.igemm import _adapt_knobs
 from qcompile.schedules.layers import ALL_RESNET
@@ -123,7 +124,8 @@ def test_missing_log_warns_once_and_falls_back(tmp_path, monkeypatch):
     assert len(msgs) == 1 and str(tmp_path / "sm_90.json") in msgs[0]
     assert tuned_knobs(spec, "sm_90") is None
     assert all(str(f.attrs["qcompile.knobs_source"]) == "default" for f in kernels)
-    assert str(kernels[0].attrs["qcompile.knobs"]) == str(_adapt_knobs(spec, DEFAULT_KNOBS["sm_90"], "NHWC"))
+    assert default_knobs(spec, "sm_90").mma == "wgmma"  # (16-byte channel vectors: the warpgroup-MMA default)
+    assert str(kernels[0].attrs["qcompile.knobs"]) == str(_adapt_knobs(spec, default_knobs(spec, "sm_90"), "NHWC"))
 
 
 @pytest.mark.parametrize("how", ["knob_fields", "key_fields", "record_knobs", "format"])
@@ -143,8 +145,74 @@ def test_stale_log_warns_once_and_falls_back(tmp_path, monkeypatch, how):
     kernels = []
     msgs = _count(lambda: [kernels.append(conv2d_int_kernel(spec, "sm_90")) for _ in range(3)])
     assert len(msgs) == 1 and "stale" in msgs[0] and str(tmp_path / "sm_90.json") in msgs[0], msgs
-    assert all(str(f.attrs["qcompile.knobs_source"]) == "default" for f in kernels)
+    # (one stale record: the layer's records at other batch sizes still apply where their tile fills the SMs; a stale
+    # log: none does)
+    src = "default"
+    if how == "record_knobs":
+        from qcompile.schedules import arch_info
+
+        near = TU.nearest_knobs(spec, "sm_90")
+        assert near is not None
+        if -(-spec.N * spec.P * spec.Q // near.BM) * -(-spec.K // near.BN) >= arch_info("sm_90").sms:
+            src = "nearest"
+    assert all(str(f.attrs["qcompile.knobs_source"]) == src for f in kernels)
     assert tuned_knobs(spec, "sm_90") is None
+
+
+def test_untuned_batch_takes_the_nearest_batch_record():
+    """A ResNet layer at a batch size the log has no record for gets the same layer's record at the batch size
+    nearest in ratio (32 -> 64, 16 -> 8, 2 -> 1, 128 -> 256), its K-split left to the automatic rule, while that
+    record's tile still makes a wave of blocks over the SMs; else the arch's defaults. The source says which."""
+    from qcompile.schedules import arch_info
+
+    recs = TU.load_log("sm_90")["records"]
+    seen = set()
+    for spec64 in (s for s in _specs() if s.N == 64 and s.R == 3 and tuning_key(s) in recs):
+        for n, near in ((32, 64), (16, 8), (2, 1), (128, 256)):
+            spec = spec64.replace(N=n)
+            if tuning_key(spec64.replace(N=near)) not in recs:
+                continue
+            assert tuning_key(spec) not in recs and tuned_knobs(spec, "sm_90") is None
+            want = TU.knobs_from_dict(recs[tuning_key(spec64.replace(N=near))]["knobs"]).replace(split_k=0)
+            assert _no_warnings(TU.nearest_knobs, spec, "sm_90") == want
+            grid = -(-spec.N * spec.P * spec.Q // want.BM) * -(-spec.K // want.BN)
+            src = "nearest" if grid >= arch_info("sm_90").sms else "default"
+            kn = want if src == "nearest" else default_knobs(spec, "sm_90")
+            assert knobs_for(spec, "sm_90") == (kn, src)
+            if src not in seen:  # (one kernel of each kind: the attributes say the same)
+                f = conv2d_int_kernel(spec, "sm_90")
+                assert str(f.attrs["qcompile.knobs_source"]) == src
+                assert str(f.attrs["qcompile.knobs"]) == str(_adapt_knobs(spec, kn, "NHWC"))
+            seen.add(src)
+    assert seen == {"nearest", "default"}
+    # a layer the log has at no batch size: the arch's defaults
+    odd = spec64.replace(C=spec64.C + 16)
+    assert knobs_for(odd, "sm_90") == (default_knobs(odd, "sm_90"), "default")
+
+
+def test_default_knobs_table():
+    """Untuned shapes on sm_90: warpgroup-MMA tiles where the operands take them (NHWC, 16-byte channel vectors, zero
+    padding): 128x128 where that grid fills the SMs, 64x64 where it does not; 4-bit as the register-A kernel with
+    8-bit weights. Elsewhere (other layouts / padding values / channel counts, archs without wgmma) mma.sync."""
+    from qcompile.schedules.spec import WGMMA_DEFAULT_KNOBS, packed_weight_knobs
+
+    big = ConvSpec(N=32, H=28, W=28, C=128, K=256, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8")
+    small = big.replace(N=1)
+    b4 = big.replace(x_dtype="uint4", w_bits=4)
+    assert default_knobs(big, "sm_90") == WGMMA_DEFAULT_KNOBS[(8, True)]
+    assert default_knobs(small, "sm_90") == WGMMA_DEFAULT_KNOBS[(8, False)]
+    assert default_knobs(b4, "sm_90") == WGMMA_DEFAULT_KNOBS[(4, True)] and default_knobs(b4, "sm_90").w8
+    assert default_knobs(b4.replace(N=1), "sm_90") == WGMMA_DEFAULT_KNOBS[(4, False)]
+    for other in (big.replace(C=24), big.replace(layout="HWNC"), big.replace(pad_value=3)):
+        assert default_knobs(other, "sm_90") == DEFAULT_KNOBS["sm_90"]
+    assert default_knobs(big, "sm_86") == DEFAULT_KNOBS["sm_86"]
+    for kn in WGMMA_DEFAULT_KNOBS.values():
+        assert kn.valid() and packed_weight_knobs(kn).valid() and not packed_weight_knobs(kn).w8
+    # --packed-int4-weights: every 4-bit w8 record of the log has a valid packed-weight form
+    for rec in TU.load_log("sm_90")["records"].values():
+        kn = TU.knobs_from_dict(rec["knobs"])
+        if kn.w8:
+            assert packed_weight_knobs(kn).valid() and not packed_weight_knobs(kn).w8, kn
 
 
 def test_tuned_kernel_builds_for_cuda():
