@@ -110,7 +110,7 @@ def _warn_once(path: pathlib.Path, why: str):
         if key in _WARNED:
             return
         _WARNED.add(key)
-    warnings.warn(f"qcompile.schedules: {why} ({path}); using DEFAULT_KNOBS. Regenerate it with "
+    warnings.warn(f"qcompile.schedules: {why} ({path}); using the default knobs. Regenerate it with "
                   f"scripts/tune_layers.py (see tuning_logs/README.md).", TuningLogWarning, stacklevel=3)
 
 

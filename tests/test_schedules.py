@@ -576,14 +576,15 @@ def test_sass(tmp_path):
     tool = find_tool("cuobjdump")
     env = dict(os.environ, PATH=os.path.dirname(find_tool("nvdisasm")) + os.pathsep + os.environ.get("PATH", ""))
 
-    def sass(spec, arch):
+    def sass(spec, arch, knobs=None):
         d = tmp_path / arch / spec.x_dtype
-        build_cuda(conv2d_int_kernel(spec, arch), arch, mode="sass", keep=str(d))
+        build_cuda(conv2d_int_kernel(spec, arch, knobs=knobs), arch, mode="sass", keep=str(d))
         return subprocess.run([tool, "-sass", str(d / "kernel.fatbin")], capture_output=True, text=True, env=env).stdout
 
-    s = sass(ConvSpec(**L3, x_dtype="int8"), "sm_90")
+    # sm_90's mma.sync kernel (what shapes wgmma cannot take get; untuned NHWC shapes get wgmma: below)
+    s = sass(ConvSpec(**L3, x_dtype="int8"), "sm_90", DEFAULT_KNOBS["sm_90"])
     assert "IMMA.16832.S8.S8" in s
-    s = sass(ConvSpec(**L3, x_dtype="int4", w_bits=4), "sm_90")
+    s = sass(ConvSpec(**L3, x_dtype="int4", w_bits=4), "sm_90", DEFAULT_KNOBS["sm_90"])
     assert "IMMA.16832.S8.S8" in s and "S4" not in s
     s = sass(ConvSpec(**L3, x_dtype="int4", w_bits=4), "sm_86")
     assert "IMMA.16864.S4.S4" in s
@@ -599,6 +600,9 @@ def test_sass(tmp_path):
                keep=str(d))
     s = subprocess.run([tool, "-sass", str(d / "kernel.fatbin")], capture_output=True, text=True, env=env).stdout
     assert re.search(r"IGMMA\.64x128x32\.U8\.S8 R\d+, R\d+, gdesc", s) and "S4" not in s
+    # an untuned 4-bit shape's default kernel (schedules.default_knobs): register-A IGMMA on the unpacked operands
+    s = sass(ConvSpec(**dict(L3, N=3), x_dtype="int4", w_bits=4), "sm_90")
+    assert re.search(r"IGMMA\.64x64x32\.S8\.S8 R\d+, R\d+, gdesc", s) and "S4" not in s and "arch = sm_90a" in s
 
 
 @pytest.mark.skipif(find_tool("cuobjdump") is None or find_tool("nvdisasm") is None,
