@@ -300,10 +300,10 @@ class _Dispatcher(PyExprMutator):
 
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
         from qcompile.schedules import ConvSpec, conv2d_int_plan, knobs_for, select_strategy
-        from qcompile.schedules.spec import packed_weight_knobs
         from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
         from qcompile.schedules.reference import expand_w4, permute_k8
-        from qcompile.schedules.spec import operand_plan, space_to_depth, space_to_depth_weights
+        from qcompile.schedules.spec import (operand_plan, packed_weight_knobs, space_to_depth,
+                                             space_to_depth_weights)
 
         x_dtype = _x_dtype(g.x, self.var2val)
         xs = [int(s) for s in g.x.ty.shape]

@@ -36,7 +36,7 @@ import math
 
 from tvm.script import tirx as T
 
-from .spec import ConvSpec, GemmKnobs, arch_info
+from .spec import ConvSpec, GemmKnobs, arch_info, tile_grid
 
 _MASK_HI = 0xF0F0F0F0
 
@@ -119,8 +119,7 @@ def split_factor(spec: ConvSpec, arch: str, kn: GemmKnobs) -> int:
         return kn.split_k
     if kn.sk and kn.mma == "wgmma" and spec.x_bits == 8:  # stream-K fills the GPU itself
         return 1
-    Mtot = spec.N * spec.P * spec.Q
-    blocks = -(-Mtot // kn.BM) * -(-spec.K // kn.BN)
+    blocks = tile_grid(spec, kn.BM, kn.BN)
     nk = -(-(spec.R * spec.S * spec.C * spec.x_bits // 8) // kn.BK)
     return auto_split(spec, arch, blocks, nk)
 

@@ -422,6 +422,11 @@ WGMMA_DEFAULT_KNOBS = {
 }
 
 
+def tile_grid(spec: ConvSpec, bm: int, bn: int) -> int:
+    """Blocks of a ``bm x bn`` tiling of the conv's GEMM output (N*P*Q rows, K columns)."""
+    return -(-spec.N * spec.P * spec.Q // bm) * -(-spec.K // bn)
+
+
 def packed_weight_knobs(kn: GemmKnobs) -> GemmKnobs:
     """``kn`` for 4-bit weights kept packed (``qcompile --packed-int4-weights``): a ``w8`` / ``agl`` kernel becomes the
     register-A kernel that unpacks B itself (pipe -1 where ``agl`` had pipe 0, which warp-owned rows need)."""
@@ -437,6 +442,5 @@ def default_knobs(spec: ConvSpec, arch: str) -> GemmKnobs:
     ai = arch_info(arch)
     if (ai.wgmma and spec.layout == "NHWC" and spec.pad_value == 0 and spec.C * spec.x_bits // 8 % 16 == 0
             and spec.x_bits in (4, 8)):
-        grid = -(-spec.N * spec.P * spec.Q // 128) * -(-spec.K // 128)
-        return WGMMA_DEFAULT_KNOBS[(spec.x_bits, grid >= ai.sms)]
+        return WGMMA_DEFAULT_KNOBS[(spec.x_bits, tile_grid(spec, 128, 128) >= ai.sms)]
     return DEFAULT_KNOBS.get(arch, DEFAULT_KNOBS["sm_90"])

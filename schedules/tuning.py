@@ -172,16 +172,16 @@ def knobs_for(spec: ConvSpec, arch: str = "sm_90") -> tuple[GemmKnobs, str]:
     """The knobs a compiled model's tensor-core kernel gets for ``spec``, and where they come from: the shape's own
     record ("tuned"); else the same layer's record at the nearest batch size ("nearest"), as long as its block tile
     still makes at least one wave of blocks over the SMs at this batch size (a tile chosen for a larger batch can
-    leave most SMs idle: ResNet-50's l4 layers at batch 32 on their batch-64 128x128 tiles ran 1.3-2.2x slower than
-    on the defaults' 64x64, H100); else the arch's defaults ("default": ``spec.default_knobs``, warpgroup tiles on
-    sm_90 where the operands take them, sized by the grid)."""
-    from .spec import arch_info, default_knobs
+    leave most SMs idle: ResNet-50's 512-channel l4 layers at batch 32 on their batch-64 128x128 tiles ran 1.35-2.2x
+    slower than on the defaults' 64x64, H100); else the arch's defaults ("default": ``spec.default_knobs``, warpgroup
+    tiles on sm_90 where the operands take them, sized by the grid)."""
+    from .spec import arch_info, default_knobs, tile_grid
 
     kn = tuned_knobs(spec, arch)
     if kn is not None:
         return kn, "tuned"
     kn = nearest_knobs(spec, arch)
-    if kn is not None and -(-spec.N * spec.P * spec.Q // kn.BM) * -(-spec.K // kn.BN) >= arch_info(arch).sms:
+    if kn is not None and tile_grid(spec, kn.BM, kn.BN) >= arch_info(arch).sms:
         return kn, "nearest"
     return default_knobs(spec, arch), "default"
 
