@@ -706,6 +706,24 @@ def make_cases_as_compiled(batches):
     return cases
 
 
+def make_cases_defaults_ab(batches):
+    """Every ResNet-50 layer as compiled now plus, for each tensor-core one, what an untuned build gives it, timed side
+    by side: the arch's defaults (``default_knobs``: wgmma tiles sized by the grid on sm_90) as "arch_defaults", and the
+    mma.sync defaults every untuned shape got until the thirteenth round (``DEFAULT_KNOBS``) as "mma_sync_defaults"."""
+    from qcompile.schedules import DEFAULT_KNOBS, default_knobs
+    from qcompile.schedules.igemm import _adapt_knobs
+
+    cases, extra = make_cases_as_compiled(batches), []
+    for c in _tunable(cases, ("int8", "int4")):
+        spec, seen = c["spec"], {c["knobs"]}
+        for vname, kn in (("arch_defaults", default_knobs(spec, ARCH)), ("mma_sync_defaults", DEFAULT_KNOBS[ARCH])):
+            kn = _adapt_knobs(spec, kn, "NHWC")
+            if kn not in seen:
+                seen.add(kn)
+                extra.append(dict(c, knobs=kn, variant=vname, is_default=False))
+    return cases + extra
+
+
 def make_cases_loop_ab(batches, alt):
     """Main-loop A/B (schedules/igemm.py ``pipe`` / ``fdb`` knobs) on the ResNet-50 shapes: per spec the knobs it
     builds with now (tuning log or defaults) with the first loop ("default": pipe 0, no fragment double buffer),
@@ -809,6 +827,8 @@ def cmd_build(a):
         cases = make_cases_minb(a.batches, a.dtypes, a.minb)
     elif a.targets:
         cases = make_cases_targeted(a.targets)
+    elif a.defaults_ab:
+        cases = make_cases_defaults_ab(a.batches)
     elif a.as_compiled:
         cases = make_cases_as_compiled(a.batches)
     elif a.loop_ab:
@@ -1385,6 +1405,9 @@ def main():
     b.add_argument("--stem", action="store_true",
                    help="the stem as compiled (its space-to-depth form) with every CAND tile (--cands), with and "
                         "without erq, INT8 and INT4")
+    b.add_argument("--defaults-ab", action="store_true",
+                   help="as compiled + each tensor-core layer on the arch's defaults (default_knobs) and on the mma.sync "
+                        "defaults (DEFAULT_KNOBS), timed side by side: what an untuned build gets")
     b.add_argument("--as-compiled", action="store_true",
                    help="no tuning: one kernel per ResNet-50 shape with the knobs compiled models get (bench only)")
     d = sub.add_parser("device")

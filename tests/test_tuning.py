@@ -276,6 +276,21 @@ def test_w8_shared_a_round_candidates():
     assert all(re.search(rf"_sa{c['knobs'].pipe + 1}(_minb\\d)?$", c["variant"]) for c in extra)
 
 
+def test_defaults_ab_round_candidates():
+    """`build --defaults-ab`: next to each layer as compiled, the arch's defaults (wgmma tiles where the operands take
+    them) and the mma.sync defaults, each adapted, distinct from the as-compiled knobs and from each other."""
+    tl = _tune_layers()
+    cases = tl.make_cases_defaults_ab([32])
+    extra = [c for c in cases if c["variant"] != "default"]
+    assert {c["variant"] for c in extra} == {"arch_defaults", "mma_sync_defaults"}
+    for c in extra:
+        now = next(d["knobs"] for d in cases if d["layer"] == c["layer"] and d["variant"] == "default")
+        assert c["knobs"].valid() and c["knobs"] != now
+        wg_ok = c["spec"].C * c["spec"].x_bits // 8 % 16 == 0  # (16-byte channel vectors)
+        assert (c["knobs"].mma == "wgmma") == (c["variant"] == "arch_defaults" and wg_ok)
+    assert len([c for c in cases if c["variant"] == "default"]) == 2 * 24
+
+
 def test_stream_k_and_split_round_candidates(tmp_path):
     """--sk proposes stream-K variants (8-bit layers only, valid, distinct, fitting sk blocks per SM); --splits the
     as-compiled knobs with each K-split; the tuner builds what compiled models run: the split-K pair where it splits."""
