@@ -407,6 +407,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     PREF = HAS_RES and RW in (1, 2, 4) and SPLIT == 1
     assert CS_IT * 32 * EV == 16 * WTN, (WTN, EV)
     OUT_VEC = EV * OB // 8 if OB < 32 else EV  # storage elements per lane store
+    OSV = min(OUT_VEC, 128 // OB) if OB >= 8 else OUT_VEC  # ... per vector store (16 bytes at most)
     MASK = T.uint32(_MASK_HI)
     ACC_T = "uint32" if WG else "int32"  # wgmma accumulators are .s32 in u32 carrier registers
     # one K-chunk: nothing to pipeline, and without the loop TVM's shared-memory planner may overlap As and Bs
@@ -927,8 +928,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         else:
             for e in T.unroll(EV):
                 ob[e] = T.Cast(o_st, yb[e])
-            for e in T.vectorized(OUT_VEC):
-                of[m * K + k + e] = ob[e]
+            for v in T.unroll(OUT_VEC // OSV):  # (at most 16 bytes per store: CUDA has no int32x8 / int32x16)
+                for e in T.vectorized(OSV):
+                    of[m * K + k + v * OSV + e] = ob[v * OSV + e]
 
     @T.macro
     def epilogue(bias, Mq, Sq, rf, rfw, rq2, of, ofw, Cs, Cb, acc, pb, pm, ps, q2, rb, rbw, yb, ob, sb, tid, m0, n0, bz,
@@ -994,8 +996,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     if m < Mtot and k < K:
                         for e in T.unroll(EV):
                             yb[e] = unshift(Cs[cbase + row * CSP + cs_col(cc) + e])
-                        for e in T.vectorized(EV):
-                            of[(bz * Mtot + m) * K + k + e] = yb[e]
+                        for v in T.unroll(EV // PV):  # (16-byte stores: CUDA has no 16-lane int32 vector)
+                            for e in T.vectorized(PV):
+                                of[(bz * Mtot + m) * K + k + v * PV + e] = yb[v * PV + e]
                 else:
                     if m < Mtot and k < K:
                         if not HOIST:

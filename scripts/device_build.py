@@ -110,6 +110,9 @@ def make_cases(quick=False, bench=True):
         add("check", f"wg_plan_{name}_b1_int8", int8_spec(1, C, H, K, R, st, pd, v), None, plan=True, knobs=wg)
         add("check", f"wg_plan_{name}_b1_int4", int4_spec(1, C, H, K, R, st, pd, v), None, plan=True,
             knobs=dict(wg, BK=64, BM=64, WM=1, pipe=0))
+        if li % 4 == 0:  # 16 epilogue elements per lane: the split-K partial sums as 16-byte vectors
+            add("check", f"wg_plan16_{name}_b1_int8", int8_spec(1, C, H, K, R, st, pd, v), None, plan=True,
+                knobs=dict(wg, ev=16))
     for (name, N, C, H, K, R, st, pd) in ODD:
         add("check", f"wg_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 1), None, knobs=wg)
     # 4-bit wgmma through the packed ring (pstages) and with register A (areg), forced on the other half of the

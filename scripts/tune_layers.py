@@ -110,6 +110,13 @@ WGMMA.update({  # 256 columns per warpgroup (two m64n128 instructions on one A o
     # of the compute-bound layers read B from shared memory once per 256 columns instead of per 128
     "wg64x256_bk128_g0": dict(BM=64, BN=256, BK=128, WM=1, WN=1, stages=3, pipe=-1),
 })
+WGMMA.update({  # 256-byte K-chunks on the small tiles (8-bit: 256 k-values, 4-bit: 512 -- BK halved to 128 packed bytes):
+    # the batch-8 1x1 layers with K = 1024 run 4 chunks instead of 8, half the barrier-to-MMA round trips of a grid
+    # that is one wave of latency-bound blocks
+    "wg128x64_bk256_g0": dict(BM=128, BN=64, BK=256, WM=2, WN=1, stages=3, pipe=-1),
+    "wg64x128_bk256_g0": dict(BM=64, BN=128, BK=256, WM=1, WN=1, stages=3, pipe=-1),
+    "wg64x64_bk256_g0": dict(BM=64, BN=64, BK=256, WM=1, WN=1, stages=3, pipe=-1),
+})
 WGMMA.update({  # deeper pipelines (1-2 MMA groups in flight, 4-6 stages) for grids of one block per SM (the batch-64
     # l4 3x3 layers: 100 tiles on 132 SMs, where no second block hides a chunk's wait)
     "wg128x128_bk128_g1s4": dict(BM=128, BN=128, BK=128, WM=2, WN=1, stages=4, pipe=0),

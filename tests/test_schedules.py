@@ -450,6 +450,15 @@ def test_cuda_epilogue_and_launch_bounds():
         assert epi.index(ld) < epi.index(st)
 
 
+def test_cuda_wide_epilogue_vectors():
+    """16 epilogue elements per lane (``ev`` 16) with int32 outputs: stored as 16-byte vectors (a 64-byte int32x16
+    store used to stop TVM's CUDA codegen)."""
+    spec = ConvSpec(**L3, x_dtype="uint8", out_dtype="int32", zo=7, lo=-(1 << 31), hi=(1 << 31) - 1)
+    for kn in (WG.replace(ev=16), WG.replace(ev=8), GemmKnobs(ev=16)):
+        src = _src(spec, "sm_90", knobs=kn)
+        assert "int32x" not in src and "*(int4*)(of_ptr + " in src
+
+
 def test_cuda_erq_and_persist():
     """erq: stage 1 of the requantize runs on the accumulators and the 8-bit intermediate is staged (2-byte stores,
     one 8-byte read-back per lane); with an unclamped int32 output (wider than a byte) the int32 staging stays. persist: a grid
@@ -685,6 +694,12 @@ def test_splitk_plan():
     # forced by the knob
     forced = conv2d_int_plan(l4.replace(N=64), "sm_90", knobs=GemmKnobs(split_k=2))
     assert int(forced[0].attrs["qcompile.split_k"]) == 2
+    # 16 epilogue elements per lane (ev 16, valid knobs): the int32 partial sums go out as 16-byte vectors (this used
+    # to stop in TVM's codegen: "Cannot convert type T.int32x16 to CUDA type")
+    p16 = conv2d_int_plan(l4, "sm_90", knobs=WG.replace(BM=64, WM=1, ev=16))
+    assert int(p16[0].attrs["qcompile.split_k"]) > 1
+    src = cuda_source(build_cuda(p16[0], "sm_90", mode="ptx"))
+    assert "int4" in src and "int32x16" not in src
 
 
 def _legalized(build):
