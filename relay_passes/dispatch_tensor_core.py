@@ -299,11 +299,10 @@ class _Dispatcher(PyExprMutator):
         self._emit_kernel(binding.var, g, r)
 
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
-        from qcompile.schedules import ConvSpec, conv2d_int_plan, knobs_for, select_strategy
+        from qcompile.schedules import ConvSpec, conv2d_int_plan, select_strategy
         from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
         from qcompile.schedules.reference import expand_w4, permute_k8
-        from qcompile.schedules.spec import (operand_plan, packed_weight_knobs, space_to_depth,
-                                             space_to_depth_weights)
+        from qcompile.schedules.spec import operand_plan, space_to_depth, space_to_depth_weights
 
         x_dtype = _x_dtype(g.x, self.var2val)
         xs = [int(s) for s in g.x.ty.shape]
@@ -342,13 +341,10 @@ class _Dispatcher(PyExprMutator):
             w, spec0, spec = space_to_depth_weights(w, spec), spec, s2d
         if self.kind == "cuda":
             strategy = select_strategy(spec, self.arch)
-            knobs = ksrc = None
-            if not self.expand_w4 and w_bits == 4:  # 4-bit weights stay packed: a w8 kernel runs with B unpacked
-                knobs, ksrc = knobs_for(spec, self.arch)
-                knobs = packed_weight_knobs(knobs)
-            funcs = conv2d_int_plan(spec, self.arch, strategy, knobs)
+            # (4-bit weights kept packed: a w8 kernel runs as the register-A kernel that unpacks B itself)
+            funcs = conv2d_int_plan(spec, self.arch, strategy, packed_weights=not self.expand_w4)
             if strategy != "fallback":
-                self.sources.append((g.out.name, ksrc or str(funcs[0].attrs["qcompile.knobs_source"])))
+                self.sources.append((g.out.name, str(funcs[0].attrs["qcompile.knobs_source"])))
         else:  # the kernels' own TE compute (same epilogue and packing) for checking this pass on a CPU
             from qcompile.schedules.fallback import make_fallback
 

@@ -72,13 +72,15 @@ def select_strategy(spec: ConvSpec, arch: str = "sm_90") -> str:
 
 
 def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
-                      allow_split: bool = False):
+                      allow_split: bool = False, packed_weights: bool = False):
     """PrimFunc for one quantized conv layer. Params: x, w, bias, M, S, [res], out.
     ``strategy`` forces a rule (ValueError when it cannot take the spec); ``knobs`` a GemmKnobs. With
     ``knobs=None`` the tensor-core rules use ``knobs_for``: the measured best knobs from ``tuning_logs/<arch>.json``
     when it has a record for this shape, else its record for the same layer at the nearest batch size, else the
     arch's defaults (``default_knobs``). The PrimFunc's ``qcompile.knobs_source`` attribute says which ("user" |
-    "tuned" | "nearest" | "default")."""
+    "tuned" | "nearest" | "default"). ``packed_weights`` (4-bit weights kept packed, ``qcompile
+    --packed-int4-weights``): ``knobs_for``'s knobs in the form that takes them packed (``packed_weight_knobs``: a
+    ``w8`` kernel becomes the register-A kernel that unpacks B itself), the source unchanged."""
     if strategy is None:
         strategy = select_strategy(spec, arch)
     if strategy not in RULES:
@@ -86,20 +88,26 @@ def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None 
     source = "user" if knobs is not None else "default"
     if knobs is None and strategy != "fallback":
         knobs, source = knobs_for(spec, arch)
+        if packed_weights and spec.w_bits == 4:
+            from .spec import packed_weight_knobs
+
+            knobs = packed_weight_knobs(knobs)
     f = RULES[strategy](spec, arch, knobs, allow_split=allow_split)
     if f is None:
         raise ValueError(f"strategy {strategy} does not apply to {spec} on {arch}")
     return f.with_attr("qcompile.knobs_source", source)
 
 
-def conv2d_int_plan(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None) -> list:
+def conv2d_int_plan(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
+                    packed_weights: bool = False) -> list:
     """The kernels one conv layer runs, in order, as PrimFuncs: ``[conv]`` (params as conv2d_int_kernel), or
     where the output tile grid is too small for the GPU a split-K pair (schedules/splitk.py)
     ``[gemm (x, w, ws int32[split, M, K]), epilogue (ws, bias, M, S, [res, rq2], out)]`` with the same result
-    bit for bit. The split comes from the knobs (``split_k``; 0 = automatic)."""
+    bit for bit. The split comes from the knobs (``split_k``; 0 = automatic). ``packed_weights``: as in
+    ``conv2d_int_kernel``."""
     from .splitk import make_splitk_epilogue
 
-    f = conv2d_int_kernel(spec, arch, strategy, knobs, allow_split=True)
+    f = conv2d_int_kernel(spec, arch, strategy, knobs, allow_split=True, packed_weights=packed_weights)
     split = int(f.attrs["qcompile.split_k"]) if f.attrs and "qcompile.split_k" in f.attrs else 1
     if split == 1:
         return [f]

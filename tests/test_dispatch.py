@@ -220,6 +220,7 @@ def test_dispatch_cuda_int4_weights_expanded_for_w8_kernels(monkeypatch):
         md = run_pass(DispatchTensorCore("sm_90", expand_w4=expand), mi)
         f = md["qconv_q_conv"]
         assert ("qcompile.w8" in f.attrs) == (w8 and expand)
+        assert str(f.attrs["qcompile.knobs_source"]) == "tuned"  # (packed: the record's knobs in their packed form)
         assert "w: T.Buffer((%s), \"int8\")" % ", ".join(map(str, want.shape)) in f.script()
         ws = [c for c in _constants(md["main"]) if c.dtype == np.int8 and c.shape == want.shape]
         assert len(ws) == 1 and np.array_equal(ws[0], want)
