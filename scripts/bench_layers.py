@@ -54,6 +54,13 @@ def table(path, device="NVIDIA H100 80GB HBM3", date="2026-11-22"):
         slower = sum(r["int4_ms"] > r["int8_ms"] * 1.02 for r in rs)
         out.append(f"* batch {N}: geomean speedup vs cuDNN fp16 INT8 {g8:.2f}x, INT4 {g4:.2f}x; 3x3 layers INT8 {g3:.2f}x; "
                    f"INT4 slower than INT8 (>2%) on {slower}/{len(rs)} layers")
+        ab = [r for r in rs if "int4_over_int8_ab" in r]
+        if ab:  # (tune_layers.py device --ab-rounds: the two kernels timed alternately, median of per-round ratios)
+            worst = max(ab, key=lambda r: r["int4_over_int8_ab"])
+            n = len(worst["int4_over_int8_ab_rounds"])
+            out.append(f"  paired ({n} alternating rounds): INT4 slower than INT8 (>2%) on "
+                       f"{sum(r['int4_over_int8_ab'] > 1.02 for r in ab)}/{len(ab)} layers; the largest INT4 / INT8 time "
+                       f"ratio {worst['int4_over_int8_ab']:.3f} ({worst['layer']})")
     best = max(rows, key=lambda r: r["gops"] / min(r["int8_ms"], r["int4_ms"]) if r["R"] == 3 else 0)
     out.append(f"* best 3x3 layer: {best['layer']} INT8 {best['gops'] / best['int8_ms']:.0f} TOPS "
                f"({100 * best['gops'] / best['int8_ms'] / 1284:.0f}% of 1284), INT4 {best['gops'] / best['int4_ms']:.0f} TOPS")

@@ -1149,6 +1149,16 @@ def cmd_device(a):
                 except Exception as e:  # noqa: BLE001
                     row[f"{dt}_ms"] = row[f"{dt}_default_ms"] = float("nan")
                     log("bench error", layer, str(e)[-300:])
+            if a.ab_rounds and not any(math.isnan(row[f"{dt}_ms"]) for dt in ("int8", "int4")):
+                # paired: the two kernels timed alternately, a ratio per round (drift between the two timings of a
+                # 5 us layer is as large as the difference sought); median of the rounds' INT4 / INT8 ratios
+                r8, r4 = (best_rec.get(ly) or dflt_rec.get(ly) or by_layer[ly][0] for ly in layers)
+                ratios = []
+                for _ in range(a.ab_rounds):
+                    t8 = DR.run_bench(r8)
+                    ratios.append(DR.run_bench(r4) / t8)
+                row["int4_over_int8_ab"] = sorted(ratios)[len(ratios) // 2]
+                row["int4_over_int8_ab_rounds"] = [round(x, 4) for x in ratios]
             row["cudnn_fp16_ms"], row["int_mm_ms"] = DR.baselines(spec)
             results["bench"].append(row)
             g = row["gops"]
@@ -1426,6 +1436,8 @@ def main():
     d.add_argument("--ncu-layer", default="r50_l3_3x3_b64")
     d.add_argument("--ncu-variants", nargs="+", default=[],
                    help="also profile these tuning variants of the ncu layer (besides its best and default)")
+    d.add_argument("--ab-rounds", type=int, default=0,
+                   help="bench: also time each layer's INT8 and INT4 kernels alternately this many rounds (paired ratio)")
     d.add_argument("--confirm", type=int, default=0,
                    help="re-time the default and the N fastest variants of each layer alone, as the layer bench does "
                         "(bench_ms), and rank by that")
