@@ -16,7 +16,8 @@
               requant reference cross-checked against the NumPy reference, output poisoned twice), the passing ones
               are timed (median of 7 rounds x 10 launches, one CUDA-graph replay each, interleaved across variants); then the
               ResNet-50 layer bench of bench_layers.py (best kernel per shape vs cuDNN fp16 / torch._int_mm, and the
-              default kernel again), then ncu on one 3x3 layer. Writes $OUT/tune_results.json, $OUT/results.json,
+              default kernel again; with --ab-rounds N also each layer's INT8 and INT4 kernels timed alternately N
+              times, the median paired ratio), then ncu on one 3x3 layer. Writes $OUT/tune_results.json, $OUT/results.json,
               $OUT/ncu_*.txt, $OUT/tune_log.txt.
   3. here:  python scripts/tune_layers.py log OUT/tune_results.json     -> tuning_logs/sm_90.json
             python scripts/tune_layers.py table OUT/results.json        -> the docs/BENCHMARKS.md layer table
