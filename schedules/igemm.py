@@ -913,6 +913,14 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         return w
 
     @T.macro
+    def store16(dst, base, src, n, per):
+        """dst[base .. base+n) = src[0 .. n) as vector stores of ``per`` elements (16 bytes at most: CUDA has no
+        int32x8 / int32x16 type)."""
+        for v in T.unroll(n // per):
+            for e in T.vectorized(per):
+                dst[base + v * per + e] = src[v * per + e]
+
+    @T.macro
     def store_out(of, ofw, ob, yb, m, k):
         """Output (m, k..k+EV) from yb: packed to 4-bit (whole 32-bit words when EV % 8 == 0), or cast, and stored
         as one vector."""
@@ -928,9 +936,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         else:
             for e in T.unroll(EV):
                 ob[e] = T.Cast(o_st, yb[e])
-            for v in T.unroll(OUT_VEC // OSV):  # (at most 16 bytes per store: CUDA has no int32x8 / int32x16)
-                for e in T.vectorized(OSV):
-                    of[m * K + k + v * OSV + e] = ob[v * OSV + e]
+            store16(of, m * K + k, ob, OUT_VEC, OSV)
 
     @T.macro
     def epilogue(bias, Mq, Sq, rf, rfw, rq2, of, ofw, Cs, Cb, acc, pb, pm, ps, q2, rb, rbw, yb, ob, sb, tid, m0, n0, bz,
@@ -996,9 +1002,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     if m < Mtot and k < K:
                         for e in T.unroll(EV):
                             yb[e] = unshift(Cs[cbase + row * CSP + cs_col(cc) + e])
-                        for v in T.unroll(EV // PV):  # (16-byte stores: CUDA has no 16-lane int32 vector)
-                            for e in T.vectorized(PV):
-                                of[(bz * Mtot + m) * K + k + v * PV + e] = yb[v * PV + e]
+                        store16(of, (bz * Mtot + m) * K + k, yb, EV, PV)  # (int32: PV = min(4, EV) per store)
                 else:
                     if m < Mtot and k < K:
                         if not HOIST:
