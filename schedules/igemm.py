@@ -405,6 +405,27 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # per 16-row block instead of one per row: as loads beside their use they left r50_l1_1x1b with a residual add
     # at 2.7x the time without one) and the read-back loop is unrolled to keep them in registers
     PREF = HAS_RES and RW in (1, 2, 4) and SPLIT == 1
+    # the residual words of every row block at the epilogue's start (its row-block loop unrolled) where a thread holds
+    # >= 128 accumulators: there the per-block loop (T.serial) indexes the accumulators with the loop variable and
+    # nvcc moves them to the stack (128x128 one-warpgroup 8-bit tiles: 560-byte frame, 32-64 spill stores; H100,
+    # ResNet-50 INT8 batch 256: layer3/layer4 conv3+residual 143 -> 111 / 110 -> 75 us). Narrower tiles keep the
+    # per-block loop: unrolled, their epilogues ran 3-20% slower (layer1/2 INT8, every 4-bit residual layer)
+    RP_ALL = PREF and EMT > 1 and EMT * NT * 4 >= 128
+    RPN = CS_IT * RW * (EMT if RP_ALL else 1)
+    # RSM: the block's residual tile copied into shared memory (cp.async, its own group, issued before the first
+    # K-chunk's loads) and read from there by the epilogue: its DRAM latency runs under the main loop instead of
+    # after it, without holding registers across the loop (one-tile blocks, 16-byte rows of the tile). H100, ResNet-50
+    # batch 256: 4-bit layer4 conv3+residual 71 -> 64 us, 8-bit layer1 257 -> 250 us, the others within 1%: the rest
+    # of the residual layers' cost over their conv alone is the residual stage's arithmetic, not the load
+    RPB = BN * RB // 8  # residual bytes per tile row
+    RES_OFF = -(-A_ALLOC // 16) * 16
+    RSM = (PREF and not RP_ALL and WG and not PERSIST and not SK and not WSP and RPB % 16 == 0
+           and (K * RB // 8) % 16 == 0 and RES_OFF + BM * RPB <= ai.smem_per_block
+           and (ai.smem_per_block + 1024) // (RES_OFF + BM * RPB + 1024)  # blocks per SM the shared tiles allow:
+           >= min((ai.smem_per_block + 1024) // (A_ALLOC + 1024), kn.minb or 2))  # no fewer than minb (2) or before
+    RIT = -(-(BM * RPB // 16) // NTH)  # RSM: 16-byte copies per thread
+    if RSM:
+        A_ALLOC = RES_OFF + BM * RPB
     assert CS_IT * 32 * EV == 16 * WTN, (WTN, EV)
     OUT_VEC = EV * OB // 8 if OB < 32 else EV  # storage elements per lane store
     OSV = min(OUT_VEC, 128 // OB) if OB >= 8 else OUT_VEC  # ... per vector store (16 bytes at most)
@@ -473,6 +494,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
 
     def requant(a, bias_v, m_v, s_v, q2, e, res_v):
         return requant2(requant1(a, bias_v, m_v, s_v), q2, e, res_v)
+
+    def rp_at(i, j):  # word j of row block i's prefetched residual words (RP_ALL: every block's held at once)
+        return i * (CS_IT * RW) + j if RP_ALL else j
 
     def unshift(a):  # Hopper INT4 accumulators hold 256 x the sum
         return T.shift_right(a, acc_shift) if acc_shift else a
@@ -861,8 +885,24 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 ps[h * PV + e] = Sq[k + h * PV + e]
 
     @T.macro
-    def res_prefetch(rfw, rpre, m0, n0, i, tid):
-        """PREF: this lane's residual words of every row it writes in 16-row block i -> rpre (8/16-byte loads)."""
+    def res_to_smem(rf, As, m0, n0, tid):
+        """RSM: the tile's residual rows (BM x RPB bytes) -> As[RES_OFF ..] as 16-byte cp.async (rows past the
+        output, columns past K: zero-filled from a safe address)."""
+        for it in T.unroll(RIT):
+            v = it * NTH + tid
+            r = v // (RPB // 16)
+            c = v % (RPB // 16)
+            ok = T.meta_var(T.And(m0 + r < Mtot, n0 * RB // 8 + c * 16 < K * RB // 8))
+            if v < BM * RPB // 16:
+                T.evaluate(T.ptx.cp.async_.cg.shared.global_(
+                    T.address_of(As[RES_OFF + r * RPB + c * 16]),
+                    T.address_of(rf[T.if_then_else(ok, res_base(m0 + r, n0) + c * 16, 0)]), 16,
+                    T.if_then_else(ok, T.uint32(16), T.uint32(0))))
+
+    @T.macro
+    def res_prefetch(rfw, rpre, m0, n0, i, tid, Cb):
+        """PREF: this lane's residual words of every row it writes in 16-row block i -> rpre (8/16-byte loads;
+        RP_ALL: at rpre[i * CS_IT * RW + ..], every block's words held at once)."""
         lane = tid % 32
         warp = tid // 32
         wm = (warp // 4 if WG else warp) // WN
@@ -870,18 +910,28 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         for it in T.unroll(CS_IT):
             m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + (it * 32 + lane) // LPR
             k = n0 + wn * WTN + ((it * 32 + lane) % LPR) * EV
-            if m < Mtot and k < K:
+            if RSM:  # from the block's copy of its residual tile
+                sa = T.meta_var(T.address_of(Cb[RES_OFF + (m - m0) * RPB + (k - n0) * RB // 8]))
                 if RW == 4:
-                    T.evaluate(T.ptx.ld.global_.nc.v4.b32(rpre[it * 4], rpre[it * 4 + 1], rpre[it * 4 + 2],
-                                                          rpre[it * 4 + 3], T.address_of(rfw[res_base(m, k) // 4])))
+                    T.evaluate(T.ptx.ld.shared.v4.b32(rpre[it * 4], rpre[it * 4 + 1], rpre[it * 4 + 2],
+                                                      rpre[it * 4 + 3], sa))
                 elif RW == 2:
-                    T.evaluate(T.ptx.ld.global_.nc.v2.b32(rpre[it * 2], rpre[it * 2 + 1],
+                    T.evaluate(T.ptx.ld.shared.v2.b32(rpre[it * 2], rpre[it * 2 + 1], sa))
+                else:
+                    T.evaluate(T.ptx.ld.shared.b32(rpre[it], sa))
+            elif m < Mtot and k < K:
+                if RW == 4:
+                    T.evaluate(T.ptx.ld.global_.nc.v4.b32(rpre[rp_at(i, it * 4)], rpre[rp_at(i, it * 4 + 1)],
+                                                          rpre[rp_at(i, it * 4 + 2)], rpre[rp_at(i, it * 4 + 3)],
+                                                          T.address_of(rfw[res_base(m, k) // 4])))
+                elif RW == 2:
+                    T.evaluate(T.ptx.ld.global_.nc.v2.b32(rpre[rp_at(i, it * 2)], rpre[rp_at(i, it * 2 + 1)],
                                                           T.address_of(rfw[res_base(m, k) // 4])))
                 else:
-                    T.evaluate(T.ptx.ld.global_.nc.b32(rpre[it], T.address_of(rfw[res_base(m, k) // 4])))
+                    T.evaluate(T.ptx.ld.global_.nc.b32(rpre[rp_at(i, it)], T.address_of(rfw[res_base(m, k) // 4])))
 
     @T.macro
-    def load_residual(rq2, rfw, rf, q2, rb, rbw, rpre, m, k, it):
+    def load_residual(rq2, rfw, rf, q2, rb, rbw, rpre, m, k, it, i):
         """The residual stage's inputs for output (m, k..k+EV): per-channel rq2 (unless compiled in) and the residual
         bytes or words (PREF: from the block's prefetched words)."""
         if HAS_RES and not spec.rq2_uniform:
@@ -892,7 +942,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         if HAS_RES:
             if PREF:
                 for e in T.unroll(RW):
-                    rbw[e] = rpre[it * RW + e]
+                    rbw[e] = rpre[rp_at(i, it * RW + e)]
             elif RW > 0:  # whole 32-bit words: one vector load
                 for e in T.vectorized(RW):
                     rbw[e] = rfw[res_base(m, k) // 4 + e]
@@ -952,9 +1002,12 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             k0 = n0 + wn * WTN + (lane % LPR) * EV
             if k0 < K:
                 load_params(bias, Mq, Sq, pb, pm, ps, k0)
-        for i in T.serial(EMT):
-            if PREF:
-                res_prefetch(rfw, rpre, m0, n0, i, tid)
+        if RP_ALL:
+            for i in T.unroll(EMT):
+                res_prefetch(rfw, rpre, m0, n0, i, tid, Cb)
+        for i in (T.unroll(EMT) if RP_ALL else T.serial(EMT)):
+            if PREF and not RP_ALL:
+                res_prefetch(rfw, rpre, m0, n0, i, tid, Cb)
             if ERQ:  # stage 1 on the accumulators (column pair k, k+1 of rows g and g+8: one 2-byte store each)
                 for j in T.unroll(NT):
                     kp = n0 + wn * WTN + j * 8 + (lane % 4) * 2
@@ -994,7 +1047,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                             for e in T.vectorized(EV // 4):
                                 ofw[(m * K + k) // 4 + e] = sb[e]
                         else:
-                            load_residual(rq2, rfw, rf, q2, rb, rbw, rpre, m, k, it)
+                            load_residual(rq2, rfw, rf, q2, rb, rbw, rpre, m, k, it, i)
                             for e in T.unroll(EV):
                                 yb[e] = requant2(staged(sb, e), q2, e, res_value(rb, rbw, e))
                             store_out(of, ofw, ob, yb, m, k)
@@ -1007,7 +1060,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     if m < Mtot and k < K:
                         if not HOIST:
                             load_params(bias, Mq, Sq, pb, pm, ps, k)
-                        load_residual(rq2, rfw, rf, q2, rb, rbw, rpre, m, k, it)
+                        load_residual(rq2, rfw, rf, q2, rb, rbw, rpre, m, k, it, i)
                         for e in T.unroll(EV):
                             yb[e] = requant(Cs[cbase + row * CSP + cs_col(cc) + e], pb[e], pm[e], ps[e], q2, e,
                                             res_value(rb, rbw, e))
@@ -1085,7 +1138,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         q2 = T.alloc_buffer((5 * EV,), "int32", scope="local")  # and rq2 (residual stage)
         rb = T.alloc_buffer((RBV,), r_st, scope="local")  # residual bytes
         rbw = T.alloc_buffer((max(RW, 1),), "int32", scope="local")  # or words
-        rpre = T.alloc_buffer((CS_IT * RW if PREF else 1,), "int32", scope="local")  # (PREF) a block's residual words
+        rpre = T.alloc_buffer((RPN if PREF else 1,), "int32", scope="local")  # (PREF) residual words
         ob = T.alloc_buffer((OUT_VEC,), o_st, scope="local")
         sb = T.alloc_buffer((max(EV // 4, 1),), "uint32", scope="local")  # erq: staged bytes (words)
         skn = T.alloc_buffer((1,), "int32", scope="local")  # sk: the tile's arrival count
@@ -1104,6 +1157,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         if KEEP:
             kal[0] = T.uint32(0)
         ksp = T.meta_var(k_span(bz))  # (first K-chunk, number of K-chunks) of this block
+        if RSM:  # the residual tile: the oldest cp.async group, so the main loop's first wait covers it
+            res_to_smem(rf, As, m0, n0, tid)
+            T.ptx.cp.async_.commit_group()
         if WG:
             # ---------------- main loop, wgmma: STG-deep ring, GIF = 1 + pipe MMA groups in flight ----------------
             # iteration kc: chunk kc landed (cp.async) -> proxy fence (generic-proxy writes made visible to wgmma)
@@ -1325,6 +1381,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 for e in T.unroll(NSET * KS * MI * 4):  # (past the ring: the other warpgroup's MMAs may still read it)
                     kal[0] = T.bitwise_xor(kal[0], ar[e])
                 Cs[KEEP_OFF // 4 + tid] = T.Cast("int32", kal[0])
+            if RSM:  # (covered by the main loop's waits; explicit for a loop without one)
+                T.ptx.cp.async_.wait_group(0)
             T.tvm_storage_sync("shared")  # the epilogue's staging buffer may share memory with the ring
         elif PIPE == 1:
             # ---------------- main loop: STG-deep ring, one barrier per K-chunk ----------------

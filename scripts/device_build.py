@@ -115,6 +115,15 @@ def make_cases(quick=False, bench=True):
                 knobs=dict(wg, ev=16))
     for (name, N, C, H, K, R, st, pd) in ODD:
         add("check", f"wg_{name}_int8", int8_spec(N, C, H, K, R, st, pd, 1), None, knobs=wg)
+    # the residual epilogue of one-warpgroup 128x128 8-bit tiles (128 accumulators per thread: every row block's
+    # residual words loaded at the epilogue's start, its row-block loop unrolled): every ResNet-50 shape with the
+    # two-stage residual epilogue at batch 8 and 32, both layouts, erq on every fourth, minb 3 as the records have
+    w1 = dict(wg, WM=1, stages=2, minb=3)
+    for li, (name, C, H, K, R, st, pd) in enumerate(distinct(RESNET50)):
+        lay = ("NHWC", "HWNC")[li % 2]
+        for N in (8, 32):
+            add("check", f"rpa_{name}_b{N}_int8_{lay.lower()}", int8_spec(N, C, H, K, R, st, pd, 1, lay), None,
+                knobs=dict(w1, erq=bool(li % 4 == 3)))
     # 4-bit wgmma through the packed ring (pstages) and with register A (areg), forced on the other half of the
     # shapes: both layouts, every epilogue variant, split-K plans at batch 1, and the odd shapes (fallback)
     wgp = dict(wg, BK=64, stages=2, pstages=3)

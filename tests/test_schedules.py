@@ -436,18 +436,46 @@ def test_cuda_epilogue_and_launch_bounds():
         body = _src(spec, "sm_90", knobs=kn).split("main_kernel(")[-1]
         epi = body[body.rindex("__syncthreads()"):]
         assert "tvm_builtin_ptx_st_vec_shared_v2_b32(" in epi and "tvm_builtin_cuda_warp_sync()" in epi
-    # a residual add: each lane's residual words of the 16-row block are loaded together (8-byte ld.global.nc, one
-    # per row it writes) before the staging round trip, not one dependent load per row inside the read-back loop
+    # a residual add on warpgroup tiles: the block's residual tile is copied into shared memory before the first
+    # K-chunk's loads (cp.async, the kernel's first commit group: its latency runs under the main loop), and each lane
+    # reads its words of the 16-row block (8-byte ld.shared, one per row it writes) before the staging round trip
     res = ConvSpec(**L3, x_dtype="uint8", out_dtype="uint8", lo=-128, hi=127, shift_ge33=True, has_residual=True,
                    res_dtype="uint8", zo2=-1, lo2=0, hi2=255, res_i32=True, rq2_uniform=(2, 1 << 19, -1, 1 << 19, 20))
+    plain_spec = dataclasses.replace(res, has_residual=False, rq2_uniform=(), lo=0, hi=255)
+    cpa, lds, rsrc = "cp_async_cg_src_size_async_cg_shared_global_16(", "ld_vec_shared_v2_b32", "(&(rf_ptr["
+    for kn, st, n in ((WG, "st_vec_shared_v2_b32(", 8), (WG.replace(erq=True), "st_shared_b16", 16)):
+        body = _src(res, "sm_90", knobs=kn).split("main_kernel(")[-1]
+        plain = _src(plain_spec, "sm_90", knobs=kn).split("main_kernel(")[-1]
+        assert body.count(cpa) - plain.count(cpa) == 4  # 128 rows x 128 bytes / 256 threads / 16 bytes
+        assert body.index(rsrc) < body.index("(&(x_ptr[") and body.index(rsrc) < body.index("commit_group")
+        epi, pe = body[body.rindex("__syncthreads()"):], plain[plain.rindex("__syncthreads()"):]
+        # (erq: besides the 8 residual reads, the 8 read-backs of the staged bytes, unrolled alike)
+        assert rsrc not in epi and rsrc not in pe and epi.count(lds) == n and epi.index(lds) < epi.index(st)
+    # mma.sync tiles: each lane's residual words of the 16-row block loaded together from global memory (8-byte
+    # ld.global.nc, one per row it writes) before the staging round trip, not one dependent load per row after it
     ld = "tvm_builtin_ptx_ld_vec_global_nc_v2_b32_s32("
-    for kn, st in ((WG, "st_vec_shared_v2_b32("), (WG.replace(erq=True), "st_shared_b16")):
-        epi = _src(res, "sm_90", knobs=kn).split("main_kernel(")[-1]
-        epi = epi[epi.rindex("__syncthreads()"):]
-        plain = _src(dataclasses.replace(res, has_residual=False, rq2_uniform=(), lo=0, hi=255), "sm_90", knobs=kn)
-        plain = plain.split("main_kernel(")[-1]
-        assert epi.count(ld) - plain[plain.rindex("__syncthreads()"):].count(ld) == 8  # 16 rows x 128 columns / lane
-        assert epi.index(ld) < epi.index(st)
+    body = _src(res, "sm_90", knobs=GemmKnobs()).split("main_kernel(")[-1]
+    epi = body[body.rindex("__syncthreads()"):]
+    assert rsrc not in body  # (no copy of the tile: the words are read from rfw, the residual's word view)
+    assert epi.count(ld) == 16 and epi.index(ld) < epi.index("st_vec_shared_v2_b32(")
+
+
+
+def test_cuda_residual_words_of_every_row_block():
+    """Where a thread holds 128 accumulators (a 128x128 tile on one warpgroup: two m64 row blocks) the residual words
+    of both row blocks are loaded at the epilogue's start, before the first staging store (per block, its loop kept
+    the accumulators on the stack); narrower tiles read each block's words (from the tile's copy in shared memory)
+    just before its own staging round trip."""
+    res = ConvSpec(**L3, x_dtype="uint8", out_dtype="uint8", lo=-128, hi=127, shift_ge33=True, has_residual=True,
+                   res_dtype="uint8", zo2=-1, lo2=0, hi2=255, res_i32=True, rq2_uniform=(2, 1 << 19, -1, 1 << 19, 20))
+    ld, st, loop = "tvm_builtin_ptx_ld_vec_global_nc_v2_b32_s32(", "st_vec_shared_v2_b32(", "for (int i = 0; i < 2; ++i)"
+    epi = _src(res, "sm_90", knobs=WG.replace(WM=1, stages=2, pipe=-1, minb=3)).split("main_kernel(")[-1]
+    epi = epi[epi.rindex("__syncthreads()"):]
+    assert loop not in epi and epi.count(ld) == 16 and epi[:epi.index(st)].count(ld) == 16  # 2 blocks x 8 rows / lane
+    epi = _src(res, "sm_90", knobs=WG.replace(WM=1, BN=64, stages=2, pipe=-1)).split("main_kernel(")[-1]
+    epi = epi[epi.rindex("__syncthreads()"):]  # (its tile copied into shared memory: 4 rows per lane and block)
+    lds = "ld_vec_shared_v2_b32"
+    assert ld not in epi and epi.index(loop) < epi.index(lds) < epi.index(st) and epi.count(lds) == 4
 
 
 def test_cuda_wide_epilogue_vectors():
