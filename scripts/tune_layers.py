@@ -7,7 +7,8 @@
                  set of GemmKnobs (the sm_90 default first); plus default-knob kernels for the untuned bench batch (8).
             [python scripts/tune_layers.py build --append --cands NAME.. [--only-r 3] [--only-c 64]]   (more candidates;
                  what produced tuning_logs/sm_90.json: see docs/schedules_notes.md, "Knob tuning", and the log's
-                 generated_by; later rounds: --wgmma / --awarp / --wsp / --erq / --sk / --splits / --as-compiled ...)
+                 generated_by; later rounds: --wgmma / --awarp / --wsp / --erq / --sk / --splits / --as-compiled /
+                 --neighbors ...)
               each kernel is built as compiled models run it: conv2d_int_plan, i.e. the split-K pair (GEMM + epilogue
               kernel) where the knobs split -- the automatic split at small grids (batch 1-8) included
             scripts/make_runtime_bundle.sh 3.12          (.bundle/, once)
@@ -732,6 +733,33 @@ def make_cases_defaults_ab(batches):
     return cases + extra
 
 
+def make_cases_neighbors(batches):
+    """Records for batch sizes the log has none for (``build --neighbors --batches 32``): every ResNet-50 layer as
+    compiled now (``knobs_for``: the nearest batch's record or the arch's defaults) plus, as candidates, the same
+    layer's record at every other batch size in the log (K-split left to the automatic rule) and the arch's defaults;
+    the tuner keeps the fastest exact one."""
+    from qcompile.schedules import default_knobs
+    from qcompile.schedules.igemm import _adapt_knobs
+    from qcompile.schedules.tuning import knobs_from_dict, load_log, tuning_key
+
+    recs = (load_log(ARCH) or {}).get("records", {})
+    cases, extra = make_cases_as_compiled(batches), []
+    for c in _tunable(cases, ("int8", "int4")):
+        spec, seen = c["spec"], {c["knobs"]}
+        cands = [("arch_defaults", default_knobs(spec, ARCH))]
+        for n in (1, 8, 16, 32, 64, 128, 256):
+            rec = recs.get(tuning_key(spec.replace(N=n))) if n != spec.N else None
+            kn = knobs_from_dict(rec.get("knobs")) if rec else None
+            if kn is not None:
+                cands.append((f"rec_b{n}", kn.replace(split_k=0)))
+        for vname, kn in cands:
+            kn = _adapt_knobs(spec, kn, "NHWC")
+            if kn not in seen:
+                seen.add(kn)
+                extra.append(dict(c, knobs=kn, variant=vname, is_default=False))
+    return cases + extra
+
+
 def make_cases_loop_ab(batches, alt):
     """Main-loop A/B (schedules/igemm.py ``pipe`` / ``fdb`` knobs) on the ResNet-50 shapes: per spec the knobs it
     builds with now (tuning log or defaults) with the first loop ("default": pipe 0, no fragment double buffer),
@@ -837,6 +865,8 @@ def cmd_build(a):
         cases = make_cases_targeted(a.targets)
     elif a.defaults_ab:
         cases = make_cases_defaults_ab(a.batches)
+    elif a.neighbors:
+        cases = make_cases_neighbors(a.batches)
     elif a.as_compiled:
         cases = make_cases_as_compiled(a.batches)
     elif a.loop_ab:
@@ -1426,6 +1456,9 @@ def main():
     b.add_argument("--defaults-ab", action="store_true",
                    help="as compiled + each tensor-core layer on the arch's defaults (default_knobs) and on the mma.sync "
                         "defaults (DEFAULT_KNOBS), timed side by side: what an untuned build gets")
+    b.add_argument("--neighbors", action="store_true",
+                   help="as compiled + each tensor-core layer on its records at the log's other batch sizes and on the "
+                        "arch's defaults: records for a batch size the log has none for")
     b.add_argument("--as-compiled", action="store_true",
                    help="no tuning: one kernel per ResNet-50 shape with the knobs compiled models get (bench only)")
     d = sub.add_parser("device")

@@ -24,11 +24,11 @@ def _fresh_cache(monkeypatch):
 
 
 def _specs():
-    """The shapes tune_layers.py tunes (ResNet-18/50 at batch 64/256, ResNet-50 at batch 1 and 8; INT8 and INT4 NHWC;
+    """The shapes tune_layers.py tunes (ResNet-18/50 at batch 64/256, ResNet-50 at batch 1, 8, 32; INT8, INT4 NHWC;
     the RGB stem also as compiled models run it: padded to 4 channels, and in its space-to-depth form)."""
     from qcompile.schedules.spec import space_to_depth
 
-    for N in (1, 8, 64, 256):
+    for N in (1, 8, 32, 64, 256):
         for (_, C, H, K, R, st, pd) in ALL_RESNET:
             yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
                            out_dtype="uint8", lo=0, hi=255)
@@ -161,14 +161,15 @@ def test_stale_log_warns_once_and_falls_back(tmp_path, monkeypatch, how):
 
 def test_untuned_batch_takes_the_nearest_batch_record():
     """A ResNet layer at a batch size the log has no record for gets the same layer's record at the batch size
-    nearest in ratio (32 -> 64, 16 -> 8, 2 -> 1, 128 -> 256), its K-split left to the automatic rule, while that
-    record's tile still makes a wave of blocks over the SMs; else the arch's defaults. The source says which."""
+    nearest in ratio (48 -> 64, 12 -> 8, 16 -> 32 on a tie, 2 -> 1, 128 -> 256), its K-split left to the automatic
+    rule, while that record's tile still makes a wave of blocks over the SMs; else the arch's defaults. The source
+    says which."""
     from qcompile.schedules import arch_info
 
     recs = TU.load_log("sm_90")["records"]
     seen = set()
     for spec64 in (s for s in _specs() if s.N == 64 and s.R == 3 and tuning_key(s) in recs):
-        for n, near in ((32, 64), (16, 8), (2, 1), (128, 256)):
+        for n, near in ((48, 64), (12, 8), (16, 32), (2, 1), (128, 256)):
             spec = spec64.replace(N=n)
             if tuning_key(spec64.replace(N=near)) not in recs:
                 continue
@@ -288,6 +289,25 @@ def test_defaults_ab_round_candidates():
         assert c["knobs"].valid() and c["knobs"] != now
         wg_ok = c["spec"].C * c["spec"].x_bits // 8 % 16 == 0  # (16-byte channel vectors)
         assert (c["knobs"].mma == "wgmma") == (c["variant"] == "arch_defaults" and wg_ok)
+    assert len([c for c in cases if c["variant"] == "default"]) == 2 * 24
+
+
+def test_neighbors_round_candidates():
+    """`build --neighbors`: next to each layer as compiled, its records at the log's other batch sizes (K-split left
+    to the automatic rule) and the arch's defaults, each adapted, valid and distinct from the as-compiled knobs."""
+    from qcompile.schedules.tuning import tuning_key
+
+    tl = _tune_layers()
+    recs = TU.load_log("sm_90")["records"]
+    cases = tl.make_cases_neighbors([48])
+    extra = [c for c in cases if c["variant"] != "default"]
+    assert {c["variant"] for c in extra} >= {"arch_defaults", "rec_b64", "rec_b8"}
+    for c in extra:
+        now = next(d["knobs"] for d in cases if d["layer"] == c["layer"] and d["variant"] == "default")
+        assert c["knobs"].valid() and c["knobs"] != now and c["knobs"].split_k == 0
+        if c["variant"].startswith("rec_b"):
+            rec = recs[tuning_key(c["spec"].replace(N=int(c["variant"][5:])))]
+            assert c["knobs"].BM <= TU.knobs_from_dict(rec["knobs"]).BM  # (adapted: tiles shrink, never grow)
     assert len([c for c in cases if c["variant"] == "default"]) == 2 * 24
 
 
