@@ -37,7 +37,8 @@ def main():
     ap.add_argument("--nets", nargs="+", default=["resnet18", "resnet50"])
     ap.add_argument("--bits", nargs="+", default=["8", "4", "mixed"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64, 256])
-    ap.add_argument("--check-batch", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--check-batch", nargs="+", type=int, default=None,
+                    help="batch sizes (of --batch) that get a fixed input and the llvm build's output (default: 1 8)")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--layout", default="NHWC")
     ap.add_argument("--profile-batch", nargs="*", type=int, default=[],
@@ -48,6 +49,10 @@ def main():
                          "only the input, where a weights-beside module passes (and the VM checks) ~190 weight arrays")
     ap.add_argument("--only-embedded", action="store_true", help="build only the embN.so files")
     a = ap.parse_args()
+    if a.check_batch is None:
+        a.check_batch = [1, 8]
+    elif set(a.check_batch) - set(a.batch):  # a check batch is built (and checked) only as one of --batch
+        ap.error(f"--check-batch {sorted(set(a.check_batch) - set(a.batch))} not among --batch {a.batch}: add it there")
     os.makedirs(a.out, exist_ok=True)
     man_path = os.path.join(a.out, "manifest.json")
     manifest = json.load(open(man_path)) if os.path.exists(man_path) else {}
