@@ -82,10 +82,10 @@ def make_cases(quick=False, bench=True):
             add("check", f"plan_{name}_b{N}_int8", int8_spec(N, C, H, K, R, st, pd, v), None, plan=True)
             add("check", f"plan_{name}_b{N}_int4", int4_spec(N, C, H, K, R, st, pd, v), None, plan=True)
     # what shapes without a record of their own get (knobs_for), as plans: the layer's record at the nearest batch size
-    # (ResNet-50 at batch 2; at 32 since the fifteenth round its own records), or the arch's defaults (warpgroup tiles
-    # on channel counts no ResNet layer has, small and large grids, stride 1 and 2)
+    # (ResNet-50 at batch 2; at 16, 32 and 128 since the fifteenth round its own records), or the arch's defaults
+    # (warpgroup tiles on channel counts no ResNet layer has, small and large grids, stride 1 and 2)
     for li, (name, C, H, K, R, st, pd) in enumerate(distinct(RESNET50)):
-        for N in (2, 32):
+        for N in (2, 16, 32, 128):
             v = li % 2
             add("check", f"near_{name}_b{N}_int8", int8_spec(N, C, H, K, R, st, pd, v), None, plan=True)
             add("check", f"near_{name}_b{N}_int4", int4_spec(N, C, H, K, R, st, pd, v), None, plan=True)

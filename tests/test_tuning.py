@@ -24,11 +24,11 @@ def _fresh_cache(monkeypatch):
 
 
 def _specs():
-    """The shapes tune_layers.py tunes (ResNet-18/50 at batch 64/256, ResNet-50 at batch 1, 8, 32; INT8, INT4 NHWC;
+    """The shapes tune_layers.py tunes (ResNet-18/50 at batch 64/256, ResNet-50 at 1, 8, 16, 32, 128; INT8, INT4 NHWC;
     the RGB stem also as compiled models run it: padded to 4 channels, and in its space-to-depth form)."""
     from qcompile.schedules.spec import space_to_depth
 
-    for N in (1, 8, 32, 64, 256):
+    for N in (1, 8, 16, 32, 64, 128, 256):
         for (_, C, H, K, R, st, pd) in ALL_RESNET:
             yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
                            out_dtype="uint8", lo=0, hi=255)
@@ -161,15 +161,15 @@ def test_stale_log_warns_once_and_falls_back(tmp_path, monkeypatch, how):
 
 def test_untuned_batch_takes_the_nearest_batch_record():
     """A ResNet layer at a batch size the log has no record for gets the same layer's record at the batch size
-    nearest in ratio (48 -> 64, 12 -> 8, 16 -> 32 on a tie, 2 -> 1, 128 -> 256), its K-split left to the automatic
-    rule, while that record's tile still makes a wave of blocks over the SMs; else the arch's defaults. The source
-    says which."""
+    nearest in ratio (48 -> 64, 12 -> 16, 24 -> 32, 2 -> 1, 96 -> 128, 192 -> 256), its K-split left to the
+    automatic rule, while that record's tile still makes a wave of blocks over the SMs; else the arch's defaults. The
+    source says which."""
     from qcompile.schedules import arch_info
 
     recs = TU.load_log("sm_90")["records"]
     seen = set()
     for spec64 in (s for s in _specs() if s.N == 64 and s.R == 3 and tuning_key(s) in recs):
-        for n, near in ((48, 64), (12, 8), (16, 32), (2, 1), (128, 256)):
+        for n, near in ((48, 64), (12, 16), (24, 32), (2, 1), (96, 128), (192, 256)):
             spec = spec64.replace(N=n)
             if tuning_key(spec64.replace(N=near)) not in recs:
                 continue
