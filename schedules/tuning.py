@@ -147,25 +147,30 @@ def load_log(arch: str) -> dict | None:
     return log
 
 
-def nearest_knobs(spec: ConvSpec, arch: str = "sm_90") -> GemmKnobs | None:
-    """For a shape without a record of its own: the knobs recorded for the same layer (every key field but the batch
-    size) at the other batch size nearest in ratio (ties: the larger), with the K-split left to the automatic rule
-    (``split_k=0``: it depends on the grid). None when the log has no (valid) record of the layer at another batch."""
+def layer_records(spec: ConvSpec, arch: str = "sm_90") -> dict[int, GemmKnobs]:
+    """The valid knobs the log records for ``spec``'s layer (every key field but the batch size), by batch size."""
     log = load_log(arch)
     if log is None:
-        return None
+        return {}
     parts = tuning_key(spec).split("|")
-    best = None
+    out = {}
     for key, rec in log["records"].items():
         p = key.split("|")
-        if (len(p) != len(parts) or p[:1] + p[2:] != parts[:1] + parts[2:] or not p[1][1:].isdigit()
-                or int(p[1][1:]) == spec.N):
+        if len(p) != len(parts) or p[:1] + p[2:] != parts[:1] + parts[2:] or not p[1][1:].isdigit():
             continue
-        n, kn = int(p[1][1:]), knobs_from_dict(rec.get("knobs"))
-        score = (abs(math.log(n / spec.N)), -n)
-        if kn is not None and (best is None or score < best[0]):
-            best = (score, kn)
-    return best[1].replace(split_k=0) if best is not None else None
+        kn = knobs_from_dict(rec.get("knobs"))
+        if kn is not None:
+            out[int(p[1][1:])] = kn
+    return out
+
+
+def nearest_knobs(spec: ConvSpec, arch: str = "sm_90") -> GemmKnobs | None:
+    """For a shape without a record of its own: the knobs recorded for the same layer (``layer_records``) at the other
+    batch size nearest in ratio (ties: the larger), with the K-split left to the automatic rule (``split_k=0``: it
+    depends on the grid). None when the log has no (valid) record of the layer at another batch."""
+    recs = layer_records(spec, arch)
+    others = [(abs(math.log(n / spec.N)), -n, n) for n in recs if n != spec.N]
+    return recs[min(others)[2]].replace(split_k=0) if others else None
 
 
 def knobs_for(spec: ConvSpec, arch: str = "sm_90") -> tuple[GemmKnobs, str]:

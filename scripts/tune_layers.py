@@ -740,18 +740,14 @@ def make_cases_neighbors(batches):
     the tuner keeps the fastest exact one."""
     from qcompile.schedules import default_knobs
     from qcompile.schedules.igemm import _adapt_knobs
-    from qcompile.schedules.tuning import knobs_from_dict, load_log, tuning_key
+    from qcompile.schedules.tuning import layer_records
 
-    recs = (load_log(ARCH) or {}).get("records", {})
     cases, extra = make_cases_as_compiled(batches), []
     for c in _tunable(cases, ("int8", "int4")):
         spec, seen = c["spec"], {c["knobs"]}
         cands = [("arch_defaults", default_knobs(spec, ARCH))]
-        for n in (1, 8, 16, 32, 64, 128, 256):
-            rec = recs.get(tuning_key(spec.replace(N=n))) if n != spec.N else None
-            kn = knobs_from_dict(rec.get("knobs")) if rec else None
-            if kn is not None:
-                cands.append((f"rec_b{n}", kn.replace(split_k=0)))
+        cands += [(f"rec_b{n}", kn.replace(split_k=0)) for n, kn in sorted(layer_records(spec, ARCH).items())
+                  if n != spec.N]
         for vname, kn in cands:
             kn = _adapt_knobs(spec, kn, "NHWC")
             if kn not in seen:
