@@ -117,7 +117,7 @@ def split_factor(spec: ConvSpec, arch: str, kn: GemmKnobs) -> int:
 
     if kn.split_k:
         return kn.split_k
-    if kn.sk and kn.mma == "wgmma" and spec.x_bits == 8:  # stream-K fills the GPU itself
+    if (kn.sk or kn.pp) and kn.mma == "wgmma" and spec.x_bits == 8:  # stream-K, ping-pong: the grid fills the GPU
         return 1
     blocks = tile_grid(spec, kn.BM, kn.BN)
     nk = -(-(spec.R * spec.S * spec.C * spec.x_bits // 8) // kn.BK)
@@ -194,7 +194,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     BM, BN, BK, WM, WN, STG = kn.BM, kn.BN, kn.BK, kn.WM, kn.WN, kn.stages
     NTH = kn.threads
     LNTH = kn.load_threads  # threads that load (and unpack) the tiles
-    NPROD = 128 * kn.wsp  # wsp: producer threads (the last warpgroups)
+    NPROD = 128 * (kn.wsp or kn.pp)  # wsp, pp: producer threads (the last warpgroups)
     NWARP = (NTH - NPROD) // 32  # warps with accumulators (wsp: the consumers)
     WTM, WTN = BM // WM, BN // WN
     MT, NT = WTM // 16, WTN // 8
@@ -369,16 +369,34 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # of the tile-major order (tile = G // NK, output channels fastest); a tile whose chunks span blocks is summed by
     # its owner, the block holding its first chunk (int32 partials through the workspace skw, counted in skc)
     SK = bool(kn.sk) and SPLIT == 1 and WG and not UNPACK_LD
+    # pp (ping-pong): a persistent grid of one block per SM; the producer warpgroup (the last) streams the block's
+    # K-chunks (chunk g: tile bid + (g // NK) * GP, K-chunk g % NK, stage g % STG) into the ring; consumer warpgroup c
+    # runs the block's tiles c, c + 2, ... (chunks of tile i go to consumer i % 2), each a whole tile. 4-bit: the
+    # register-A kernel with expanded weights (w8), packed A chunk g in ring slot g % STG beside its B stage
+    PP4 = UNPACK_LD and W8 and not AWARP and PSTG == STG and kn.pipe == -1
+    # (or the producer unpacks A and B from its packed ring into the shared stages, as wsp's producers do: the
+    # consumers then read both operands through descriptors, as in the 8-bit kernel)
+    PPU = UNPACK_LD and not AREG and PSTG >= 2 and kn.pipe in (-1, 0)
+    PP = bool(kn.pp) and WG and SPLIT == 1 and (not UNPACK_LD or PP4 or PPU)
+    if kn.pp and WG and (not PP or AGL8 or kn.WM * kn.WN != 1 or STG > 5):
+        raise NotApplicable("pp: one warpgroup tile, stages <= 5, no split-K, no agl; 4-bit with pstages >= 2 (the "
+                            "producer unpacks) or as the register-A kernel with w8, pipe -1 and pstages == stages")
     # (4-bit: the register-A loader with warp-owned rows and expanded weights, whose B is copied like an 8-bit operand)
     PERSIST = (bool(kn.persist) or SK) and SPLIT == 1 and WG and (not UNPACK_LD or (W8 and AWARP and not SK))
     NTILES = GRID_M * GRID_N
     TOTIT = NTILES * NK
-    GP = (min(TOTIT, kn.sk * ai.sms) if SK else min(NTILES, kn.persist * ai.sms)) if PERSIST else 0
+    GP = (min(TOTIT, kn.sk * ai.sms) if SK else min(NTILES, kn.persist * ai.sms)) if PERSIST else (
+        min(NTILES, ai.sms) if PP else 0)
+    STREAM = PERSIST or PP  # the block's K-chunks are one stream across its tiles
+    PPD = STG - 1 - GIF  # pp: chunks the producer has in flight before it publishes one
+    # pp: registers per thread of the producer / the consumers (setmaxnreg; 128 x 56 + 256 x 224 <= 64K): the 168 of
+    # __launch_bounds__(384, 1) left a 128x128 consumer with erq spilling
+    PP_REGS = (56, 224)
     NACC = EMT * NT * 4  # accumulator registers per thread
     SK_WORDS = GP * 2 * NTH * NACC if SK else 0  # workspace: per block a head and a tail partial tile
     if SK and (TOTIT + 1) * GP >= 1 << 31:
         raise NotApplicable(f"stream-K: {TOTIT} iterations x {GP} blocks overflow int32 index arithmetic")
-    C_OFF = -(-SMEM_ALL // 16) * 16 if PERSIST else 0
+    C_OFF = -(-SMEM_ALL // 16) * 16 if STREAM else 0
     if WG and max(SMEM_ALL, C_OFF + STAGE_BYTES) > ai.smem_per_block:  # the staging tile: on the ring or beside it
         raise NotApplicable(f"{max(SMEM_ALL, C_OFF + STAGE_BYTES) // 1024} KiB of shared tiles exceed the "
                             f"{ai.smem_per_block // 1024} KiB per block of {arch}")
@@ -419,7 +437,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # of the residual layers' cost over their conv alone is the residual stage's arithmetic, not the load
     RPB = BN * RB // 8  # residual bytes per tile row
     RES_OFF = -(-A_ALLOC // 16) * 16
-    RSM = (PREF and not RP_ALL and WG and not PERSIST and not SK and not WSP and RPB % 16 == 0
+    RSM = (PREF and not RP_ALL and WG and not STREAM and not SK and not WSP and RPB % 16 == 0
            and (K * RB // 8) % 16 == 0 and RES_OFF + BM * RPB <= ai.smem_per_block
            and (ai.smem_per_block + 1024) // (RES_OFF + BM * RPB + 1024)  # blocks per SM the shared tiles allow:
            >= min((ai.smem_per_block + 1024) // (A_ALLOC + 1024), kn.minb or 2))  # no fewer than minb (2) or before
@@ -438,7 +456,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     NFB = 2 if FDB else 1
 
     res_shape = spec.res_shape()
-    MINB = kn.minb or NRES  # persist: its blocks must be co-resident (register cap)
+    MINB = kn.minb or NRES or (1 if PP else 0)  # persist: its blocks must be co-resident (register cap)
     MINB_ON = MINB > 0
     R_SIZE = math.prod(res_shape)
 
@@ -698,7 +716,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             L = it * LNTH + tid
             slot = T.meta_var(agl_slot(it, tid) if AGL else (awarp_slot(it, tid) if AWARP else tile_slot(L, BM)))
             row = slot[0]
-            kb = (kc % NK if PERSIST else kc) * BK + (slot[1] if AGL else slot[1] * VEC)
+            kb = (kc % NK if STREAM else kc) * BK + (slot[1] if AGL else slot[1] * VEC)
             m = m0 + row
             rs = T.truncdiv(kb, CB)  # (kb >= 0)
             cb = T.truncmod(kb, CB)
@@ -734,7 +752,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             L = it * LNTH + tid
             slot = T.meta_var(tile_slot(L, BN))
             row = slot[0]
-            kb = (kc % NK if PERSIST else kc) * BK + slot[1] * VEC
+            kb = (kc % NK if STREAM else kc) * BK + slot[1] * VEC
             k = n0 + row
             ok = k < K and kb < GKB
             soff = B_OFF + (kc % STG) * (BN * BKP) + slot[2]
@@ -743,8 +761,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 r8 = L // (UBK // 16)
                 c8 = L % (UBK // 16)
                 T.evaluate(a_cp(Bs, wf, B_OFF + (kc % STG) * (BN * BKP) + tile_off(r8, c8, BN),
-                                w_index(n0 + r8, (kc % NK if PERSIST else kc) * UBK + c8 * 16, UBK // BK * CB),
-                                n0 + r8 < K and (kc % NK if PERSIST else kc) * UBK + c8 * 16 < UBK // BK * GKB))
+                                w_index(n0 + r8, (kc % NK if STREAM else kc) * UBK + c8 * 16, UBK // BK * CB),
+                                n0 + r8 < K and (kc % NK if STREAM else kc) * UBK + c8 * 16 < UBK // BK * GKB))
             elif UNPACK_LD and PRING:
                 T.evaluate(a_cp(Bs, wf, p_slot(kc, it if AREG else A_IT + it, tid), gidx, ok))
             elif UNPACK_LD:
@@ -905,8 +923,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         RP_ALL: at rpre[i * CS_IT * RW + ..], every block's words held at once)."""
         lane = tid % 32
         warp = tid // 32
-        wm = (warp // 4 if WG else warp) // WN
-        wn = (warp // 4 if WG else warp) % WN
+        wm = (0 if PP else warp // 4 if WG else warp) // WN  # (pp: each consumer a whole tile)
+        wn = (0 if PP else warp // 4 if WG else warp) % WN
         for it in T.unroll(CS_IT):
             m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + (it * 32 + lane) // LPR
             k = n0 + wn * WTN + ((it * 32 + lane) % LPR) * EV
@@ -994,8 +1012,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         """The fused epilogue of one output tile, staged through the warp's own shared-memory tile."""
         warp = tid // 32
         lane = tid % 32
-        wm = (warp // 4 if WG else warp) // WN
-        wn = (warp // 4 if WG else warp) % WN
+        wm = (0 if PP else warp // 4 if WG else warp) // WN  # (pp: each consumer a whole tile)
+        wn = (0 if PP else warp // 4 if WG else warp) % WN
         # the warp's staging tile: 8-bit values at byte cbase (erq), else int32 words at word cbase
         cbase = (C_OFF + warp * (16 * CPB)) if ERQ else (C_OFF // 4 + warp * (16 * CSP))
         if HOIST and SPLIT == 1 and not ERQ:  # a lane's channels are the same for every row it writes: load them once
@@ -1005,7 +1023,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         if RP_ALL:
             for i in T.unroll(EMT):
                 res_prefetch(rfw, rpre, m0, n0, i, tid, Cb)
-        for i in (T.unroll(EMT) if RP_ALL else T.serial(EMT)):
+        for i in (T.unroll(EMT) if (RP_ALL or PP) else T.serial(EMT)):  # (pp: see RP_ALL; with erq the rolled loop
+            # put the 128x128 tile's accumulators on the stack, under wgmma groups still in flight: wrong sums)
             if PREF and not RP_ALL:
                 res_prefetch(rfw, rpre, m0, n0, i, tid, Cb)
             if ERQ:  # stage 1 on the accumulators (column pair k, k+1 of rows g and g+8: one 2-byte store each)
@@ -1106,8 +1125,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
 
     @T.macro
     def body(x, w, bias, Mq, Sq, rf, rfw, rq2, of, ofw, skc=None, skw=None):
-        bxn = T.launch_thread("blockIdx.x", GP if PERSIST else GRID_N)  # (persist: the block index)
-        bxm = T.launch_thread("blockIdx.y", 1 if PERSIST else GRID_M)
+        bxn = T.launch_thread("blockIdx.x", GP if STREAM else GRID_N)  # (persist, pp: the block index)
+        bxm = T.launch_thread("blockIdx.y", 1 if STREAM else GRID_M)
         bz = T.launch_thread("blockIdx.z", SPLIT)  # K-split index (extent 1 without split-K)
         tid = T.launch_thread("threadIdx.x", NTH)
         if MINB_ON:  # __launch_bounds__(NTH, minb): nvcc caps the registers so that minb blocks fit per SM
@@ -1143,13 +1162,13 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         sb = T.alloc_buffer((max(EV // 4, 1),), "uint32", scope="local")  # erq: staged bytes (words)
         skn = T.alloc_buffer((1,), "int32", scope="local")  # sk: the tile's arrival count
         # persist, sk: decoded A rows (pointwise addressing needs no decode; with it, 3-7% slower across two calls)
-        ri = T.alloc_buffer((3 * A_IT if PERSIST and not POINTWISE else 1,), "int32", scope="local")
+        ri = T.alloc_buffer((3 * A_IT if STREAM and not POINTWISE else 1,), "int32", scope="local")
         ri_ = T.meta_var(None if POINTWISE else ri)
         skt = T.alloc_buffer((4,), "uint32", scope="local")  # sk: another part's partial sums
         warp = tid // 32
         lane = tid % 32
-        wm = (warp // 4 if WG else warp) // WN  # warp(group) tile coordinates
-        wn = (warp // 4 if WG else warp) % WN
+        wm = (0 if PP else warp // 4 if WG else warp) // WN  # warp(group) tile coordinates
+        wn = (0 if PP else warp // 4 if WG else warp) % WN
         m0 = bxm * BM
         n0 = bxn * BN
         for e in T.unroll(EMT * NT * 4):
@@ -1256,6 +1275,82 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                                  o2[0], o2[1], bz, rpre)
                         for e in T.unroll(EMT * NT * 4):
                             acc[e] = T.Cast(ACC_T, 0)
+            elif PP:
+                # ping-pong: named barrier 1 + c * STG + s = stage s full for consumer c, 1 + 2 * STG + s = stage s
+                # empty (256 threads each: the producer warpgroup and one consumer). Full barriers are per consumer:
+                # with one per stage, a consumer waiting for chunk g + STG could complete the barrier the producer
+                # arrived at for chunk g, which the other consumer has not reached yet
+                tot = (NTILES - bxn + GP - 1) // GP * NK  # the block's chunks
+                if tid >= NTH - NPROD:  # producer
+                    if PPU:  # 4-bit: packed ring -> unpacked stage g % STG, published
+                        T.ptx.setmaxnreg.dec.sync.aligned.u32(PP_REGS[0])
+                        for s0 in T.unroll(PSTG):
+                            if s0 < tot:
+                                o0 = T.meta_var(tile_origin(s0, bxn))
+                                if not POINTWISE and (s0 == 0 or s0 % NK == 0):
+                                    decode_rows(ri, tid - (NTH - NPROD), o0[0])
+                                load_chunk(xf, wf, rv, As, As, tid - (NTH - NPROD), o0[0], o0[1], s0, ri_)
+                            T.ptx.cp.async_.commit_group()
+                        for g in T.serial(tot):
+                            T.ptx.cp.async_.wait_group(PSTG - 1)  # chunk g landed (this thread's vectors)
+                            if g >= STG:  # its stage held chunk g - STG: wait until its consumer retired those MMAs
+                                T.evaluate(T.ptx.bar.sync(T.uint32(1 + 2 * STG) + T.Cast("uint32", g % STG),
+                                                          T.uint32(256)))
+                            unpack_chunk(rv, As, tid - (NTH - NPROD), g)
+                            if g + PSTG < tot:  # refill the ring slots just read back
+                                o1 = T.meta_var(tile_origin(g + PSTG, bxn))
+                                if not POINTWISE and T.truncmod(g + PSTG, NK) == 0:
+                                    decode_rows(ri, tid - (NTH - NPROD), o1[0])
+                                load_chunk(xf, wf, rv, As, As, tid - (NTH - NPROD), o1[0], o1[1], g + PSTG, ri_)
+                            T.ptx.cp.async_.commit_group()
+                            T.ptx.fence.proxy.async_.shared__cta()  # the unpacked stores, visible to wgmma
+                            T.evaluate(T.ptx.bar.arrive(
+                                T.uint32(1) + T.Cast("uint32", g // NK % 2 * STG + g % STG), T.uint32(256)))
+                    else:  # chunk g's loads (once chunk g - STG retired), chunk g - PPD published
+                        T.ptx.setmaxnreg.dec.sync.aligned.u32(PP_REGS[0])
+                        for g in T.serial(tot + PPD):
+                            if g < tot:
+                                if g >= STG:
+                                    T.evaluate(T.ptx.bar.sync(T.uint32(1 + 2 * STG) + T.Cast("uint32", g % STG),
+                                                              T.uint32(256)))
+                                o0 = T.meta_var(tile_origin(g, bxn))
+                                if not POINTWISE and g % NK == 0:
+                                    decode_rows(ri, tid - (NTH - NPROD), o0[0])
+                                load_chunk(xf, wf, rv, As, As, tid - (NTH - NPROD), o0[0], o0[1], g, ri_)
+                            T.ptx.cp.async_.commit_group()
+                            if g >= PPD:  # chunk g - PPD landed (this thread's copies), visible to wgmma, published
+                                T.ptx.cp.async_.wait_group(PPD)
+                                T.ptx.fence.proxy.async_.shared__cta()
+                                T.evaluate(T.ptx.bar.arrive(
+                                    T.uint32(1) + T.Cast("uint32", (g - PPD) // NK % 2 * STG + (g - PPD) % STG),
+                                    T.uint32(256)))
+                else:  # consumer c = tid // 128: tiles c, c + 2, ... of the block; chunk g = tile * NK + kc
+                    T.ptx.setmaxnreg.inc.sync.aligned.u32(PP_REGS[1])
+                    for t2 in T.serial((tot // NK - tid // 128 + 1) // 2):
+                        tb = (t2 * 2 + tid // 128) * NK  # the tile's first chunk
+                        for kc in T.serial(NK):
+                            T.evaluate(T.ptx.bar.sync(T.uint32(1) + T.Cast("uint32", tid // 128 * STG + (tb + kc) % STG),
+                                                      T.uint32(256)))
+                            if AREG:  # 4-bit: this thread's A fragments of the chunk, unpacked
+                                load_afrag(ar, pw, As, lane, warp, 0, tb + kc, 0)
+                            T.ptx.wgmma.fence.sync.aligned()
+                            mma_chunk(acc, ad, ar, 0, 0, tb + kc, 0)
+                            T.ptx.wgmma.commit_group.sync.aligned()
+                            T.ptx.wgmma.wait_group.sync.aligned(GIF)
+                            if kc >= GIF and tb + kc - GIF + STG < tot:  # chunk kc - GIF retired: its stage is empty
+                                T.evaluate(T.ptx.bar.arrive(T.uint32(1 + 2 * STG) + T.Cast("uint32", (tb + kc - GIF)
+                                                                                             % STG), T.uint32(256)))
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        for j in T.unroll(GIF):  # the tile's last GIF chunks
+                            if NK - GIF + j >= 0:
+                                if tb + NK - GIF + j + STG < tot:
+                                    T.evaluate(T.ptx.bar.arrive(T.uint32(1 + 2 * STG) + T.Cast(
+                                        "uint32", (tb + NK - GIF + j) % STG), T.uint32(256)))
+                        o2 = T.meta_var(tile_origin(tb, bxn))
+                        epilogue(bias, Mq, Sq, rf, rfw, rq2, of, ofw, Cs, Cb, acc, pb, pm, ps, q2, rb, rbw, yb, ob, sb,
+                                 tid, o2[0], o2[1], bz, rpre)
+                        for e in T.unroll(EMT * NT * 4):
+                            acc[e] = T.Cast(ACC_T, 0)
             elif WSP:
                 # warp-specialized: named barrier 1 + s = stage s full (the producer arrives after unpacking a chunk
                 # into it), 1 + STG + s = stage s empty (the consumers arrive when its MMAs have retired)
@@ -1315,7 +1410,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     if s0 < ksp[1]:
                         load_chunk(xf, wf, rv, As, As, tid, m0, n0, ksp[0] + s0)
                     T.ptx.cp.async_.commit_group()
-            if AREG and not PERSIST:  # unrolled by two: the A-fragment register set of chunk kc is kc % NSET, a constant
+            if AREG and not STREAM:  # unrolled by two: the A-fragment register set of chunk kc is kc % NSET, a constant
                 # (agl: by lcm(NSET, AGD), so that chunk kc's register ring slot kc % AGD is a constant too; with pipe 0
                 # three fragment sets: chunk kc+1's is unpacked while chunks kc and kc-1 may still be running)
                 for kc2 in T.serial((ksp[1] + UNR - 1) // UNR):
@@ -1351,7 +1446,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                             if KEEP:  # chunk kc-GIF retired: the last read of its fragment set (see KEEP)
                                 for e in T.unroll(KS * MI * 4):
                                     kal[0] = T.bitwise_xor(kal[0], ar[((par + NSET - GIF) % NSET) * (KS * MI * 4) + e])
-            for kc in T.serial(0 if (AREG or WSP or PERSIST) else ksp[1], unroll=MAIN_UNROLL):
+            for kc in T.serial(0 if (AREG or WSP or STREAM) else ksp[1], unroll=MAIN_UNROLL):
                 if not UNPACK_LD:
                     T.ptx.cp.async_.wait_group(STG - 2 - GIF)
                 T.ptx.fence.proxy.async_.shared__cta()
@@ -1417,7 +1512,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     compute_chunk(As, Bs, af, bf, al, bl, acc, lane, wm, wn, (ksp[0] + kc - (STG - 1)) % STG)
                 T.tvm_storage_sync("shared")
         # ---------------- fused epilogue, staged through shared memory ----------------
-        if not PERSIST and ((not WSP) or tid < NTH - NPROD):  # (wsp: the producer warpgroup has no accumulators)
+        if not STREAM and ((not WSP) or tid < NTH - NPROD):  # (wsp: the producer warpgroup has no accumulators)
             epilogue(bias, Mq, Sq, rf, rfw, rq2, of, ofw, Cs, Cb, acc, pb, pm, ps, q2, rb, rbw, yb, ob, sb, tid, m0, n0, bz,
                      rpre)
 

@@ -315,6 +315,14 @@ class GemmKnobs:
     #                    (with the same areg / awarp / w8 / pstages knobs; R*S*C % BK == 0): the same loader without
     #                    the unpack, the 8-bit weights k-permuted alike (reference.permute_k8); one m64 row block per
     #                    warpgroup keeps it within the registers (two spill)
+    pp: bool = False  # wgmma, "ping-pong": a persistent grid of one block per SM, each a producer warpgroup (cp.async
+    #                   of the K-chunk stream into the ring, named barriers full/empty per stage) and two consumer
+    #                   warpgroups taking the block's tiles in turn, each a whole BM x BN tile (WM = WN = 1): one
+    #                   consumer's epilogue runs while the other's MMAs do (CUTLASS's ping-pong kernel). 8-bit
+    #                   operands; 4-bit either with pstages >= 2 (no areg: the producer unpacks A and B from its
+    #                   packed ring into the shared stages, like wsp) or as the register-A kernel with w8 (areg,
+    #                   pipe -1, pstages == stages: the packed A chunk in the ring slot of its B stage; each
+    #                   consumer reads and unpacks its own fragments)
 
     SPACE = {
         "BM": (32, 64, 128, 256),
@@ -339,6 +347,7 @@ class GemmKnobs:
         "sk": (0, 1, 2),
         "w8": (False, True),
         "agl": (False, True),
+        "pp": (False, True),
     }
 
     def replace(self, **kw) -> "GemmKnobs":
@@ -346,12 +355,14 @@ class GemmKnobs:
 
     @property
     def threads(self) -> int:
+        if self.pp:  # two consumer warpgroups and the producer
+            return 384
         return (128 if self.mma == "wgmma" else 32) * self.WM * self.WN + 128 * self.wsp
 
     @property
     def load_threads(self) -> int:
-        """Threads that load the tiles (wsp: the producer warpgroups)."""
-        return 128 * self.wsp if self.wsp else self.threads
+        """Threads that load the tiles (wsp, pp: the producer warpgroups)."""
+        return 128 * (self.wsp or self.pp) if (self.wsp or self.pp) else self.threads
 
     def valid(self) -> bool:
         wtm, wtn = self.BM // self.WM, self.BN // self.WN
@@ -371,11 +382,18 @@ class GemmKnobs:
                        and (not self.sk or (self.pstages == 0 and not self.areg and not self.wsp))
                        and (not self.persist or (self.pstages == 0 and not self.areg and not self.wsp)
                             or (self.w8 and self.awarp))
-                       and not (self.persist and self.sk) and (not self.sk or self.split_k in (0, 1)))
+                       and not (self.persist and self.sk) and (not self.sk or self.split_k in (0, 1))
+                       and (not self.pp or (self.WM == 1 and self.WN == 1 and not self.wsp and not self.persist
+                                            and not self.sk and not self.agl and self.split_k in (0, 1)
+                                            and self.stages <= 5
+                                            and ((self.pstages == 0 and not self.areg)  # 8-bit
+                                                 or (self.pstages >= 2 and not self.areg and self.pipe in (-1, 0))
+                                                 or (self.areg and self.w8 and not self.awarp and self.pipe == -1
+                                                     and self.pstages == self.stages)))))
         else:
             tile_ok = (wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg
                        and not self.w8 and not self.awarp and not self.wsp and not self.persist and not self.sk
-                       and not self.agl)
+                       and not self.agl and not self.pp)
         return (
             self.BM % self.WM == 0 and self.BN % self.WN == 0 and tile_ok
             and self.BK % 32 == 0 and self.whole_vectors() and nth <= 1024

@@ -124,6 +124,31 @@ def make_cases(quick=False, bench=True):
         for N in (8, 32):
             add("check", f"rpa_{name}_b{N}_int8_{lay.lower()}", int8_spec(N, C, H, K, R, st, pd, 1, lay), None,
                 knobs=dict(w1, erq=bool(li % 4 == 3)))
+    # ping-pong kernels (pp: a producer warpgroup, two consumers taking the block's tiles in turn): every ResNet-50
+    # shape at batch 8 and 32 (one to ~25 tiles per block), both layouts, the three epilogue variants, 128x128 and
+    # 64x128 tiles, pipe -1 / 0, 3-5 stages, erq on every fourth (the stem, 4 channels, gets the mma.sync fallback;
+    # every other shape a pp kernel: their shared tiles, staging included, fit 227 KiB)
+    for li, (name, C, H, K, R, st, pd) in enumerate(distinct(RESNET50)):
+        lay = ("NHWC", "HWNC")[li % 2]
+        for j, N in enumerate((8, 32)):
+            add("check", f"pp_{name}_b{N}_int8_{lay.lower()}", int8_spec(N, C, H, K, R, st, pd, (li + j) % 3, lay),
+                None, knobs=dict(wg, WM=1, BM=128 if (li + j) % 2 else 64, pp=True, pipe=-1 + (li % 3 == 1),
+                                 stages=3 + (li + j) % (3 if not (li + j) % 2 or (li % 4 == 3 and (li + j) % 3 != 2)
+                                                        else 2),  # (128x128 with int32 staging: <= 4, 227 KiB)
+                                 erq=bool(li % 4 == 3)))
+            # 4-bit: the register-A kernel with expanded weights, a packed A slot per stage, pipe -1
+            add("check", f"pp4_{name}_b{N}_int4_{lay.lower()}", int4_spec(N, C, H, K, R, st, pd, (li + j) % 3, lay),
+                None, knobs=dict(wg, WM=1, BM=128 if (li + j) % 2 else 64, BK=64 if li % 3 else 32, pp=True,
+                                 areg=True, w8=True, stages=3 + (li + j) % 3, pstages=3 + (li + j) % 3,
+                                 erq=bool(li % 4 == 1)))
+        # 4-bit with the producer unpacking its packed ring into the shared stages (pstages 3)
+        N = (8, 32)[li % 2]
+        add("check", f"pp4u_{name}_b{N}_int4_{lay.lower()}", int4_spec(N, C, H, K, R, st, pd, li % 3, lay), None,
+            knobs=dict(wg, WM=1, BM=(64, 128)[li % 2], BK=(64, 32)[li % 3 == 2], pp=True, pstages=3,
+                       stages=3 + li % 2, pipe=-1 + li % 2, erq=bool(li % 2 == 1 or li % 4 == 0)))
+        if li % 3 == 0:  # 128x128 tiles with erq and a group in flight, several tiles per block (setmaxnreg: no spill)
+            add("check", f"pp_erq_{name}_b32_int8", int8_spec(32, C, H, K, R, st, pd, 0), None,
+                knobs=dict(wg, WM=1, pp=True, pipe=0, stages=4, erq=True))
     # 4-bit wgmma through the packed ring (pstages) and with register A (areg), forced on the other half of the
     # shapes: both layouts, every epilogue variant, split-K plans at batch 1, and the odd shapes (fallback)
     wgp = dict(wg, BK=64, stages=2, pstages=3)

@@ -168,7 +168,7 @@ def int4_spec(N, C, H, K, R, st, pd, s2d=True):
 
 def smem_bytes(kn, spec=None) -> int:
     pitch = kn.BK * (2 if spec is not None and spec.x_bits == 4 else 1) if kn.mma == "wgmma" else kn.BK + 16
-    nwarp = (kn.threads - 128 * kn.wsp) // 32
+    nwarp = (kn.threads - kn.load_threads if (kn.wsp or kn.pp) else kn.threads) // 32  # (warps with accumulators)
     ring = kn.stages * (kn.BM + kn.BN) * pitch
     # the staging tile: int32 words (igemm's skewed pitch) or, with erq, bytes (BN/WN + 16 per row)
     from qcompile.schedules.igemm import staging_pitch
@@ -182,9 +182,9 @@ def smem_bytes(kn, spec=None) -> int:
     agl8 = kn.mma == "wgmma" and kn.agl and spec is not None and spec.x_bits == 8
     if agl8:  # 8-bit agl: no A stages
         ring -= kn.stages * kn.BM * pitch
-    if kn.mma == "wgmma":  # one buffer: the staging tile on the ring, or beside it (persist, sk)
+    if kn.mma == "wgmma":  # one buffer: the staging tile on the ring, or beside it (persist, sk, pp)
         keep = 4 * kn.threads if (kn.agl and (kn.pipe == 0 or agl8)) else 0  # (igemm's KEEP words)
-        return (-(-ring // 16) * 16 + stage_c if (kn.persist or kn.sk) else max(ring, stage_c)) + keep
+        return (-(-ring // 16) * 16 + stage_c if (kn.persist or kn.sk or kn.pp) else max(ring, stage_c)) + keep
     return ring + stage_c
 
 
@@ -209,8 +209,8 @@ def _fits(kn, spec, seen) -> bool:
     """A new, valid variant whose shared tiles fit the H100 (and, with ``minb``, whose accumulators fit the register
     cap: ptxas refuses a wgmma otherwise); added to ``seen``."""
     acc = (kn.BM // kn.WM) * (kn.BN // kn.WN) // (128 if kn.mma == "wgmma" else 32)  # accumulator registers
-    nres = kn.persist or kn.sk
-    minb = kn.minb or nres  # (persist, sk: its blocks must be co-resident, the kernel caps registers for them)
+    nres = kn.persist or kn.sk or int(kn.pp)
+    minb = kn.minb or nres  # (persist, sk, pp: its blocks must be co-resident, the kernel caps registers for them)
     if kn in seen or not kn.valid() or smem_bytes(kn, spec) > 220 * 1024 or (
             minb and 65536 // (kn.threads * minb) < acc + 40) or (
             nres and nres * (smem_bytes(kn, spec) + 1024) > 228 * 1024):
@@ -451,6 +451,48 @@ def make_cases_erq(batches, layers=None, tiles=None):
         for vname, kn in vs:
             if _fits(kn, spec, seen):
                 extra.append(dict(c, knobs=kn, variant=vname, is_default=False))
+    return cases + extra
+
+
+# ping-pong tiles (GemmKnobs.pp: one block per SM, a producer warpgroup and two consumers, each a whole BM x BN tile)
+PP_TILES = {"pp128x128_bk128_s3": dict(BM=128, BN=128, BK=128, stages=3),
+            "pp128x128_bk128_s4": dict(BM=128, BN=128, BK=128, stages=4),
+            "pp128x128_bk64_s5": dict(BM=128, BN=128, BK=64, stages=5),
+            "pp64x128_bk128_s4": dict(BM=64, BN=128, BK=128, stages=4),
+            "pp64x128_bk128_s5": dict(BM=64, BN=128, BK=128, stages=5),
+            "pp128x64_bk128_s4": dict(BM=128, BN=64, BK=128, stages=4),
+            "pp64x256_bk128_s3": dict(BM=64, BN=256, BK=128, stages=3),
+            "pp64x64_bk128_s5": dict(BM=64, BN=64, BK=128, stages=5)}
+
+
+def make_cases_pp(batches, layers=None, tiles=None, pipes=(-1, 0), erq=(False, True), dtypes=("int8",)):
+    """Every ResNet-50 layer as compiled now plus, for its tensor-core layers of ``dtypes`` (or only ``layers``),
+    ping-pong kernels (``GemmKnobs.pp``) on PP_TILES (or ``tiles``) with each of ``pipes`` and ``erq`` as tuning
+    variants; 4-bit ones as the register-A kernel with expanded weights (w8, pipe -1, a packed A slot per stage: BK
+    halved, the same unpacked tile)."""
+    from qcompile.schedules import DEFAULT_KNOBS
+    from qcompile.schedules.igemm import _adapt_knobs
+
+    cases, extra = make_cases_as_compiled(batches), []
+    for c in _tunable(cases, dtypes, layers):
+        spec, seen = c["spec"], {c["knobs"]}
+        if not _wg_ok(spec):
+            continue
+        for tname, kw in PP_TILES.items():
+            if tiles and tname not in tiles:
+                continue
+            forms = [("", kw, pipes)]
+            if spec.x_bits == 4:  # register-A (w8), and the producer unpacking a 3-deep packed ring ("_u")
+                forms = [("", dict(kw, BK=kw["BK"] // 2, areg=True, w8=True, pstages=kw["stages"]), (-1,)),
+                         ("_u", dict(kw, BK=kw["BK"] // 2, pstages=3), pipes)]
+            for suf, kf, pps in forms:
+                for pipe in pps:
+                    for e in erq:
+                        kn = _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(mma="wgmma", WM=1, WN=1, pipe=pipe, erq=e,
+                                                                             pp=True, **kf), "NHWC")
+                        if kn.pp and _fits(kn, spec, seen):
+                            extra.append(dict(c, knobs=kn, variant=f"{tname}{suf}_g{pipe + 1}" + ("_erq" if e else ""),
+                                              is_default=False))
     return cases + extra
 
 
@@ -844,6 +886,8 @@ def cmd_build(a):
         cases = make_cases_wsp(a.batches, a.only_layers, a.cands)
     elif a.erq:
         cases = make_cases_erq(a.batches, a.only_layers, a.cands)
+    elif a.pp:
+        cases = make_cases_pp(a.batches, a.only_layers, a.cands, dtypes=tuple(a.dtypes))
     elif a.sk:
         cases = make_cases_sk(a.batches, a.only_layers, a.cands)
     elif a.stem:
@@ -1423,6 +1467,10 @@ def main():
                    help="as compiled + the requantize on the accumulators with 8-bit staging (GemmKnobs.erq) for every "
                         "tensor-core layer, and persistent 8-bit wgmma kernels (GemmKnobs.persist; --cands: "
                         "PERSIST_TILES names)")
+    b.add_argument("--pp", action="store_true",
+                   help="as compiled + ping-pong wgmma kernels (GemmKnobs.pp) on PP_TILES (--cands: their names), "
+                        "pipe -1 / 0 (4-bit: -1), with and without erq, for the tensor-core layers of --dtypes "
+                        "(--only-layers)")
     b.add_argument("--sk", action="store_true",
                    help="as compiled + stream-K 8-bit wgmma kernels (GemmKnobs.sk) on the knobs now and on SK_TILES "
                         "(--cands: their names) for every 8-bit tensor-core layer (--only-layers)")

@@ -549,6 +549,51 @@ def test_cuda_wgmma_int4_w8_persist():
         assert not bad.valid()
 
 
+def test_cuda_pingpong():
+    """pp: one block per SM (grid min(tiles, SMs)) of 384 threads -- a producer warpgroup streaming the K-chunks with
+    cp.async and two consumer warpgroups taking the block's tiles in turn -- synchronised by named barriers (full per
+    consumer and stage, empty per stage: 3 x stages + 1 of the 16) and with registers moved to the consumers
+    (setmaxnreg 56 / 224); no split-K pair. 8-bit operands; 4-bit as the register-A kernel with expanded weights
+    (w8, pipe -1, a packed A slot per stage: each consumer unpacks its own A fragments) or with the producer
+    unpacking a packed ring into the shared stages (pstages >= 2, no areg)."""
+    from qcompile.schedules.igemm import split_factor, w8_weights
+
+    spec = ConvSpec(N=64, H=14, W=14, C=256, K=1024, R=1, S=1, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255)
+    kn = WG.replace(WM=1, pipe=0, stages=4, pp=True)
+    assert kn.valid() and kn.threads == 384 and kn.load_threads == 128 and split_factor(spec, "sm_90", kn) == 1
+    tiles = -(-64 * 14 * 14 // 128) * (1024 // 128)
+    f = make_gemm_conv(spec, "sm_90", kn, adapt=False)
+    assert f'T.launch_thread("blockIdx.x", {min(tiles, 132)})' in f.script() and tiles > 2 * 132
+    src = cuda_source(build_cuda(f, "sm_90", mode="ptx"))
+    body = src.split("main_kernel(")[-1]
+    assert "__launch_bounds__(384, 1)" in src and "wgmma_int_ss_mma_async_sync_aligned_m64n128k32_s32_u8_s8" in body
+    assert "setmaxnreg_dec_sync_aligned_u32_56" in body and "setmaxnreg_inc_sync_aligned_u32_224" in body
+    assert "bar_sync" in body and "bar_arrive" in body and body.count("__syncthreads()") == 1  # (at the very end)
+    # the barrier ids: full (consumer c, stage s) = 1 + 4c + s, empty s = 9 + s
+    assert "((uint)9 + ((uint)(g & 3)))" in body
+    for bad in (kn.replace(WM=2), kn.replace(stages=6), kn.replace(persist=1), kn.replace(sk=1),
+                kn.replace(split_k=2), kn.replace(wsp=1), kn.replace(mma="sync", pipe=0)):
+        assert not bad.valid()
+    s4 = spec.replace(x_dtype="uint4", w_bits=4, out_dtype="uint4", lo=0, hi=15)
+    kn4 = WG.replace(WM=1, BK=64, pipe=-1, stages=4, pstages=4, areg=True, w8=True, pp=True)
+    assert kn4.valid()
+    f4 = make_gemm_conv(s4, "sm_90", kn4, adapt=False)
+    assert w8_weights(f4) and f'T.launch_thread("blockIdx.x", {min(tiles, 132)})' in f4.script()
+    body = cuda_source(build_cuda(f4, "sm_90", mode="ptx")).split("main_kernel(")[-1]
+    assert "wgmma_int_rs_mma_async_sync_aligned_m64n128k32_s32_u8_s8" in body and "setmaxnreg_inc" in body
+    for bad in (kn4.replace(pipe=0), kn4.replace(pstages=3), kn4.replace(awarp=True), kn4.replace(pstages=1, w8=False),
+                kn4.replace(areg=False, w8=False, pstages=1)):
+        assert not bad.valid()
+    # 4-bit, the producer unpacking its packed ring into the shared stages: both operands through descriptors
+    kn4u = WG.replace(WM=1, BK=64, pipe=0, stages=3, pstages=3, pp=True, erq=True)  # (int32 staging: > 227 KiB)
+    assert kn4u.valid()
+    body = _src(s4, "sm_90", knobs=kn4u).split("main_kernel(")[-1]
+    assert "wgmma_int_ss_mma_async_sync_aligned_m64n128k32_s32_u8_s8" in body and "wgmma_int_rs" not in body
+    assert "setmaxnreg_dec_sync_aligned_u32_56" in body and body.count("__syncthreads()") == 1
+    with pytest.raises(NotApplicable, match="pp"):  # the 8-bit kernel's knobs on 4-bit operands
+        make_gemm_conv(s4, "sm_90", kn, adapt=False)
+
+
 def test_cuda_stream_k():
     """sk: a grid of sk x SMs blocks splits the (tile, K-chunk) iterations evenly; the blocks holding a tile's later
     chunks store int32 partials and count themselves (red.release.gpu), the tile's owner waits for the count
