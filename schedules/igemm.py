@@ -461,6 +461,11 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     R_SIZE = math.prod(res_shape)
 
     # ---------------- index helpers (build PrimExprs; called from the script) ----------------
+    def wtile(warp):
+        """(wm, wn): the warp(group) tile of ``warp`` (pp: each consumer a whole tile)."""
+        g = 0 if PP else (warp // 4 if WG else warp)
+        return (g // WN, g % WN)
+
     def row_decode(m):  # (truncating division: m >= 0, and TVM's floor division adds sign fix-ups per division)
         dv, md = T.truncdiv, T.truncmod
         if HWNC:
@@ -923,8 +928,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         RP_ALL: at rpre[i * CS_IT * RW + ..], every block's words held at once)."""
         lane = tid % 32
         warp = tid // 32
-        wm = (0 if PP else warp // 4 if WG else warp) // WN  # (pp: each consumer a whole tile)
-        wn = (0 if PP else warp // 4 if WG else warp) % WN
+        wm, wn = wtile(warp)
         for it in T.unroll(CS_IT):
             m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + (it * 32 + lane) // LPR
             k = n0 + wn * WTN + ((it * 32 + lane) % LPR) * EV
@@ -1012,8 +1016,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         """The fused epilogue of one output tile, staged through the warp's own shared-memory tile."""
         warp = tid // 32
         lane = tid % 32
-        wm = (0 if PP else warp // 4 if WG else warp) // WN  # (pp: each consumer a whole tile)
-        wn = (0 if PP else warp // 4 if WG else warp) % WN
+        wm, wn = wtile(warp)
         # the warp's staging tile: 8-bit values at byte cbase (erq), else int32 words at word cbase
         cbase = (C_OFF + warp * (16 * CPB)) if ERQ else (C_OFF // 4 + warp * (16 * CSP))
         if HOIST and SPLIT == 1 and not ERQ:  # a lane's channels are the same for every row it writes: load them once
@@ -1167,8 +1170,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         skt = T.alloc_buffer((4,), "uint32", scope="local")  # sk: another part's partial sums
         warp = tid // 32
         lane = tid % 32
-        wm = (0 if PP else warp // 4 if WG else warp) // WN  # warp(group) tile coordinates
-        wn = (0 if PP else warp // 4 if WG else warp) % WN
+        wm, wn = wtile(warp)  # warp(group) tile coordinates
         m0 = bxm * BM
         n0 = bxn * BN
         for e in T.unroll(EMT * NT * 4):
@@ -1282,12 +1284,12 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 # arrived at for chunk g, which the other consumer has not reached yet
                 tot = (NTILES - bxn + GP - 1) // GP * NK  # the block's chunks
                 if tid >= NTH - NPROD:  # producer
+                    T.ptx.setmaxnreg.dec.sync.aligned.u32(PP_REGS[0])
                     if PPU:  # 4-bit: packed ring -> unpacked stage g % STG, published
-                        T.ptx.setmaxnreg.dec.sync.aligned.u32(PP_REGS[0])
                         for s0 in T.unroll(PSTG):
                             if s0 < tot:
                                 o0 = T.meta_var(tile_origin(s0, bxn))
-                                if not POINTWISE and (s0 == 0 or s0 % NK == 0):
+                                if not POINTWISE and s0 % NK == 0:
                                     decode_rows(ri, tid - (NTH - NPROD), o0[0])
                                 load_chunk(xf, wf, rv, As, As, tid - (NTH - NPROD), o0[0], o0[1], s0, ri_)
                             T.ptx.cp.async_.commit_group()
@@ -1307,7 +1309,6 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                             T.evaluate(T.ptx.bar.arrive(
                                 T.uint32(1) + T.Cast("uint32", g // NK % 2 * STG + g % STG), T.uint32(256)))
                     else:  # chunk g's loads (once chunk g - STG retired), chunk g - PPD published
-                        T.ptx.setmaxnreg.dec.sync.aligned.u32(PP_REGS[0])
                         for g in T.serial(tot + PPD):
                             if g < tot:
                                 if g >= STG:

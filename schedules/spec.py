@@ -362,7 +362,8 @@ class GemmKnobs:
     @property
     def load_threads(self) -> int:
         """Threads that load the tiles (wsp, pp: the producer warpgroups)."""
-        return 128 * (self.wsp or self.pp) if (self.wsp or self.pp) else self.threads
+        nprod = self.wsp or int(self.pp)
+        return 128 * nprod if nprod else self.threads
 
     def valid(self) -> bool:
         wtm, wtn = self.BM // self.WM, self.BN // self.WN

@@ -131,11 +131,11 @@ def make_cases(quick=False, bench=True):
     for li, (name, C, H, K, R, st, pd) in enumerate(distinct(RESNET50)):
         lay = ("NHWC", "HWNC")[li % 2]
         for j, N in enumerate((8, 32)):
-            add("check", f"pp_{name}_b{N}_int8_{lay.lower()}", int8_spec(N, C, H, K, R, st, pd, (li + j) % 3, lay),
-                None, knobs=dict(wg, WM=1, BM=128 if (li + j) % 2 else 64, pp=True, pipe=-1 + (li % 3 == 1),
-                                 stages=3 + (li + j) % (3 if not (li + j) % 2 or (li % 4 == 3 and (li + j) % 3 != 2)
-                                                        else 2),  # (128x128 with int32 staging: <= 4, 227 KiB)
-                                 erq=bool(li % 4 == 3)))
+            bm, v, erq = (128 if (li + j) % 2 else 64), (li + j) % 3, li % 4 == 3
+            # 3-5 stages; 3-4 for 128x128 with the int32 staging (erq off, or int32 out: it does not apply): 227 KiB
+            stg = 3 + (li + j) % (3 if bm == 64 or (erq and v != 2) else 2)
+            add("check", f"pp_{name}_b{N}_int8_{lay.lower()}", int8_spec(N, C, H, K, R, st, pd, v, lay),
+                None, knobs=dict(wg, WM=1, BM=bm, pp=True, pipe=-1 + (li % 3 == 1), stages=stg, erq=erq))
             # 4-bit: the register-A kernel with expanded weights, a packed A slot per stage, pipe -1
             add("check", f"pp4_{name}_b{N}_int4_{lay.lower()}", int4_spec(N, C, H, K, R, st, pd, (li + j) % 3, lay),
                 None, knobs=dict(wg, WM=1, BM=128 if (li + j) % 2 else 64, BK=64 if li % 3 else 32, pp=True,
