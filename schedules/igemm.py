@@ -232,7 +232,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # by cp.async like 8-bit ones (no packed B slots, no B unpack); B of chunk j lands in stage j % STG when chunk j's
     # A is copied (PSTG - 1 chunks ahead), so the stage must have retired chunk j - STG by then: STG >= PSTG + GIF
     # (GemmKnobs.valid, checked above, requires areg and those stages)
-    W8 = AREG and bool(kn.w8)
+    # (or, pp with the producer unpacking -- no areg -- the same expanded B copied by the producer into the stages,
+    # A alone unpacked from its packed ring: PPW below)
+    W8 = (AREG or (UNPACK_LD and bool(kn.pp) and not kn.areg)) and bool(kn.w8)
     # agl (w8 + awarp): no A ring at all -- each thread loads the packed words of its own wgmma A fragments from global
     # memory into a register ring AGD = pstages-1 chunks deep, unpacked one chunk ahead of its MMAs. Within a K-chunk
     # thread q = lane % 4 takes packed bytes [q*BK/4, (q+1)*BK/4) of its rows g and g+8 (one 8- or 16-byte load per
@@ -350,7 +352,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     SMEM_PA = PSTG * BM * BK if AREG and not AGL else 0
     # 4-bit wgmma with pstages: the per-thread packed ring, vector (stage, v, tid) at 16 bytes each (B only with areg)
     P_OFF = PA_OFF + SMEM_PA
-    PV_IT = 0 if W8 else (B_IT if AREG else A_IT + B_IT)
+    PV_IT = (0 if AREG else A_IT) if W8 else (B_IT if AREG else A_IT + B_IT)  # (pp + w8: A only)
     SMEM_P = PSTG * PV_IT * LNTH * 16
     SMEM_ALL = SMEM_A + SMEM_B + SMEM_PA + SMEM_P
     # erq: stage 1 of the requantize runs on the accumulator registers (each lane: rows g / g+8, column pairs
@@ -360,6 +362,11 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # channels per lane -- the int32 staging computes the same bits; the tuner only proposes it where it applies)
     ERQ = (bool(kn.erq) and SPLIT == 1 and EV % 4 == 0
            and ((lo >= -128 and hi <= 127) or (lo >= 0 and hi <= 255)))
+    # erq with 4-bit output (no residual): stage 1's two adjacent columns of a lane packed into one byte as they are
+    # staged, so the staging tile holds the packed output (half of each row) and the read-back copies it out like the
+    # 8-bit one -- no per-element nibble packing in the read-back (before: every 4-bit erq epilogue paid it, and none
+    # of the 4-bit records took erq)
+    ERQ4 = ERQ and OB == 4 and not HAS_RES and EV % 8 == 0 and K % 8 == 0
     CPB = WTN + 16
     STAGE_BYTES = NWARP * 16 * CPB if ERQ else 4 * SMEM_C
     # persist: GP blocks walk the tiles (tile = block + t * GP, output channels fastest); the staging tile lives
@@ -377,8 +384,12 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # (or the producer unpacks A and B from its packed ring into the shared stages, as wsp's producers do: the
     # consumers then read both operands through descriptors, as in the 8-bit kernel)
     PPU = UNPACK_LD and not AREG and PSTG >= 2 and kn.pipe in (-1, 0)
+    # (with w8, "PPW": the producer copies the expanded weights straight into the B stages and unpacks only A, in the
+    # 8-bit producer's loop -- chunk g's copies issued into stage g % STG and ring slot g % PSTG, chunk g - PPD's A
+    # unpacked into its stage once landed, then published -- so the ring holds PPD + 1 chunks: PSTG >= STG - GIF)
+    PPW = PPU and W8
     PP = bool(kn.pp) and WG and SPLIT == 1 and (not UNPACK_LD or PP4 or PPU)
-    if kn.pp and WG and (not PP or AGL8 or kn.WM * kn.WN != 1 or STG > 5):
+    if kn.pp and WG and (not PP or AGL8 or kn.WM * kn.WN != 1 or STG > 5 or (PPW and PSTG < STG - 1 - kn.pipe)):
         raise NotApplicable("pp: one warpgroup tile, stages <= 5, no split-K, no agl; 4-bit with pstages >= 2 (the "
                             "producer unpacks) or as the register-A kernel with w8, pipe -1 and pstages == stages")
     # (4-bit: the register-A loader with warp-owned rows and expanded weights, whose B is copied like an 8-bit operand)
@@ -558,13 +569,14 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     def kstep_off(ks, rows):  # byte offset of k32 step ks in a swizzled stage of ``rows`` rows
         return (ks * 32 // AW) * (rows * AW) + (ks * 32) % AW
 
-    def wg_mma(acc, base, adesc, bdesc, ar=None):
+    def wg_mma(acc, base, adesc, bdesc, ar=None, scale_d=1):
         """One wgmma.mma_async m64nINS_Nk32 on accumulator registers acc[base : base + INS_N/2]; A from the shared
-        tile of descriptor ``adesc``, or with ``ar`` from registers ar[adesc : adesc + 4]."""
+        tile of descriptor ``adesc``, or with ``ar`` from registers ar[adesc : adesc + 4]. ``scale_d`` (int32
+        expression) 0: the sum starts here (D = A*B, the registers' old values ignored), else D += A*B."""
         a_t = "s8" if spec.x_signed else "u8"
         op = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{INS_N}k32.s32.{a_t}.s8"]
         a = [ar[adesc + r] for r in range(4)] if ar is not None else [adesc]
-        return op(*[acc[base + r] for r in range(INS_N // 2)], *a, bdesc, T.ptx.pred(1))
+        return op(*[acc[base + r] for r in range(INS_N // 2)], *a, bdesc, T.ptx.pred(scale_d))
 
     def smem_desc(buf):
         """wgmma matrix descriptor of a shared tile: start >> 4 | LBO >> 4 << 16 | SBO >> 4 << 32 | layout << 62."""
@@ -807,6 +819,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         if AREG:
             if not W8:
                 store_tile(rv, As, tid, B_OFF + (kc % STG) * (BN * BKP), BN, B_IT, 0)
+        elif W8:  # (PPW: B went straight into its stage)
+            store_tile(rv, As, tid, (kc % STG) * (BM * BKP), BM, A_IT, 0)
         else:
             store_chunk(rv, As, As, tid, kc)
 
@@ -827,20 +841,22 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     ar[base + (ks * MI + i) * 4 + 2 + h2] = nib_hi(pw[h2])
 
     @T.macro
-    def mma_chunk(acc, ad, ar, wm, wn, kc, aset):
-        """The wgmma instructions of chunk kc: A through descriptor ad[0], or with areg from fragment set ``aset``."""
+    def mma_chunk(acc, ad, ar, wm, wn, kc, aset, acc_on=1):
+        """The wgmma instructions of chunk kc: A through descriptor ad[0], or with areg from fragment set ``aset``.
+        ``acc_on`` 0 (int32 expression): the tile's first chunk, whose first k-step starts the sums (scale-d 0)."""
         for ks in T.unroll(KS):
             for i in T.unroll(MI):
                 for h in T.unroll(NI):
                     bdesc = T.meta_var(ad[1] + T.Cast("uint64", (kc % STG * (BN * BKP) + (wn * WTN + h * INS_N) // 8
                                                                  * SBO + kstep_off(ks, BN)) // 16))
+                    sd = T.meta_var(acc_on if ks == 0 else 1)
                     if AREG:
                         T.evaluate(wg_mma(acc, (i * NT + h * (INS_N // 8)) * 4, aset * (KS * MI * 4) + (ks * MI + i) * 4,
-                                          bdesc, ar))
+                                          bdesc, ar, sd))
                     else:
                         T.evaluate(wg_mma(acc, (i * NT + h * (INS_N // 8)) * 4,
                                           ad[0] + T.Cast("uint64", (kc % STG * (BM * BKP) + (wm * WTM + i * 64) // 8 * SBO
-                                                                    + kstep_off(ks, BM)) // 16), bdesc))
+                                                                    + kstep_off(ks, BM)) // 16), bdesc, None, sd))
 
     @T.macro
     def load_frags(As, Bs, af, bf, lane, wm, wn, stage, ks, buf):
@@ -1026,8 +1042,11 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         if RP_ALL:
             for i in T.unroll(EMT):
                 res_prefetch(rfw, rpre, m0, n0, i, tid, Cb)
-        for i in (T.unroll(EMT) if (RP_ALL or PP) else T.serial(EMT)):  # (pp: see RP_ALL; with erq the rolled loop
-            # put the 128x128 tile's accumulators on the stack, under wgmma groups still in flight: wrong sums)
+        for i in (T.unroll(EMT) if (RP_ALL or PP or (ERQ and EMT > 1 and GIF > 0)) else T.serial(EMT)):
+            # (pp, and erq on a warpgroup tile of several row blocks with a wgmma group in flight: see RP_ALL; with erq
+            # the rolled loop put the accumulators on the stack -- 304 / 560-byte frames on 128x64 / 128x128
+            # one-warpgroup tiles -- and with a group in flight that gives wrong sums: the ping-pong kernel, the 4-bit
+            # w8 register-A kernel and the 8-bit kernel with pipe 0. With pipe -1 every group has retired: exact)
             if PREF and not RP_ALL:
                 res_prefetch(rfw, rpre, m0, n0, i, tid, Cb)
             if ERQ:  # stage 1 on the accumulators (column pair k, k+1 of rows g and g+8: one 2-byte store each)
@@ -1042,10 +1061,16 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                                                                  ps[0])))
                         v1 = T.meta_var(T.Cast("int32", requant1(acc_i32(acc, (i * NT + j) * 4 + 2 * e2 + 1), pb[1],
                                                                  pm[1], ps[1])))
-                        T.evaluate(T.ptx.st.shared.b16(
-                            T.address_of(Cb[cbase + (lane // 4 + 8 * e2) * CPB + j * 8 + (lane % 4) * 2]),
-                            T.Cast("uint32", T.bitwise_or(T.bitwise_and(v0, 255),
-                                                          T.shift_left(T.bitwise_and(v1, 255), 8)))))
+                        if ERQ4:  # (packed: columns k, k+1 in the low / high nibble of byte k / 2 of the row)
+                            T.evaluate(T.ptx.st.shared.b8(
+                                T.address_of(Cb[cbase + (lane // 4 + 8 * e2) * CPB + j * 4 + lane % 4]),
+                                T.Cast("uint32", T.bitwise_or(T.bitwise_and(v0, 15),
+                                                              T.shift_left(T.bitwise_and(v1, 15), 4)))))
+                        else:
+                            T.evaluate(T.ptx.st.shared.b16(
+                                T.address_of(Cb[cbase + (lane // 4 + 8 * e2) * CPB + j * 8 + (lane % 4) * 2]),
+                                T.Cast("uint32", T.bitwise_or(T.bitwise_and(v0, 255),
+                                                              T.shift_left(T.bitwise_and(v1, 255), 8)))))
             else:
                 # (written through st.shared, which TVM's sync planner does not track: as buffer stores it added a
                 # __syncthreads per row block. The read-back stays a buffer load: through ld.shared.v4 ptxas used
@@ -1062,7 +1087,15 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 cc = (L % LPR) * EV
                 m = m0 + wm * WTM + (i * 64 + (warp % 4) * 16 if WG else i * 16) + row
                 k = n0 + wn * WTN + cc
-                if ERQ:  # the staged 8-bit values: residual stage / 4-bit pack / plain copy out
+                if ERQ4:  # the staged packed bytes are the output: EV / 2 of them per lane
+                    if m < Mtot and k < K:
+                        if EV == 16:
+                            T.evaluate(T.ptx.ld.shared.v2.b32(sb[0], sb[1], T.address_of(Cb[cbase + row * CPB + cc // 2])))
+                        else:
+                            T.evaluate(T.ptx.ld.shared.b32(sb[0], T.address_of(Cb[cbase + row * CPB + cc // 2])))
+                        for e in T.vectorized(EV // 8):
+                            ofw[(m * K + k) // 8 + e] = sb[e]
+                elif ERQ:  # the staged 8-bit values: residual stage / 4-bit pack / plain copy out
                     if m < Mtot and k < K:
                         T.evaluate(ld_staged(sb, T.address_of(Cb[cbase + row * CPB + cc])))
                         if OB == 8 and not HAS_RES:  # the staged bytes are the output
@@ -1285,7 +1318,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 tot = (NTILES - bxn + GP - 1) // GP * NK  # the block's chunks
                 if tid >= NTH - NPROD:  # producer
                     T.ptx.setmaxnreg.dec.sync.aligned.u32(PP_REGS[0])
-                    if PPU:  # 4-bit: packed ring -> unpacked stage g % STG, published
+                    if PPU and not PPW:  # 4-bit: packed ring -> unpacked stage g % STG, published
                         for s0 in T.unroll(PSTG):
                             if s0 < tot:
                                 o0 = T.meta_var(tile_origin(s0, bxn))
@@ -1321,6 +1354,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                             T.ptx.cp.async_.commit_group()
                             if g >= PPD:  # chunk g - PPD landed (this thread's copies), visible to wgmma, published
                                 T.ptx.cp.async_.wait_group(PPD)
+                                if PPW:  # (4-bit: its A, this thread's packed vectors, unpacked into the stage)
+                                    unpack_chunk(rv, As, tid - (NTH - NPROD), g - PPD)
                                 T.ptx.fence.proxy.async_.shared__cta()
                                 T.evaluate(T.ptx.bar.arrive(
                                     T.uint32(1) + T.Cast("uint32", (g - PPD) // NK % 2 * STG + (g - PPD) % STG),
@@ -1335,7 +1370,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                             if AREG:  # 4-bit: this thread's A fragments of the chunk, unpacked
                                 load_afrag(ar, pw, As, lane, warp, 0, tb + kc, 0)
                             T.ptx.wgmma.fence.sync.aligned()
-                            mma_chunk(acc, ad, ar, 0, 0, tb + kc, 0)
+                            mma_chunk(acc, ad, ar, 0, 0, tb + kc, 0, 1 if ERQ else T.Cast("int32", kc != 0))
                             T.ptx.wgmma.commit_group.sync.aligned()
                             T.ptx.wgmma.wait_group.sync.aligned(GIF)
                             if kc >= GIF and tb + kc - GIF + STG < tot:  # chunk kc - GIF retired: its stage is empty
@@ -1350,8 +1385,13 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         o2 = T.meta_var(tile_origin(tb, bxn))
                         epilogue(bias, Mq, Sq, rf, rfw, rq2, of, ofw, Cs, Cb, acc, pb, pm, ps, q2, rb, rbw, yb, ob, sb,
                                  tid, o2[0], o2[1], bz, rpre)
-                        for e in T.unroll(EMT * NT * 4):
-                            acc[e] = T.Cast(ACC_T, 0)
+                        # the next tile's sums: started by its first chunk's scale-d 0, not zeroed here (zeroed, nvcc
+                        # copies one zero register into the accumulators between the first chunk's wgmmas and ptxas
+                        # serializes those: "C7517 warpgroup.wait is injected"). erq keeps the zeroing: not zeroed,
+                        # the accumulators stay live through its epilogue, which then spills (128x128, residual)
+                        if ERQ:
+                            for e in T.unroll(EMT * NT * 4):
+                                acc[e] = T.Cast(ACC_T, 0)
             elif WSP:
                 # warp-specialized: named barrier 1 + s = stage s full (the producer arrives after unpacking a chunk
                 # into it), 1 + STG + s = stage s empty (the consumers arrive when its MMAs have retired)

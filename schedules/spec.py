@@ -320,9 +320,10 @@ class GemmKnobs:
     #                   warpgroups taking the block's tiles in turn, each a whole BM x BN tile (WM = WN = 1): one
     #                   consumer's epilogue runs while the other's MMAs do (CUTLASS's ping-pong kernel). 8-bit
     #                   operands; 4-bit either with pstages >= 2 (no areg: the producer unpacks A and B from its
-    #                   packed ring into the shared stages, like wsp) or as the register-A kernel with w8 (areg,
-    #                   pipe -1, pstages == stages: the packed A chunk in the ring slot of its B stage; each
-    #                   consumer reads and unpacks its own fragments)
+    #                   packed ring into the shared stages, like wsp; with w8 the expanded weights go straight into
+    #                   the B stages and only A is unpacked, pstages >= stages - 1 - pipe) or as the register-A
+    #                   kernel with w8 (areg, pipe -1, pstages == stages: the packed A chunk in the ring slot of its B
+    #                   stage; each consumer reads and unpacks its own fragments)
 
     SPACE = {
         "BM": (32, 64, 128, 256),
@@ -376,7 +377,8 @@ class GemmKnobs:
                        and (not self.areg or (self.pstages >= 2 and self.pipe in (-1, 0)))
                        and (not self.awarp or (self.areg and self.WN == 1
                                                and (self.pipe == -1 or (self.agl and self.pipe == 0))))
-                       and (not self.w8 or (self.areg and self.stages >= self.pstages + 1 + self.pipe))
+                       and (not self.w8 or (self.areg and self.stages >= self.pstages + 1 + self.pipe)
+                            or (self.pp and not self.areg and self.pstages >= self.stages - 1 - self.pipe))
                        and (not self.agl or (self.w8 and self.awarp and not self.persist))
                        and (not self.wsp or (not self.areg and self.pstages >= 2 and self.stages >= 2
                                              and self.pipe in (-1, 0)))
@@ -448,10 +450,11 @@ def tile_grid(spec: ConvSpec, bm: int, bn: int) -> int:
 
 def packed_weight_knobs(kn: GemmKnobs) -> GemmKnobs:
     """``kn`` for 4-bit weights kept packed (``qcompile --packed-int4-weights``): a ``w8`` / ``agl`` kernel becomes the
-    register-A kernel that unpacks B itself (pipe -1 where ``agl`` had pipe 0, which warp-owned rows need)."""
+    register-A kernel that unpacks B itself (pipe -1 where ``agl`` had pipe 0, which warp-owned rows need); a ping-pong
+    ``w8`` kernel the ping-pong kernel whose producer unpacks A and B (``pp`` without ``areg``)."""
     if not kn.w8:
         return kn
-    k = kn.replace(w8=False, agl=False)
+    k = kn.replace(w8=False, agl=False, areg=kn.areg and not kn.pp)
     return k if k.valid() else k.replace(pipe=-1)
 
 

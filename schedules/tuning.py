@@ -28,9 +28,13 @@ import warnings
 from .spec import ConvSpec, GemmKnobs
 
 LOG_FORMAT = 1
-# ConvSpec fields that decide the main loop (and so the best tile); the epilogue (out dtype, residual, zero
-# points, clip range, signedness) does not enter the key, so every requantised variant of a layer shares it.
-KEY_FIELDS = ("layout", "N", "H", "W", "C", "K", "R", "S", "stride", "padding", "dilation", "x_bits", "w_bits")
+# ConvSpec fields that decide the main loop (and so the best tile), and whether the epilogue adds a residual: the
+# residual stage reads a second tensor and holds registers the plain epilogue does not (a ping-pong tile tuned without
+# it ran 5-7% slower end to end with it, H100), so a conv with a residual add has its own key (``|res``) and falls back
+# to the plain key's record where it has none. The rest of the epilogue (out dtype, zero points, clip range,
+# signedness) does not enter the key: every requantised variant of a layer shares it.
+KEY_FIELDS = ("layout", "N", "H", "W", "C", "K", "R", "S", "stride", "padding", "dilation", "x_bits", "w_bits",
+              "has_residual")
 KNOB_FIELDS = tuple(f.name for f in dataclasses.fields(GemmKnobs))
 
 
@@ -44,7 +48,14 @@ def tuning_key(spec: ConvSpec) -> str:
     pads = ",".join(str(p) for p in spec.pads)
     dh, dw = spec.dilations
     return (f"{spec.layout}|N{spec.N}|H{spec.H}|W{spec.W}|C{spec.C}|K{spec.K}|R{spec.R}|S{spec.S}"
-            f"|st{sh},{sw}|pad{pads}|dil{dh},{dw}|x{spec.x_bits}|w{spec.w_bits}")
+            f"|st{sh},{sw}|pad{pads}|dil{dh},{dw}|x{spec.x_bits}|w{spec.w_bits}" + ("|res" if spec.has_residual else ""))
+
+
+def _lookup_keys(spec: ConvSpec) -> list[str]:
+    """The keys a record for ``spec`` may have, preferred first: its own, and for a conv with a residual add the
+    plain conv's (tuned without the residual stage, as before the key had it)."""
+    own = tuning_key(spec)
+    return [own, tuning_key(spec.replace(has_residual=False))] if spec.has_residual else [own]
 
 
 def knobs_to_dict(kn: GemmKnobs) -> dict:
@@ -148,19 +159,21 @@ def load_log(arch: str) -> dict | None:
 
 
 def layer_records(spec: ConvSpec, arch: str = "sm_90") -> dict[int, GemmKnobs]:
-    """The valid knobs the log records for ``spec``'s layer (every key field but the batch size), by batch size."""
+    """The valid knobs the log records for ``spec``'s layer (every key field but the batch size), by batch size; for a
+    conv with a residual add, its own records over the plain conv's (``_lookup_keys``)."""
     log = load_log(arch)
     if log is None:
         return {}
-    parts = tuning_key(spec).split("|")
     out = {}
-    for key, rec in log["records"].items():
-        p = key.split("|")
-        if len(p) != len(parts) or p[:1] + p[2:] != parts[:1] + parts[2:] or not p[1][1:].isdigit():
-            continue
-        kn = knobs_from_dict(rec.get("knobs"))
-        if kn is not None:
-            out[int(p[1][1:])] = kn
+    for own in reversed(_lookup_keys(spec)):  # (the preferred key last: its records win)
+        parts = own.split("|")
+        for key, rec in log["records"].items():
+            p = key.split("|")
+            if len(p) != len(parts) or p[:1] + p[2:] != parts[:1] + parts[2:] or not p[1][1:].isdigit():
+                continue
+            kn = knobs_from_dict(rec.get("knobs"))
+            if kn is not None:
+                out[int(p[1][1:])] = kn
     return out
 
 
@@ -192,14 +205,15 @@ def knobs_for(spec: ConvSpec, arch: str = "sm_90") -> tuple[GemmKnobs, str]:
 
 
 def tuned_knobs(spec: ConvSpec, arch: str = "sm_90") -> GemmKnobs | None:
-    """Knobs measured best for ``spec`` on ``arch``, or None (no log / stale / no record for this shape)."""
+    """Knobs measured best for ``spec`` on ``arch`` (for a conv with a residual add: its own record, else the plain
+    conv's), or None (no log / stale / no record for this shape)."""
     log = load_log(arch)
     if log is None:
         return None
-    rec = log["records"].get(tuning_key(spec))
-    if rec is None:
+    key = next((k for k in _lookup_keys(spec) if k in log["records"]), None)
+    if key is None:
         return None
-    kn = knobs_from_dict(rec.get("knobs"))
+    kn = knobs_from_dict(log["records"][key].get("knobs"))
     if kn is None:
-        _warn_once(log_path(arch), f"stale record {tuning_key(spec)!r} in tuning log (knobs do not fit GemmKnobs)")
+        _warn_once(log_path(arch), f"stale record {key!r} in tuning log (knobs do not fit GemmKnobs)")
     return kn

@@ -37,8 +37,8 @@ def main():
     ap.add_argument("--nets", nargs="+", default=["resnet18", "resnet50"])
     ap.add_argument("--bits", nargs="+", default=["8", "4", "mixed"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64, 256])
-    ap.add_argument("--check-batch", nargs="+", type=int, default=None,
-                    help="batch sizes (of --batch) that get a fixed input and the llvm build's output (default: 1 8)")
+    ap.add_argument("--check-batch", nargs="*", type=int, default=None,
+                    help="batch sizes (of --batch) that get a fixed input and the llvm build's output (default: 1 8; none: an A/B build)")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--layout", default="NHWC")
     ap.add_argument("--profile-batch", nargs="*", type=int, default=[],

@@ -124,6 +124,31 @@ def make_cases(quick=False, bench=True):
         for N in (8, 32):
             add("check", f"rpa_{name}_b{N}_int8_{lay.lower()}", int8_spec(N, C, H, K, R, st, pd, 1, lay), None,
                 knobs=dict(w1, erq=bool(li % 4 == 3)))
+    # erq with 4-bit output (no residual): the output packed as it is staged (ERQ4). Every ResNet-50 shape at batch 8
+    # and 32, unsigned and signed 4-bit output, both layouts, EV 8 and 16, on the mma.sync kernel, the plain wgmma
+    # kernel, the w8 register-A kernel, the agl kernel and the ping-pong kernel with w8
+    e4_knobs = [dict(BM=128, BN=128, BK=64, WM=2, WN=2, stages=3, pipe=0, mma="sync"),
+                dict(wg, BK=64, WM=2),
+                dict(wg, BK=64, WM=2, stages=4, pstages=4, areg=True, w8=True),
+                dict(wg, BK=64, WM=1, BN=64, stages=4, pstages=3, areg=True, w8=True, awarp=True, agl=True, pipe=0),
+                dict(wg, BK=64, WM=1, BM=64, stages=4, pstages=3, pipe=0, pp=True, w8=True),
+                # (a one-warpgroup 128x128 tile with a group in flight: 128 accumulators per thread, the epilogue's
+                # row-block loop unrolled -- rolled, they went to the stack under the in-flight wgmma: wrong sums)
+                dict(wg, BK=64, WM=1, stages=4, pstages=3, areg=True, w8=True, pipe=0)]
+    for li, (name, C, H, K, R, st, pd) in enumerate(distinct(RESNET50)):
+        for j, N in enumerate((8, 32)):
+            kw = e4_knobs[(li + 2 * j) % len(e4_knobs)]
+            sp = int4_spec(N, C, H, K, R, st, pd, 0, "NHWC" if kw.get("agl") else ("NHWC", "HWNC")[(li + j) % 2])
+            if j:  # signed 4-bit output
+                sp = sp.replace(out_dtype="int4", zo=-1, lo=-8, hi=7)
+            add("check", f"erq4_{name}_b{N}_{sp.out_dtype}_{sp.layout.lower()}", sp, None,
+                knobs=dict(kw, erq=True, ev=(8, 16)[li % 2]))
+    # 8-bit one-warpgroup 128x128 tiles with erq and a group in flight (the epilogue's row-block loop unrolled), every
+    # other ResNet-50 shape at batch 32, the three epilogue variants
+    for li, (name, C, H, K, R, st, pd) in enumerate(distinct(RESNET50)):
+        if li % 2 == 0:
+            add("check", f"erq1wg_{name}_b32_int8", int8_spec(32, C, H, K, R, st, pd, li % 3), None,
+                knobs=dict(wg, WM=1, pipe=0, stages=3, erq=True))
     # ping-pong kernels (pp: a producer warpgroup, two consumers taking the block's tiles in turn): every ResNet-50
     # shape at batch 8 and 32 (one to ~25 tiles per block), both layouts, the three epilogue variants, 128x128 and
     # 64x128 tiles, pipe -1 / 0, 3-5 stages, erq on every fourth (the stem, 4 channels, gets the mma.sync fallback;
@@ -146,6 +171,12 @@ def make_cases(quick=False, bench=True):
         add("check", f"pp4u_{name}_b{N}_int4_{lay.lower()}", int4_spec(N, C, H, K, R, st, pd, li % 3, lay), None,
             knobs=dict(wg, WM=1, BM=(64, 128)[li % 2], BK=(64, 32)[li % 3 == 2], pp=True, pstages=3,
                        stages=3 + li % 2, pipe=-1 + li % 2, erq=bool(li % 2 == 1 or li % 4 == 0)))
+        # ... and with expanded weights (w8): B copied straight into its stage, only A unpacked (the ring holds
+        # stages - 1 - pipe chunks, or one more)
+        N, stg, pipe = (32, 8)[li % 2], 3 + li % 2, -1 + (li % 3 == 1)
+        add("check", f"pp4w_{name}_b{N}_int4_{lay.lower()}", int4_spec(N, C, H, K, R, st, pd, (li + 1) % 3, lay),
+            None, knobs=dict(wg, WM=1, BM=(128, 64)[li % 2], BK=(64, 32)[li % 3 == 0], pp=True, w8=True,
+                             stages=stg, pipe=pipe, pstages=stg - 1 - pipe + (li % 4 == 2), erq=bool(li % 4 != 1)))
         if li % 3 == 0:  # 128x128 tiles with erq and a group in flight, several tiles per block (setmaxnreg: no spill)
             add("check", f"pp_erq_{name}_b32_int8", int8_spec(32, C, H, K, R, st, pd, 0), None,
                 knobs=dict(wg, WM=1, pp=True, pipe=0, stages=4, erq=True))

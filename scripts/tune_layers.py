@@ -166,6 +166,20 @@ def int4_spec(N, C, H, K, R, st, pd, s2d=True):
     return _compiled_spec(N, C, H, K, R, st, pd, "uint4", 4, s2d, out_dtype="uint4", zo=1, lo=0, hi=15)
 
 
+RESIDUAL_LAYERS = ("_1x1b",)  # ResNet-50: the bottleneck's expansion conv carries the block's residual add
+
+
+def residual_spec(spec):
+    """``spec`` with the residual add a compiled ResNet-50 fuses into it (schedules/spec.py, ConvSpec): the int8 /
+    int4 stage-1 intermediate, the unsigned residual input and output (after the block's ReLU), the per-tensor
+    second stage compiled in (``rq2_uniform``) and computed in int32, as the dispatcher plans it for a QDQ graph."""
+    if spec.x_bits == 4:
+        return spec.replace(has_residual=True, lo=-8, hi=7, zo=0, res_dtype="uint4", zo2=0, lo2=0, hi2=15,
+                            res_i32=True, rq2_uniform=(1, 3 << 14, -2, 5 << 13, 16))
+    return spec.replace(has_residual=True, lo=-128, hi=127, zo=0, res_dtype="uint8", zo2=0, lo2=0, hi2=255,
+                        res_i32=True, rq2_uniform=(1, 3 << 14, -2, 5 << 13, 16))
+
+
 def smem_bytes(kn, spec=None) -> int:
     pitch = kn.BK * (2 if spec is not None and spec.x_bits == 4 else 1) if kn.mma == "wgmma" else kn.BK + 16
     nwarp = (kn.threads - kn.load_threads if (kn.wsp or kn.pp) else kn.threads) // 32  # (warps with accumulators)
@@ -253,10 +267,11 @@ def candidates(spec, n: int, names=None):
 # ------------------------------------------------------------------------------------------------------------
 # build (here)
 # ------------------------------------------------------------------------------------------------------------
-def r50_layer_specs(batches):
+def r50_layer_specs(batches, residual=False):
     """(NAME_bN_DT, spec, is_gemm) for every distinct ResNet-50 conv at each batch, INT8 and INT4, as compiled
     models run it (int8_spec / int4_spec: the C=3 stem padded to 4 channels, 8-bit inputs in both); is_gemm is False
-    where the tensor-core rules do not apply (generic fallback, nothing to tune)."""
+    where the tensor-core rules do not apply (generic fallback, nothing to tune). ``residual``: the RESIDUAL_LAYERS
+    with the residual add the model fuses into them (``residual_spec``; their tuning key is the ``|res`` one)."""
     from qcompile.schedules import select_strategy
     from qcompile.schedules.layers import RESNET50, distinct
 
@@ -264,6 +279,8 @@ def r50_layer_specs(batches):
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
                 spec = mk(N, C, H, K, R, st, pd)
+                if residual and name.endswith(RESIDUAL_LAYERS):
+                    spec = residual_spec(spec)
                 yield f"{name}_b{N}_{dt}", spec, select_strategy(spec, ARCH) == "implicit_gemm"
 
 
@@ -465,15 +482,16 @@ PP_TILES = {"pp128x128_bk128_s3": dict(BM=128, BN=128, BK=128, stages=3),
             "pp64x64_bk128_s5": dict(BM=64, BN=64, BK=128, stages=5)}
 
 
-def make_cases_pp(batches, layers=None, tiles=None, pipes=(-1, 0), erq=(False, True), dtypes=("int8",)):
+def make_cases_pp(batches, layers=None, tiles=None, pipes=(-1, 0), erq=(False, True), dtypes=("int8",),
+                  residual=False, forms4=("", "_u", "_w")):
     """Every ResNet-50 layer as compiled now plus, for its tensor-core layers of ``dtypes`` (or only ``layers``),
     ping-pong kernels (``GemmKnobs.pp``) on PP_TILES (or ``tiles``) with each of ``pipes`` and ``erq`` as tuning
     variants; 4-bit ones as the register-A kernel with expanded weights (w8, pipe -1, a packed A slot per stage: BK
-    halved, the same unpacked tile)."""
+    halved, the same unpacked tile). ``residual``: as in ``r50_layer_specs``."""
     from qcompile.schedules import DEFAULT_KNOBS
     from qcompile.schedules.igemm import _adapt_knobs
 
-    cases, extra = make_cases_as_compiled(batches), []
+    cases, extra = make_cases_as_compiled(batches, residual), []
     for c in _tunable(cases, dtypes, layers):
         spec, seen = c["spec"], {c["knobs"]}
         if not _wg_ok(spec):
@@ -482,11 +500,16 @@ def make_cases_pp(batches, layers=None, tiles=None, pipes=(-1, 0), erq=(False, T
             if tiles and tname not in tiles:
                 continue
             forms = [("", kw, pipes)]
-            if spec.x_bits == 4:  # register-A (w8), and the producer unpacking a 3-deep packed ring ("_u")
+            if spec.x_bits == 4:  # register-A (w8), the producer unpacking a 3-deep packed ring ("_u"), and the
+                # producer unpacking only A, the expanded weights copied into the stages ("_w": w8, the ring
+                # stages - 1 - pipe deep)
                 forms = [("", dict(kw, BK=kw["BK"] // 2, areg=True, w8=True, pstages=kw["stages"]), (-1,)),
-                         ("_u", dict(kw, BK=kw["BK"] // 2, pstages=3), pipes)]
-            for suf, kf, pps in forms:
+                         ("_u", dict(kw, BK=kw["BK"] // 2, pstages=3), pipes),
+                         ("_w", dict(kw, BK=kw["BK"] // 2, w8=True), pipes)]
+            for suf, kf, pps in [f for f in forms if spec.x_bits == 8 or f[0] in forms4]:
                 for pipe in pps:
+                    if suf == "_w":
+                        kf = dict(kf, pstages=kf["stages"] - 1 - pipe)
                     for e in erq:
                         kn = _adapt_knobs(spec, DEFAULT_KNOBS[ARCH].replace(mma="wgmma", WM=1, WN=1, pipe=pipe, erq=e,
                                                                              pp=True, **kf), "NHWC")
@@ -744,10 +767,11 @@ def _now_knobs(spec):
     return _adapt_knobs(spec, knobs_for(spec, ARCH)[0], "NHWC")
 
 
-def make_cases_as_compiled(batches):
-    """One kernel per ResNet-50 shape: the knobs a compiled model gets (``_now_knobs``); no tuning."""
+def make_cases_as_compiled(batches, residual=False):
+    """One kernel per ResNet-50 shape: the knobs a compiled model gets (``_now_knobs``); no tuning. ``residual``: as
+    in ``r50_layer_specs``."""
     cases = []
-    for layer, spec, gemm in r50_layer_specs(batches):
+    for layer, spec, gemm in r50_layer_specs(batches, residual):
         if not gemm:
             cases.append(fallback_case(layer, spec))
             continue
@@ -887,7 +911,9 @@ def cmd_build(a):
     elif a.erq:
         cases = make_cases_erq(a.batches, a.only_layers, a.cands)
     elif a.pp:
-        cases = make_cases_pp(a.batches, a.only_layers, a.cands, dtypes=tuple(a.dtypes))
+        cases = make_cases_pp(a.batches, a.only_layers, a.cands, dtypes=tuple(a.dtypes), residual=a.residual,
+                              erq=(False,) if a.no_erq else (False, True),
+                              forms4=tuple("" if f == "a" else f"_{f}" for f in a.pp_forms4))
     elif a.sk:
         cases = make_cases_sk(a.batches, a.only_layers, a.cands)
     elif a.stem:
@@ -908,7 +934,7 @@ def cmd_build(a):
     elif a.neighbors:
         cases = make_cases_neighbors(a.batches)
     elif a.as_compiled:
-        cases = make_cases_as_compiled(a.batches)
+        cases = make_cases_as_compiled(a.batches, a.residual)
     elif a.loop_ab:
         cases = make_cases_loop_ab(a.batches, {1: 2, 64: 1})
     else:
@@ -985,7 +1011,7 @@ def acc_t(spec, x_log, w_log):
 
 
 def requant_t(acc, bias, M, S, spec):
-    """The project math (schedules/reference.py::requant) in torch int64, no residual."""
+    """The project math (schedules/reference.py::requant) in torch int64, stage 1 (the residual stage: residual_t)."""
     import torch
 
     t = acc + bias.long()
@@ -999,6 +1025,16 @@ def requant_t(acc, bias, M, S, spec):
     return torch.clamp(v + spec.zo, lo, hi)
 
 
+def residual_t(y, r, rq2, spec):
+    """The residual stage (schedules/reference.py::requant with ``res``) in torch int64: y stage-1 values, r the
+    residual's logical values, rq2 int32[5, K] rows (c1, M1, c2, M2, S2)."""
+    import torch
+
+    c1, M1, c2, M2, S2 = (t.long() for t in rq2)
+    v = (y + c1) * M1 + (r + c2) * M2 + torch.bitwise_left_shift(torch.ones_like(S2), S2 - 1)
+    return torch.clamp(torch.bitwise_right_shift(v, S2) + spec.zo2, spec.lo2, spec.hi2)
+
+
 def make_problem(spec, seed, dev):
     """Fresh random inputs (storage tensors on dev, never zeros) + the reference output storage."""
     import numpy as np
@@ -1009,7 +1045,6 @@ def make_problem(spec, seed, dev):
     except ImportError:  # GPU host: schedules/reference.py as a plain module (no TVM compiler there)
         import reference as R
 
-    assert not spec.has_residual
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
     xs, ws, os_ = spec.shapes()
@@ -1019,18 +1054,28 @@ def make_problem(spec, seed, dev):
     wb = torch.randint(0, 256, ws, dtype=torch.uint8, device=dev, generator=g).view(torch.int8)
     # per-channel bias / M / S exactly as the NumPy random_problem draws them (they depend on K, R*S*C, dtypes)
     rng = np.random.default_rng(seed)
-    _, _, b, M, S, _ = R.random_problem(spec.replace(N=1, H=spec.R, W=spec.S, padding=0, stride=1, dilation=1), rng)
+    _, _, b, M, S, res = R.random_problem(spec.replace(N=1, H=spec.R, W=spec.S, padding=0, stride=1, dilation=1), rng)
     x_log = unpack_t(xb, spec.x_bits, spec.x_signed)[..., :spec.C]
     w_log = unpack_t(wb, spec.w_bits, True)[..., :spec.C]
     acc = acc_t(spec, x_log, w_log)
     bt, Mt, St = (torch.from_numpy(v).to(dev) for v in (b, M, S))
     y = requant_t(acc, bt, Mt, St, spec)
+    extra, r_log = [], None
+    if spec.has_residual:  # random residual bytes; the second stage's rq2 as random_problem draws it
+        rb = torch.randint(0, 256, spec.res_shape(), dtype=torch.uint8, device=dev, generator=g)
+        if spec.storage(spec.res_dtype) == "int8":
+            rb = rb.view(torch.int8)
+        r_log = unpack_t(rb, spec.res_bits, spec.res_signed)[..., :spec.K]
+        rq2 = torch.from_numpy(res[1]).to(dev)
+        y = residual_t(y, r_log, rq2, spec)
+        extra = [rb, rq2]
     ref = pack_t(y, spec.out_dtype)
     # cross-check this torch reference against the trusted NumPy requant + packing on the first image
-    y_np = R.requant(acc[:1].cpu().numpy(), b, M, S, spec)
+    y_np = R.requant(acc[:1].cpu().numpy(), b, M, S, spec,
+                     None if r_log is None else (r_log[:1].cpu().numpy(), res[1]))
     ok_np = bool(np.array_equal(R.to_storage(y_np, spec.out_dtype), ref[:1].cpu().numpy()))
     nuniq = int(torch.unique(y[:1]).numel())
-    return [xb, wb, bt, Mt, St], ref, ok_np, nuniq
+    return [xb, wb, bt, Mt, St, *extra], ref, ok_np, nuniq
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1493,7 +1538,7 @@ def main():
     b.add_argument("--occ1wg", action="store_true",
                    help="as compiled + one-warpgroup 128-row tiles with minb 0/3/4 (--minb), with and without erq "
                         "(--no-erq: without), for the 8-bit layers (--only-layers)")
-    b.add_argument("--no-erq", action="store_true", help="with --occ1wg: no erq variants")
+    b.add_argument("--no-erq", action="store_true", help="with --occ1wg / --pp: no erq variants")
     b.add_argument("--stem", action="store_true",
                    help="the stem as compiled (its space-to-depth form) with every CAND tile (--cands), with and "
                         "without erq, INT8 and INT4")
@@ -1503,6 +1548,12 @@ def main():
     b.add_argument("--neighbors", action="store_true",
                    help="as compiled + each tensor-core layer on its records at the log's other batch sizes and on the "
                         "arch's defaults: records for a batch size the log has none for")
+    b.add_argument("--pp-forms4", nargs="+", default=["a", "u", "w"], choices=["a", "u", "w"],
+                   help="with --pp: the 4-bit ping-pong forms (a: register-A with w8; u: the producer unpacks A and "
+                        "B; w: the producer unpacks A, w8 weights copied)")
+    b.add_argument("--residual", action="store_true",
+                   help="with --pp / --as-compiled: the layers that carry ResNet-50's residual add (RESIDUAL_LAYERS) "
+                        "built and timed with it, as compiled models run them (tuning key ...|res)")
     b.add_argument("--as-compiled", action="store_true",
                    help="no tuning: one kernel per ResNet-50 shape with the knobs compiled models get (bench only)")
     d = sub.add_parser("device")

@@ -590,6 +590,14 @@ def test_cuda_pingpong():
     body = _src(s4, "sm_90", knobs=kn4u).split("main_kernel(")[-1]
     assert "wgmma_int_ss_mma_async_sync_aligned_m64n128k32_s32_u8_s8" in body and "wgmma_int_rs" not in body
     assert "setmaxnreg_dec_sync_aligned_u32_56" in body and body.count("__syncthreads()") == 1
+    # ... with expanded weights (w8): B copied into its stages, only A unpacked; the ring stages - 1 - pipe deep
+    kn4w = WG.replace(WM=1, BM=64, BK=64, pipe=0, stages=4, pstages=3, pp=True, w8=True)
+    assert kn4w.valid() and not kn4w.replace(pstages=2).valid() and kn4w.replace(pipe=-1, pstages=4).valid()
+    f4w = make_gemm_conv(s4, "sm_90", kn4w, adapt=False)
+    assert w8_weights(f4w) and int(f4w.params[1].shape[-1]) == 256  # (the weights expanded: C bytes per tap)
+    body = cuda_source(build_cuda(f4w, "sm_90", mode="ptx")).split("main_kernel(")[-1]
+    assert "wgmma_int_ss_mma_async_sync_aligned_m64n128k32_s32_u8_s8" in body and "wgmma_int_rs" not in body
+    assert "setmaxnreg_dec_sync_aligned_u32_56" in body and body.count("__syncthreads()") == 1
     with pytest.raises(NotApplicable, match="pp"):  # the 8-bit kernel's knobs on 4-bit operands
         make_gemm_conv(s4, "sm_90", kn, adapt=False)
 
@@ -824,3 +832,36 @@ def test_glue_pool_rule():
         assert sch is not None
         src = cuda_source(build_cuda(sch.mod["main"].with_attr("global_symbol", "glue"), "sm_90", mode="ptx"))
         assert load in src and store in src, src[-3000:]
+
+
+def _ptxas_stack_bytes(src: str) -> int:
+    """ptxas's stack frame (bytes) of the one kernel in ``src`` (CUDA source), sm_90a."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as td:
+        cu = os.path.join(td, "k.cu")
+        open(cu, "w").write(src)
+        r = subprocess.run(["nvcc", "--cubin", "-O3", "-std=c++17", "-arch=sm_90a", "-Xptxas", "-v", "-o",
+                            os.path.join(td, "k.cubin"), cu], capture_output=True, text=True, check=True)
+    return int(re.search(r"(\d+) bytes stack frame", r.stderr).group(1))
+
+
+@pytest.mark.skipif(find_tool("nvcc") is None, reason="nvcc not installed")
+def test_cuda_erq_4bit_output_and_rolled_epilogue():
+    """erq with 4-bit output (no residual): a lane's two adjacent columns packed into one staged byte (st.shared.b8),
+    the read-back a plain copy; 8-bit output keeps the 2-byte staging, a residual the 8-bit intermediate. And an erq
+    warpgroup tile of two row blocks with a group in flight (pipe 0) unrolls its epilogue's row-block loop: rolled,
+    the accumulators went to the stack (304 bytes on this 128x64 tile) and the sums were wrong on the H100."""
+    s4 = ConvSpec(N=32, H=14, W=14, C=256, K=128, R=1, S=1, x_dtype="uint4", w_bits=4, out_dtype="uint4", lo=0, hi=15)
+    kn = WG.replace(BK=64, WM=1, BN=64, erq=True, stages=4, pstages=3, areg=True, w8=True, pipe=0)
+    assert kn.valid()
+    body = _src(s4, "sm_90", knobs=kn).split("main_kernel(")[-1]
+    assert "st_shared_b8" in body and "st_shared_b16" not in body
+    # (the H100 check that found it: ResNet-50's l1_1x1c at batch 32 with the residual epilogue, 128x64 tile)
+    s8 = ConvSpec(N=32, H=56, W=56, C=256, K=64, R=1, S=1, x_dtype="int8", out_dtype="uint8", has_residual=True,
+                  res_dtype="uint8", zo=-2, zo2=-1, lo2=0, hi2=255, res_i32=True)
+    src8 = _src(s8, "sm_90", knobs=WG.replace(WM=1, pipe=0, erq=True))
+    assert "st_shared_b16" in src8.split("main_kernel(")[-1] and "st_shared_b8" not in src8.split("main_kernel(")[-1]
+    assert _ptxas_stack_bytes(src8) == 0
+    r4 = s4.replace(out_dtype="uint4", lo=-8, hi=7, has_residual=True, res_dtype="uint4", lo2=0, hi2=15)
+    assert "st_shared_b8" not in _src(r4, "sm_90", knobs=kn).split("main_kernel(")[-1]

@@ -40,6 +40,11 @@ def _specs():
             if C % 2 == 0:
                 yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint4", w_bits=4,
                                out_dtype="uint4", lo=0, hi=15)
+            if R == 1:  # (the 1x1 expansions carry ResNet-50's residual add: tuned with it, key ...|res)
+                yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
+                               out_dtype="uint8", has_residual=True, res_dtype="uint8")
+                yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint4", w_bits=4,
+                               out_dtype="uint4", lo=-8, hi=7, has_residual=True, res_dtype="uint4")
 
 
 def _tuned_spec():
@@ -81,11 +86,42 @@ def test_log_is_package_data():
     assert TU.log_path("sm_90").is_file()
 
 
-def test_key_is_stable_and_ignores_the_epilogue():
+def test_key_is_stable_and_ignores_the_epilogue_but_the_residual():
     a = ConvSpec(N=64, H=14, W=14, C=256, K=256, R=3, S=3, stride=1, padding=1, x_dtype="uint8", out_dtype="uint8")
-    b = a.replace(stride=(1, 1), padding=(1, 1, 1, 1), x_dtype="int8", out_dtype="int32", has_residual=True, zo=5)
+    b = a.replace(stride=(1, 1), padding=(1, 1, 1, 1), x_dtype="int8", out_dtype="int32", zo=5, lo=-3)
     assert tuning_key(a) == tuning_key(b) == "NHWC|N64|H14|W14|C256|K256|R3|S3|st1,1|pad1,1,1,1|dil1,1|x8|w8"
     assert tuning_key(a.replace(N=8)) != tuning_key(a) and tuning_key(a.replace(x_dtype="uint4", w_bits=4)) != tuning_key(a)
+    r = a.replace(has_residual=True, res_dtype="int8")
+    assert tuning_key(r) == tuning_key(r.replace(res_dtype="uint8", zo2=4, res_i32=True)) == tuning_key(a) + "|res"
+
+
+def test_residual_conv_prefers_its_own_record(tmp_path, monkeypatch):
+    """A conv with a residual add gets the record tuned with the residual stage (key ...|res) where the log has one,
+    else the plain conv's record (and at another batch size, its own layer's records over the plain ones)."""
+    spec = _tuned_spec()
+    res = spec.replace(has_residual=True, res_dtype="uint8")
+    plain_kn = _no_warnings(tuned_knobs, spec, "sm_90")
+    assert tuning_key(res) not in TU.load_log("sm_90")["records"] or tuned_knobs(res, "sm_90") != plain_kn
+    log = json.loads(TU.log_path("sm_90").read_text())
+    log["records"].pop(tuning_key(res), None)
+    for n in (spec.N, spec.N * 2):  # (N * 2: no record of its own in either form -- the nearest batch decides)
+        log["records"].pop(tuning_key(res.replace(N=n * 2)), None)
+        log["records"].pop(tuning_key(spec.replace(N=n * 2)), None)
+    (tmp_path / "sm_90.json").write_text(json.dumps(log))
+    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path))
+    TU.clear_cache()
+    assert _no_warnings(tuned_knobs, res, "sm_90") == plain_kn  # no residual record: the plain conv's
+    other = plain_kn.replace(BM=64 if plain_kn.BM != 64 else 128, split_k=0)
+    assert other.valid() and other != plain_kn
+    log["records"][tuning_key(res)] = dict(log["records"][tuning_key(spec)], knobs=TU.knobs_to_dict(other))
+    (tmp_path / "sm_90.json").write_text(json.dumps(log))
+    TU.clear_cache()
+    assert tuned_knobs(res, "sm_90") == other and tuned_knobs(spec, "sm_90") == plain_kn
+    assert TU.layer_records(res.replace(N=spec.N * 2), "sm_90")[spec.N] == other
+    assert TU.layer_records(spec.replace(N=spec.N * 2), "sm_90")[spec.N] == plain_kn
+    f = conv2d_int_kernel(res, "sm_90")
+    assert str(f.attrs["qcompile.knobs_source"]) == "tuned" and str(f.attrs["qcompile.knobs"]) == str(
+        _adapt_knobs(res, other, "NHWC"))
 
 
 def test_tuned_spec_gets_its_knobs():
@@ -390,3 +426,31 @@ def test_log_merge_keeps_generated_by_and_ranks_by_confirmed_time(tmp_path, monk
     with pytest.raises(SystemExit, match="r50_x_b256_int4: variant fast_alone"):
         TL.cmd_log(argparse.Namespace(results=str(res), merge=True, note="", min_gain=0.02))
     assert dst.read_text() == before
+
+
+def test_residual_tuning_cases_and_reference():
+    """tune_layers.py build --pp --residual: ResNet-50's 1x1b expansions built with the residual add a compiled model
+    fuses into them (their records go to the ``|res`` key), the other layers as before; the device side's torch
+    reference of the residual stage equals NumPy's ``requant`` on a small problem (CPU)."""
+    import numpy as np
+    import torch
+
+    from qcompile.schedules import reference as R
+
+    tl = _tune_layers()
+    cases = tl.make_cases_pp([64], ["r50_l4_1x1b_b64_int8", "r50_l4_1x1c_b64_int8"], residual=True)
+    tune = [c for c in cases if c["variant"] != "default"]
+    assert {c["layer"] for c in tune} == {"r50_l4_1x1b_b64_int8", "r50_l4_1x1c_b64_int8"}
+    for c in cases:  # (every layer as compiled, the residual ones with their add, and the variants)
+        assert c["spec"].has_residual == c["layer"].startswith(("r50_l1_1x1b", "r50_l2_1x1b", "r50_l3_1x1b",
+                                                                 "r50_l4_1x1b"))
+        assert tuning_key(c["spec"]).endswith("|res") == c["spec"].has_residual
+    assert any(c["knobs"].pp and not c["knobs"].erq for c in tune) and all(c["knobs"].valid() for c in tune)
+    for mk in (tl.int8_spec, tl.int4_spec):
+        sp = tl.residual_spec(mk(2, 64, 7, 256, 1, 1, 0))
+        args, ref, ok_np, nuniq = tl.make_problem(sp, 7, torch.device("cpu"))
+        xb, wb, b, M, S, rb, rq2 = (a.numpy() for a in args)
+        x = R.from_storage(xb, sp.x_dtype, sp.C)
+        w = R.from_storage(wb, "int4" if sp.w_bits == 4 else "int8", sp.C)
+        y = R.requant(R.conv_acc_nhwc(x, w, sp), b, M, S, sp, (R.from_storage(rb, sp.res_dtype, sp.K), rq2))
+        assert ok_np and nuniq > 8 and np.array_equal(R.to_storage(y, sp.out_dtype), ref.numpy())
