@@ -391,7 +391,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     PP = bool(kn.pp) and WG and SPLIT == 1 and (not UNPACK_LD or PP4 or PPU)
     if kn.pp and WG and (not PP or AGL8 or kn.WM * kn.WN != 1 or STG > 5 or (PPW and PSTG < STG - 1 - kn.pipe)):
         raise NotApplicable("pp: one warpgroup tile, stages <= 5, no split-K, no agl; 4-bit with pstages >= 2 (the "
-                            "producer unpacks) or as the register-A kernel with w8, pipe -1 and pstages == stages")
+                            "producer unpacks; with w8 pstages >= stages - 1 - pipe) or as the register-A kernel with "
+                            "w8, pipe -1 and pstages == stages")
     # (4-bit: the register-A loader with warp-owned rows and expanded weights, whose B is copied like an 8-bit operand)
     PERSIST = (bool(kn.persist) or SK) and SPLIT == 1 and WG and (not UNPACK_LD or (W8 and AWARP and not SK))
     NTILES = GRID_M * GRID_N
@@ -590,11 +591,12 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     def acc_i32(acc, idx):
         return T.reinterpret("int32", acc[idx]) if WG else acc[idx]
 
-    def ld_staged(sb, addr):
-        """erq: this lane's EV staged bytes -> sb (one 4/8/16-byte ld.shared)."""
-        if EV == 16:
+    def ld_staged(sb, addr, n=None):
+        """erq: this lane's ``n`` (default EV) staged bytes -> sb (one 4/8/16-byte ld.shared)."""
+        n = n or EV
+        if n == 16:
             return T.ptx.ld.shared.v4.b32(sb[0], sb[1], sb[2], sb[3], addr)
-        if EV == 8:
+        if n == 8:
             return T.ptx.ld.shared.v2.b32(sb[0], sb[1], addr)
         return T.ptx.ld.shared.b32(sb[0], addr)
 
@@ -1089,10 +1091,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 k = n0 + wn * WTN + cc
                 if ERQ4:  # the staged packed bytes are the output: EV / 2 of them per lane
                     if m < Mtot and k < K:
-                        if EV == 16:
-                            T.evaluate(T.ptx.ld.shared.v2.b32(sb[0], sb[1], T.address_of(Cb[cbase + row * CPB + cc // 2])))
-                        else:
-                            T.evaluate(T.ptx.ld.shared.b32(sb[0], T.address_of(Cb[cbase + row * CPB + cc // 2])))
+                        T.evaluate(ld_staged(sb, T.address_of(Cb[cbase + row * CPB + cc // 2]), EV // 2))
                         for e in T.vectorized(EV // 8):
                             ofw[(m * K + k) // 8 + e] = sb[e]
                 elif ERQ:  # the staged 8-bit values: residual stage / 4-bit pack / plain copy out

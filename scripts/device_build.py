@@ -126,7 +126,8 @@ def make_cases(quick=False, bench=True):
                 knobs=dict(w1, erq=bool(li % 4 == 3)))
     # erq with 4-bit output (no residual): the output packed as it is staged (ERQ4). Every ResNet-50 shape at batch 8
     # and 32, unsigned and signed 4-bit output, both layouts, EV 8 and 16, on the mma.sync kernel, the plain wgmma
-    # kernel, the w8 register-A kernel, the agl kernel and the ping-pong kernel with w8
+    # kernel, the w8 register-A kernel (also as a one-warpgroup 128x128 tile with pipe 0), the agl kernel and the
+    # ping-pong kernel with w8
     e4_knobs = [dict(BM=128, BN=128, BK=64, WM=2, WN=2, stages=3, pipe=0, mma="sync"),
                 dict(wg, BK=64, WM=2),
                 dict(wg, BK=64, WM=2, stages=4, pstages=4, areg=True, w8=True),
