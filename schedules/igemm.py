@@ -241,8 +241,14 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # 16 bytes) and uses their word j at k-step j, where the plain fragment order has bytes 16j+4q..16j+4q+3: the
     # expanded weights take the same permutation (reference.expand_w4(w, kperm=BK)), so the sums are unchanged
     AGL = W8 and AWARP and bool(kn.agl)
-    if kn.agl and REGA and (not AGL or layout != "NHWC" or GKB % BK):
-        raise NotApplicable("agl needs w8 + awarp, NHWC and whole K-chunks (R*S*C*bits/8 % BK == 0)")
+    # (agl on the register-A ping-pong, PPK below: the packed A rows still go through the shared ring, but each
+    # thread reads them in agl's k order -- its BK/4 bytes of a row in one 8/16-byte ld.shared instead of one 4-byte
+    # load per k-step -- and the expanded weights take agl's permutation)
+    PPK = (UNPACK_LD and W8 and AREG and not AWARP and bool(kn.pp) and bool(kn.agl) and PSTG == STG
+           and kn.pipe in (-1, 0))
+    if kn.agl and REGA and (not (AGL or PPK) or layout != "NHWC" or GKB % BK):
+        raise NotApplicable("agl needs w8 + awarp (or the register-A ping-pong), NHWC and whole K-chunks "
+                            "(R*S*C*bits/8 % BK == 0)")
     WSP = bool(UNPACK_LD and kn.wsp)  # warp-specialized (see GemmKnobs.wsp)
     NSET = 2 if (kn.pipe == 0 or AWARP) else 1  # areg: A-fragment register sets (chunk kc+1's loaded during kc's MMAs)
     if AGL and kn.pipe == 0:  # agl with a group in flight: chunk kc+1's set is neither kc's nor kc-1's
@@ -380,7 +386,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # K-chunks (chunk g: tile bid + (g // NK) * GP, K-chunk g % NK, stage g % STG) into the ring; consumer warpgroup c
     # runs the block's tiles c, c + 2, ... (chunks of tile i go to consumer i % 2), each a whole tile. 4-bit: the
     # register-A kernel with expanded weights (w8), packed A chunk g in ring slot g % STG beside its B stage
-    PP4 = UNPACK_LD and W8 and not AWARP and PSTG == STG and kn.pipe == -1
+    PP4 = UNPACK_LD and W8 and not AWARP and PSTG == STG and kn.pipe in (-1, 0)
     # (or the producer unpacks A and B from its packed ring into the shared stages, as wsp's producers do: the
     # consumers then read both operands through descriptors, as in the 8-bit kernel)
     PPU = UNPACK_LD and not AREG and PSTG >= 2 and kn.pipe in (-1, 0)
@@ -389,10 +395,12 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # unpacked into its stage once landed, then published -- so the ring holds PPD + 1 chunks: PSTG >= STG - GIF)
     PPW = PPU and W8
     PP = bool(kn.pp) and WG and SPLIT == 1 and (not UNPACK_LD or PP4 or PPU)
-    if kn.pp and WG and (not PP or AGL8 or kn.WM * kn.WN != 1 or STG > 5 or (PPW and PSTG < STG - 1 - kn.pipe)):
+    if kn.pp and WG and (not PP or AGL8 or (kn.agl and not PPK) or kn.WM * kn.WN != 1 or STG > 5
+                         or (PPW and PSTG < STG - 1 - kn.pipe)):
         raise NotApplicable("pp: one warpgroup tile, stages <= 5, no split-K, no agl; 4-bit with pstages >= 2 (the "
                             "producer unpacks; with w8 pstages >= stages - 1 - pipe) or as the register-A kernel with "
-                            "w8, pipe -1 and pstages == stages")
+                            "w8, pipe -1 or 0 and pstages == stages (agl: only that one)")
+    PP_NSET = 2 if PP and AREG and kn.pipe == 0 else 1  # pp, register A: fragment sets per consumer
     # (4-bit: the register-A loader with warp-owned rows and expanded weights, whose B is copied like an 8-bit operand)
     PERSIST = (bool(kn.persist) or SK) and SPLIT == 1 and WG and (not UNPACK_LD or (W8 and AWARP and not SK))
     NTILES = GRID_M * GRID_N
@@ -832,15 +840,33 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         ar[base + (ks*MI + i)*4 + 0..3] = (row g, k 4q..), (row g+8, k 4q..), (row g, k 16+4q..), (row g+8, k 16+4q..)
         (g = lane/4, q = lane%4): the even values of packed word q of the step in the first two, the odd values in
         the last two -- the k order the nibble split gives the B tile."""
-        for ks in T.unroll(KS):
+        if PPK:  # agl's k order: thread q's bytes [q*BK/4, (q+1)*BK/4) of the row, word ks for k-step ks
             for i in T.unroll(MI):
                 for h2 in T.unroll(2):
-                    T.evaluate(T.ptx.ld.shared.b32(
-                        pw[h2], T.address_of(As[pa_off(kc, wm * WTM + i * 64 + (warp % 4) * 16 + lane // 4 + 8 * h2,
-                                                       ks) + (lane % 4) * 4])))
-                for h2 in T.unroll(2):
-                    ar[base + (ks * MI + i) * 4 + h2] = nib_lo(pw[h2])
-                    ar[base + (ks * MI + i) * 4 + 2 + h2] = nib_hi(pw[h2])
+                    for j in T.unroll(NAV):
+                        b0 = T.meta_var((lane % 4) * (BK // 4) + j * APV)  # (byte of the row, within 16-byte chunk)
+                        ad_ = T.meta_var(T.address_of(As[pa_off(kc, wm * WTM + i * 64 + (warp % 4) * 16 + lane // 4
+                                                                + 8 * h2, b0 // 16) + b0 % 16]))
+                        if APV == 16:
+                            T.evaluate(T.ptx.ld.shared.v4.b32(pw[j * 4], pw[j * 4 + 1], pw[j * 4 + 2], pw[j * 4 + 3],
+                                                              ad_))
+                        elif APV == 8:
+                            T.evaluate(T.ptx.ld.shared.v2.b32(pw[j * 2], pw[j * 2 + 1], ad_))
+                        else:
+                            T.evaluate(T.ptx.ld.shared.b32(pw[j], ad_))
+                    for ks in T.unroll(KS):
+                        ar[base + (ks * MI + i) * 4 + h2] = nib_lo(pw[ks])
+                        ar[base + (ks * MI + i) * 4 + 2 + h2] = nib_hi(pw[ks])
+        else:
+            for ks in T.unroll(KS):
+                for i in T.unroll(MI):
+                    for h2 in T.unroll(2):
+                        T.evaluate(T.ptx.ld.shared.b32(
+                            pw[h2], T.address_of(As[pa_off(kc, wm * WTM + i * 64 + (warp % 4) * 16 + lane // 4
+                                                           + 8 * h2, ks) + (lane % 4) * 4])))
+                    for h2 in T.unroll(2):
+                        ar[base + (ks * MI + i) * 4 + h2] = nib_lo(pw[h2])
+                        ar[base + (ks * MI + i) * 4 + 2 + h2] = nib_hi(pw[h2])
 
     @T.macro
     def mma_chunk(acc, ad, ar, wm, wn, kc, aset, acc_on=1):
@@ -859,6 +885,23 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         T.evaluate(wg_mma(acc, (i * NT + h * (INS_N // 8)) * 4,
                                           ad[0] + T.Cast("uint64", (kc % STG * (BM * BKP) + (wm * WTM + i * 64) // 8 * SBO
                                                                     + kstep_off(ks, BM)) // 16), bdesc, None, sd))
+
+    @T.macro
+    def pp_chunk(acc, ad, ar, pw, As, lane, warp, tid, tb, kc, aset, acc_on, tot):
+        """pp consumer: chunk kc of the tile whose first chunk is tb -- wait until published, (4-bit) its A fragments
+        into register set ``aset``, its MMAs (``acc_on`` 0: the tile's first), and once chunk kc - GIF retired, its
+        stage marked empty (only the arrivals the producer waits for)."""
+        T.evaluate(T.ptx.bar.sync(T.uint32(1) + T.Cast("uint32", tid // 128 * STG + (tb + kc) % STG), T.uint32(256)))
+        if AREG:
+            load_afrag(ar, pw, As, lane, warp, 0, tb + kc, aset * (KS * MI * 4))
+        T.ptx.wgmma.fence.sync.aligned()
+        mma_chunk(acc, ad, ar, 0, 0, tb + kc, aset, acc_on)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(GIF)
+        if kc >= GIF:
+            if tb + kc - GIF + STG < tot:
+                T.evaluate(T.ptx.bar.arrive(T.uint32(1 + 2 * STG) + T.Cast("uint32", (tb + kc - GIF) % STG),
+                                            T.uint32(256)))
 
     @T.macro
     def load_frags(As, Bs, af, bf, lane, wm, wn, stage, ks, buf):
@@ -1170,7 +1213,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         wf = T.decl_buffer((W_SIZE,), w_st, data=w.data)
         rv = T.alloc_buffer((4 * (A_IT + B_IT),), "uint32", scope="local")  # 4-bit wgmma: packed vectors in flight
         ar = T.alloc_buffer((NSET * KS * MI * 4 if AREG else 1,), "uint32", scope="local")  # areg: A fragments
-        pw = T.alloc_buffer((2,), "uint32", scope="local")  # areg: packed A words
+        pw = T.alloc_buffer((KS if PPK else 2,), "uint32", scope="local")  # areg: packed A words (PPK: a row's)
         pk = T.alloc_buffer((AGD * AGW if AGL else 1,), "uint32", scope="local")  # agl: the packed A register ring
         kal = T.alloc_buffer((1,), "uint32", scope="local")  # KEEP: the fragment sets' last reads
         # wgmma: one byte ring whatever the operand type (TVM names a lone dynamic buffer after it, and kernels of
@@ -1363,18 +1406,20 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     T.ptx.setmaxnreg.inc.sync.aligned.u32(PP_REGS[1])
                     for t2 in T.serial((tot // NK - tid // 128 + 1) // 2):
                         tb = (t2 * 2 + tid // 128) * NK  # the tile's first chunk
-                        for kc in T.serial(NK):
-                            T.evaluate(T.ptx.bar.sync(T.uint32(1) + T.Cast("uint32", tid // 128 * STG + (tb + kc) % STG),
-                                                      T.uint32(256)))
-                            if AREG:  # 4-bit: this thread's A fragments of the chunk, unpacked
-                                load_afrag(ar, pw, As, lane, warp, 0, tb + kc, 0)
-                            T.ptx.wgmma.fence.sync.aligned()
-                            mma_chunk(acc, ad, ar, 0, 0, tb + kc, 0, 1 if ERQ else T.Cast("int32", kc != 0))
-                            T.ptx.wgmma.commit_group.sync.aligned()
-                            T.ptx.wgmma.wait_group.sync.aligned(GIF)
-                            if kc >= GIF and tb + kc - GIF + STG < tot:  # chunk kc - GIF retired: its stage is empty
-                                T.evaluate(T.ptx.bar.arrive(T.uint32(1 + 2 * STG) + T.Cast("uint32", (tb + kc - GIF)
-                                                                                             % STG), T.uint32(256)))
+                        # chunk 0 peeled: its scale-d 0 a constant, so ptxas knows the first wgmma reads no
+                        # accumulators (they are dead from the last tile's epilogue on, nothing to zero); 4-bit with
+                        # pipe 0: chunk kc's A fragments in register set kc % 2 (unrolled by two), loaded while chunk
+                        # kc - 1's MMAs (the other set) run
+                        pp_chunk(acc, ad, ar, pw, As, lane, warp, tid, tb, 0, 0, 0, tot)
+                        if PP_NSET == 2:
+                            for kc2 in T.serial(NK // 2):
+                                for par in T.unroll(2):
+                                    if 1 + kc2 * 2 + par < NK:
+                                        pp_chunk(acc, ad, ar, pw, As, lane, warp, tid, tb, 1 + kc2 * 2 + par,
+                                                 (1 + par) % 2, 1, tot)
+                        else:
+                            for kc in T.serial(1, NK):
+                                pp_chunk(acc, ad, ar, pw, As, lane, warp, tid, tb, kc, 0, 1, tot)
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         for j in T.unroll(GIF):  # the tile's last GIF chunks
                             if NK - GIF + j >= 0:
@@ -1387,7 +1432,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         # the next tile's sums: started by its first chunk's scale-d 0, not zeroed here (zeroed, nvcc
                         # copies one zero register into the accumulators between the first chunk's wgmmas and ptxas
                         # serializes those: "C7517 warpgroup.wait is injected"). erq keeps the zeroing: not zeroed,
-                        # the accumulators stay live through its epilogue, which then spills (128x128, residual)
+                        # the accumulators stay live through its epilogue, which then spills (128x128: 16 bytes, with
+                        # the residual 584 instead of 276; the first chunk's constant scale-d 0 does not change that)
                         if ERQ:
                             for e in T.unroll(EMT * NT * 4):
                                 acc[e] = T.Cast(ACC_T, 0)
@@ -1610,7 +1656,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
 
     if W8 and UNPACK_LD:
         conv = conv.with_attr("qcompile.w8", 1)
-    if AGL:
+    if AGL or PPK:
         conv = conv.with_attr("qcompile.w8_kperm", BK)
     conv = conv.with_attr("qcompile.knobs", str(kn)).with_attr("qcompile.strategy", "direct_hwnc" if HWNC else "implicit_gemm")
     if SK:  # (tile counters, workspace words): callers pass zeros int32[tiles] before out and get the workspace after it

@@ -314,7 +314,9 @@ class GemmKnobs:
     #                    pipe 0 too (one MMA group left in flight; three A-fragment register sets). On 8-bit operands
     #                    (with the same areg / awarp / w8 / pstages knobs; R*S*C % BK == 0): the same loader without
     #                    the unpack, the 8-bit weights k-permuted alike (reference.permute_k8); one m64 row block per
-    #                    warpgroup keeps it within the registers (two spill)
+    #                    warpgroup keeps it within the registers (two spill). With pp (the register-A ping-pong):
+    #                    A still through the shared ring, each thread reading its row bytes in agl's k order (one
+    #                    8/16-byte ld.shared per row and chunk instead of one 4-byte load per k-step)
     pp: bool = False  # wgmma, "ping-pong": a persistent grid of one block per SM, each a producer warpgroup (cp.async
     #                   of the K-chunk stream into the ring, named barriers full/empty per stage) and two consumer
     #                   warpgroups taking the block's tiles in turn, each a whole BM x BN tile (WM = WN = 1): one
@@ -322,8 +324,9 @@ class GemmKnobs:
     #                   operands; 4-bit either with pstages >= 2 (no areg: the producer unpacks A and B from its
     #                   packed ring into the shared stages, like wsp; with w8 the expanded weights go straight into
     #                   the B stages and only A is unpacked, pstages >= stages - 1 - pipe) or as the register-A
-    #                   kernel with w8 (areg, pipe -1, pstages == stages: the packed A chunk in the ring slot of its B
-    #                   stage; each consumer reads and unpacks its own fragments)
+    #                   kernel with w8 (areg, pipe -1 or 0, pstages == stages: the packed A chunk in the ring slot of
+    #                   its B stage; each consumer reads and unpacks its own fragments, with pipe 0 into one of two
+    #                   register sets while the previous chunk's MMAs run)
 
     SPACE = {
         "BM": (32, 64, 128, 256),
@@ -377,9 +380,11 @@ class GemmKnobs:
                        and (not self.areg or (self.pstages >= 2 and self.pipe in (-1, 0)))
                        and (not self.awarp or (self.areg and self.WN == 1
                                                and (self.pipe == -1 or (self.agl and self.pipe == 0))))
-                       and (not self.w8 or (self.areg and self.stages >= self.pstages + 1 + self.pipe)
+                       and (not self.w8 or (self.areg and not self.pp and self.stages >= self.pstages + 1 + self.pipe)
+                            or (self.pp and self.areg and self.pstages == self.stages)
                             or (self.pp and not self.areg and self.pstages >= self.stages - 1 - self.pipe))
-                       and (not self.agl or (self.w8 and self.awarp and not self.persist))
+                       and (not self.agl or (self.w8 and self.awarp and not self.persist)
+                            or (self.pp and self.areg and self.w8))
                        and (not self.wsp or (not self.areg and self.pstages >= 2 and self.stages >= 2
                                              and self.pipe in (-1, 0)))
                        and (not self.sk or (self.pstages == 0 and not self.areg and not self.wsp))
@@ -387,11 +392,11 @@ class GemmKnobs:
                             or (self.w8 and self.awarp))
                        and not (self.persist and self.sk) and (not self.sk or self.split_k in (0, 1))
                        and (not self.pp or (self.WM == 1 and self.WN == 1 and not self.wsp and not self.persist
-                                            and not self.sk and not self.agl and self.split_k in (0, 1)
+                                            and not self.sk and (not self.agl or self.areg) and self.split_k in (0, 1)
                                             and self.stages <= 5
                                             and ((self.pstages == 0 and not self.areg)  # 8-bit
                                                  or (self.pstages >= 2 and not self.areg and self.pipe in (-1, 0))
-                                                 or (self.areg and self.w8 and not self.awarp and self.pipe == -1
+                                                 or (self.areg and self.w8 and not self.awarp and self.pipe in (-1, 0)
                                                      and self.pstages == self.stages)))))
         else:
             tile_ok = (wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg

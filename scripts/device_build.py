@@ -167,6 +167,20 @@ def make_cases(quick=False, bench=True):
                 None, knobs=dict(wg, WM=1, BM=128 if (li + j) % 2 else 64, BK=64 if li % 3 else 32, pp=True,
                                  areg=True, w8=True, stages=3 + (li + j) % 3, pstages=3 + (li + j) % 3,
                                  erq=bool(li % 4 == 1)))
+        # ... and with one MMA group in flight (pipe 0: two fragment sets per consumer, chunk kc's unpacked into one
+        # while chunk kc - 1's MMAs read the other)
+        N, stg = (32, 8)[li % 2], 4 + li % 2
+        add("check", f"pp4g1_{name}_b{N}_int4_{lay.lower()}", int4_spec(N, C, H, K, R, st, pd, li % 3, lay), None,
+            knobs=dict(wg, WM=1, BM=(128, 64)[li % 3 == 1], BK=(64, 32)[li % 4 == 3], pp=True, areg=True, w8=True,
+                       stages=stg, pstages=stg, pipe=0, erq=bool(li % 2 == 0)))
+        # ... reading its fragments in agl's k order (one 8/16-byte ld.shared per row and chunk; the weights
+        # k-permuted), NHWC and whole K-chunks (others: not applicable, the as-compiled kernel)
+        if (C * R * R // 2) % (64, 32)[li % 4 == 0] == 0:
+            N, stg = (8, 32)[li % 2], 3 + li % 3
+            add("check", f"pp4k_{name}_b{N}_int4", int4_spec(N, C, H, K, R, st, pd, (li + 2) % 3), None,
+                knobs=dict(wg, WM=1, BM=(64, 128)[li % 2], BK=(64, 32)[li % 4 == 0], pp=True, areg=True, w8=True,
+                           agl=True, stages=stg, pstages=stg, pipe=-1 + (stg >= 4 and li % 3 != 0),
+                           erq=bool(li % 3 == 1)))
         # 4-bit with the producer unpacking its packed ring into the shared stages (pstages 3)
         N = (8, 32)[li % 2]
         add("check", f"pp4u_{name}_b{N}_int4_{lay.lower()}", int4_spec(N, C, H, K, R, st, pd, li % 3, lay), None,

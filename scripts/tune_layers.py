@@ -486,8 +486,8 @@ def make_cases_pp(batches, layers=None, tiles=None, pipes=(-1, 0), erq=(False, T
                   residual=False, forms4=("", "_u", "_w")):
     """Every ResNet-50 layer as compiled now plus, for its tensor-core layers of ``dtypes`` (or only ``layers``),
     ping-pong kernels (``GemmKnobs.pp``) on PP_TILES (or ``tiles``) with each of ``pipes`` and ``erq`` as tuning
-    variants; 4-bit ones as the register-A kernel with expanded weights (w8, pipe -1, a packed A slot per stage: BK
-    halved, the same unpacked tile). ``residual``: as in ``r50_layer_specs``."""
+    variants; 4-bit ones as the register-A kernel with expanded weights (w8, a packed A slot per stage: BK halved, the
+    same unpacked tile), and (``forms4``) with the producer unpacking. ``residual``: as in ``r50_layer_specs``."""
     from qcompile.schedules import DEFAULT_KNOBS
     from qcompile.schedules.igemm import _adapt_knobs
 
@@ -500,10 +500,11 @@ def make_cases_pp(batches, layers=None, tiles=None, pipes=(-1, 0), erq=(False, T
             if tiles and tname not in tiles:
                 continue
             forms = [("", kw, pipes)]
-            if spec.x_bits == 4:  # register-A (w8), the producer unpacking a 3-deep packed ring ("_u"), and the
-                # producer unpacking only A, the expanded weights copied into the stages ("_w": w8, the ring
-                # stages - 1 - pipe deep)
-                forms = [("", dict(kw, BK=kw["BK"] // 2, areg=True, w8=True, pstages=kw["stages"]), (-1,)),
+            if spec.x_bits == 4:  # register-A (w8; "_k": its fragments read in agl's k order), the producer
+                # unpacking a 3-deep packed ring ("_u"), and the producer unpacking only A, the expanded weights copied
+                # into the stages ("_w": w8, the ring stages - 1 - pipe deep)
+                forms = [("", dict(kw, BK=kw["BK"] // 2, areg=True, w8=True, pstages=kw["stages"]), pipes),
+                         ("_k", dict(kw, BK=kw["BK"] // 2, areg=True, w8=True, pstages=kw["stages"], agl=True), pipes),
                          ("_u", dict(kw, BK=kw["BK"] // 2, pstages=3), pipes),
                          ("_w", dict(kw, BK=kw["BK"] // 2, w8=True), pipes)]
             for suf, kf, pps in [f for f in forms if spec.x_bits == 8 or f[0] in forms4]:
@@ -1297,7 +1298,7 @@ def cmd_device(a):
             if layer.endswith("int8") and layer in dflt_rec and dflt_rec[layer] is not best_rec.get(layer):
                 targets.append(dflt_rec[layer])
             targets += [r for r in by_layer.get(layer, []) if r["variant"] in a.ncu_variants and r not in targets]
-        results["ncu"] = run_ncu(targets, tdir, out, log, a.ncu_timeout)
+        results["ncu"] = run_ncu(targets, tdir, out, log, a.ncu_timeout, a.ncu_source)
         save()
     log(f"done in {time.time() - T0:.0f}s")
 
@@ -1310,7 +1311,7 @@ NCU_METRIC_CANDIDATES = [
 ]
 
 
-def run_ncu(targets, tdir, out, log, timeout):
+def run_ncu(targets, tdir, out, log, timeout, source=False):
     import shutil
 
     ncu = shutil.which("ncu") or next(iter(sorted(pathlib.Path("/opt/nvidia").glob("nsight-compute/*/ncu"))), None)
@@ -1332,7 +1333,7 @@ def run_ncu(targets, tdir, out, log, timeout):
            "--kernel-name", "regex:^(" + "|".join(funcs) + ")_kernel", "--launch-count", str(len(funcs)),
            "--section", "SpeedOfLight", "--section", "ComputeWorkloadAnalysis", "--section", "MemoryWorkloadAnalysis",
            "--section", "Occupancy", "--section", "LaunchStats", "--section", "WarpStateStats",
-           "--section", "SchedulerStats"]
+           "--section", "SchedulerStats"] + (["--section", "SourceCounters"] if source else [])
     if metrics:
         cmd += ["--metrics", ",".join(metrics)]
     cmd += [sys.executable, __file__, "ncu-target", str(tdir), *funcs]
@@ -1353,6 +1354,10 @@ def run_ncu(targets, tdir, out, log, timeout):
         raw = subprocess.run([ncu, "-i", str(rep) + ".ncu-rep", "--page", "raw", "--csv"], capture_output=True,
                              text=True, timeout=60)
         (out / "ncu_raw.csv").write_text(raw.stdout)
+        if source:  # per SASS instruction: executions and warp stall samples, one kernel after another
+            src = subprocess.run([ncu, "-i", str(rep) + ".ncu-rep", "--page", "source", "--csv", "--print-source",
+                                  "sass"], capture_output=True, text=True, timeout=120)
+            (out / "ncu_source.csv").write_text(src.stdout + src.stderr[-2000:])
         log(f"ncu rc={r.returncode}; details {len(det.stdout)} chars")
         return dict(rc=r.returncode, targets=[(t["layer"], t["variant"], t["func"]) for t in targets])
     except Exception as e:  # noqa: BLE001
@@ -1548,9 +1553,10 @@ def main():
     b.add_argument("--neighbors", action="store_true",
                    help="as compiled + each tensor-core layer on its records at the log's other batch sizes and on the "
                         "arch's defaults: records for a batch size the log has none for")
-    b.add_argument("--pp-forms4", nargs="+", default=["a", "u", "w"], choices=["a", "u", "w"],
-                   help="with --pp: the 4-bit ping-pong forms (a: register-A with w8; u: the producer unpacks A and "
-                        "B; w: the producer unpacks A, w8 weights copied)")
+    b.add_argument("--pp-forms4", nargs="+", default=["a", "u", "w"], choices=["a", "k", "u", "w"],
+                   help="with --pp: the 4-bit ping-pong forms (a: register-A with w8; k: the same reading its "
+                        "fragments in agl's k order; u: the producer unpacks A and B; w: the producer unpacks A, w8 "
+                        "weights copied)")
     b.add_argument("--residual", action="store_true",
                    help="with --pp / --as-compiled: the layers that carry ResNet-50's residual add (RESIDUAL_LAYERS) "
                         "built and timed with it, as compiled models run them (tuning key ...|res)")
@@ -1562,6 +1568,7 @@ def main():
     d.add_argument("--bench-budget", type=float, default=360, help="s after start: no new bench row after this")
     d.add_argument("--ncu-before", type=float, default=380, help="s after start: ncu only if reached before this")
     d.add_argument("--ncu-timeout", type=float, default=100)
+    d.add_argument("--ncu-source", action="store_true", help="ncu: also the SourceCounters section (stalls by SASS line)")
     d.add_argument("--ncu-layer", default="r50_l3_3x3_b64")
     d.add_argument("--ncu-variants", nargs="+", default=[],
                    help="also profile these tuning variants of the ncu layer (besides its best and default)")

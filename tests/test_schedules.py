@@ -554,7 +554,7 @@ def test_cuda_pingpong():
     cp.async and two consumer warpgroups taking the block's tiles in turn -- synchronised by named barriers (full per
     consumer and stage, empty per stage: 3 x stages + 1 of the 16) and with registers moved to the consumers
     (setmaxnreg 56 / 224); no split-K pair. 8-bit operands; 4-bit as the register-A kernel with expanded weights
-    (w8, pipe -1, a packed A slot per stage: each consumer unpacks its own A fragments) or with the producer
+    (w8, pipe -1 or 0, a packed A slot per stage: each consumer unpacks its own A fragments) or with the producer
     unpacking a packed ring into the shared stages (pstages >= 2, no areg)."""
     from qcompile.schedules.igemm import split_factor, w8_weights
 
@@ -581,9 +581,37 @@ def test_cuda_pingpong():
     assert w8_weights(f4) and f'T.launch_thread("blockIdx.x", {min(tiles, 132)})' in f4.script()
     body = cuda_source(build_cuda(f4, "sm_90", mode="ptx")).split("main_kernel(")[-1]
     assert "wgmma_int_rs_mma_async_sync_aligned_m64n128k32_s32_u8_s8" in body and "setmaxnreg_inc" in body
-    for bad in (kn4.replace(pipe=0), kn4.replace(pstages=3), kn4.replace(awarp=True), kn4.replace(pstages=1, w8=False),
+    assert "wait_group_sync_aligned_1()" not in body and "ar_ptr[63]" not in body  # (pipe -1: one fragment set)
+    for bad in (kn4.replace(pipe=1), kn4.replace(pstages=3), kn4.replace(awarp=True), kn4.replace(pstages=1, w8=False),
                 kn4.replace(areg=False, w8=False, pstages=1)):
         assert not bad.valid()
+    # ... with a group in flight (pipe 0): chunk kc's fragments unpacked into one of two register sets (32 words each
+    # here: 4 k-steps x 2 m64 instructions x 4) while chunk kc - 1's MMAs read the other; ptxas must not give the
+    # new set the registers of the one in flight (checked in the SASS where cuobjdump is installed)
+    kn4g = kn4.replace(pipe=0)
+    assert kn4g.valid() and kn4g.replace(stages=3, pstages=3).valid() and not kn4g.replace(pstages=3).valid()
+    src = _src(s4, "sm_90", knobs=kn4g)
+    body = src.split("main_kernel(")[-1]
+    assert "wgmma_int_rs_mma_async_sync_aligned_m64n128k32_s32_u8_s8" in body and "ar_ptr[63]" in body
+    assert "wait_group_sync_aligned_1()" in body
+    if find_tool("nvcc") and find_tool("cuobjdump"):
+        assert _wgmma_a_hazards(src) == []
+    # ... reading its fragments in agl's k order (agl): one 16-byte ld.shared per row and chunk instead of a 4-byte one
+    # per k-step, the expanded weights k-permuted by the chunk (w8_kperm); NHWC and whole K-chunks only
+    from qcompile.schedules.igemm import w8_kperm
+
+    kn4k = kn4g.replace(agl=True)
+    assert kn4k.valid() and not kn4k.replace(areg=False, pstages=3).valid()
+    f4k = make_gemm_conv(s4, "sm_90", kn4k, adapt=False)
+    assert w8_kperm(f4k) == 64 and w8_kperm(make_gemm_conv(s4, "sm_90", kn4g, adapt=False)) == 0
+    assert "ld.shared.v4.b32" not in src  # (pipe 0 above, without agl: 4-byte fragment loads)
+    src = cuda_source(build_cuda(f4k, "sm_90", mode="ptx"))
+    body = src.split("main_kernel(")[-1]
+    assert "ld.shared.v4.b32" in src and "wgmma_int_rs_mma_async_sync_aligned_m64n128k32_s32_u8_s8" in body
+    if find_tool("nvcc") and find_tool("cuobjdump"):
+        assert _wgmma_a_hazards(src) == []
+    with pytest.raises(NotApplicable, match="agl"):  # (HWNC)
+        make_gemm_conv(s4.replace(layout="HWNC"), "sm_90", kn4k, adapt=False)
     # 4-bit, the producer unpacking its packed ring into the shared stages: both operands through descriptors
     kn4u = WG.replace(WM=1, BK=64, pipe=0, stages=3, pstages=3, pp=True, erq=True)  # (int32 staging: > 227 KiB)
     assert kn4u.valid()
@@ -832,6 +860,21 @@ def test_glue_pool_rule():
         assert sch is not None
         src = cuda_source(build_cuda(sch.mod["main"].with_attr("global_symbol", "glue"), "sm_90", mode="ptx"))
         assert load in src and store in src, src[-3000:]
+
+
+def _wgmma_a_hazards(src: str) -> list:
+    """cuda_tools.wgmma_a_hazards of the one kernel in ``src`` (CUDA source) compiled for sm_90a."""
+    import tempfile
+
+    from qcompile.cuda_tools import wgmma_a_hazards
+
+    with tempfile.TemporaryDirectory() as td:
+        cu, cub = os.path.join(td, "k.cu"), os.path.join(td, "k.cubin")
+        open(cu, "w").write(src)
+        subprocess.run(["nvcc", "--cubin", "-O3", "-std=c++17", "-arch=sm_90a", "-o", cub, cu], check=True,
+                       capture_output=True)
+        sass = subprocess.run([find_tool("cuobjdump"), "-sass", cub], capture_output=True, text=True, check=True)
+    return wgmma_a_hazards(sass.stdout)
 
 
 def _ptxas_stack_bytes(src: str) -> int:
