@@ -244,8 +244,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     # (agl on the register-A ping-pong, PPK below: the packed A rows still go through the shared ring, but each
     # thread reads them in agl's k order -- its BK/4 bytes of a row in one 8/16-byte ld.shared instead of one 4-byte
     # load per k-step -- and the expanded weights take agl's permutation)
-    PPK = (UNPACK_LD and W8 and AREG and not AWARP and bool(kn.pp) and bool(kn.agl) and PSTG == STG
-           and kn.pipe in (-1, 0))
+    PPK = UNPACK_LD and W8 and AREG and not AWARP and bool(kn.pp and kn.agl)  # (the rest pp needs: checked at PP)
     if kn.agl and REGA and (not (AGL or PPK) or layout != "NHWC" or GKB % BK):
         raise NotApplicable("agl needs w8 + awarp (or the register-A ping-pong), NHWC and whole K-chunks "
                             "(R*S*C*bits/8 % BK == 0)")
