@@ -343,6 +343,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     zo, lo, hi = spec.zo, spec.lo, spec.hi
     if OB == 32 and not HAS_RES:
         lo, hi = max(lo, -(1 << 31)), min(hi, (1 << 31) - 1)
+    olo, ohi = (spec.lo2, spec.hi2) if HAS_RES else (lo, hi)  # the range of the values stored
     X_SIZE = math.prod(xs)
     W_SIZE = math.prod(ws)
     O_SIZE = math.prod(os_)
@@ -1034,11 +1035,12 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
 
     def nib_word(yb, e0):
         """4-bit output: the 32-bit word of yb[e0 .. e0+7] (element e in bits 4e..4e+3, the byte order of the packed
-        storage), summed from shifted values: an in-range unsigned value needs no mask (one LEA / IMAD per element)."""
+        storage), summed from shifted values: an in-range unsigned value needs no mask (one LEA / IMAD per element).
+        (The output range is the last stage's: with a residual, [lo2, hi2] -- stage 1's [lo, hi] is signed there.)"""
         w = None
         for e in range(8):
             v = T.Cast("uint32", yb[e0 + e])
-            if not (lo >= 0 and hi <= 15):
+            if not (olo >= 0 and ohi <= 15):
                 v = T.bitwise_and(v, T.uint32(15))
             v = T.shift_left(v, T.uint32(4 * e)) if e else v
             w = v if w is None else w + v

@@ -461,6 +461,21 @@ def test_cuda_epilogue_and_launch_bounds():
 
 
 
+def test_cuda_4bit_output_words_mask_only_signed_values():
+    """A 4-bit output word is summed from shifted values; a value the last stage clips to [0, 15] needs no mask (one
+    LEA / IMAD per element: the epilogues of the output-heavy layers are ALU-bound). With a residual add the last stage
+    is the residual one: its unsigned range decides, not stage 1's signed [-8, 7]; signed outputs keep the mask."""
+    kn = WG.replace(BK=64, WM=1, stages=3, pipe=-1, pstages=3, areg=True, awarp=True, w8=True)
+    res = ConvSpec(**L3, x_dtype="int4", w_bits=4, out_dtype="uint4", has_residual=True, res_dtype="uint4", zo=0,
+                   lo=-8, hi=7, zo2=0, lo2=0, hi2=15, res_i32=True, rq2_uniform=(2, 1 << 19, -1, 1 << 19, 20))
+    signed = dataclasses.replace(res, out_dtype="int4", lo2=-8, hi2=7)
+    plain = dataclasses.replace(res, has_residual=False, rq2_uniform=(), lo=0, hi=15)
+    for spec, masked in ((res, False), (signed, True), (plain, False),
+                         (dataclasses.replace(plain, out_dtype="int4", lo=-8, hi=7), True)):
+        words = re.findall(r"ofw_ptr\[[^\n]*", _src(spec, "sm_90", knobs=kn))
+        assert words and all(("& (uint)15)" in w) == masked for w in words), (spec, words[:1])
+
+
 def test_cuda_residual_words_of_every_row_block():
     """Where a thread holds 128 accumulators (a 128x128 tile on one warpgroup: two m64 row blocks) the residual words
     of both row blocks are loaded at the epilogue's start, before the first staging store (per block, its loop kept

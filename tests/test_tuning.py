@@ -446,6 +446,15 @@ def test_residual_tuning_cases_and_reference():
                                                                  "r50_l4_1x1b"))
         assert tuning_key(c["spec"]).endswith("|res") == c["spec"].has_residual
     assert any(c["knobs"].pp and not c["knobs"].erq for c in tune) and all(c["knobs"].valid() for c in tune)
+    # any other sweep with --residual (with_residual): the 1x1b convs' specs, default and variants alike, carry the add;
+    # a layer's default row takes the knobs the model compiles its residual conv with (its |res record)
+    w8 = tl.with_residual(tl.make_cases_w8([64], ["r50_l2_1x1b_b64_int4", "r50_l2_1x1c_b64_int4"]))
+    rows = [c for c in w8 if c["layer"] in ("r50_l2_1x1b_b64_int4", "r50_l2_1x1c_b64_int4")]
+    assert {c["layer"] for c in rows if not c["is_default"]} == {"r50_l2_1x1b_b64_int4", "r50_l2_1x1c_b64_int4"}
+    for c in rows:
+        assert c["spec"].has_residual == (c["layer"] == "r50_l2_1x1b_b64_int4")
+    d = next(c for c in rows if c["is_default"] and c["spec"].has_residual)
+    assert d["knobs"] == tl._now_knobs(d["spec"])
     for mk in (tl.int8_spec, tl.int4_spec):
         sp = tl.residual_spec(mk(2, 64, 7, 256, 1, 1, 0))
         args, ref, ok_np, nuniq = tl.make_problem(sp, 7, torch.device("cpu"))
