@@ -167,6 +167,8 @@ def int4_spec(N, C, H, K, R, st, pd, s2d=True):
 
 
 RESIDUAL_LAYERS = ("_1x1b",)  # ResNet-50: the bottleneck's expansion conv carries the block's residual add
+# (ResNet-18's basic block adds its residual to its second 3x3 conv, the shape of ResNet-50's stride-1 3x3: tune those
+# with `build --residual --residual-layers _3x3`)
 
 
 # the second stage's per-tensor constants (c1, M1, c2, M2, S2) of ResNet-50 INT4's first residual conv as the
@@ -465,7 +467,7 @@ def make_cases_erq(batches, layers=None, tiles=None):
     for c in _tunable(cases, ("int8", "int4"), layers):
         spec, kn_now = c["spec"], c["knobs"]
         seen = {kn_now}
-        vs = [("now_erq", kn_now.replace(erq=True))]
+        vs = [("now_erq", kn_now.replace(erq=True))] + ([("now_noerq", kn_now.replace(erq=False))] if kn_now.erq else [])
         if spec.x_bits == 8 and _wg_ok(spec):
             if kn_now.mma == "wgmma" and kn_now.split_k in (0, 1):
                 vs += [(f"now_p{n}", kn_now.replace(erq=True, persist=n)) for n in (1, 2)]
@@ -776,12 +778,12 @@ def _now_knobs(spec):
     return _adapt_knobs(spec, knobs_for(spec, ARCH)[0], "NHWC")
 
 
-def with_residual(cases):
-    """``cases`` (any build mode's) with the RESIDUAL_LAYERS' specs carrying the residual add a compiled ResNet-50 fuses
-    into them (``residual_spec``: tuning key ``|res``), every variant alike; a layer's default row takes the knobs the
-    model compiles that conv with (its ``|res`` record, else the plain one's)."""
+def with_residual(cases, layers=RESIDUAL_LAYERS):
+    """``cases`` (any build mode's) with the specs of the layers named ``*layers`` (RESIDUAL_LAYERS) carrying the
+    residual add a compiled ResNet fuses into them (``residual_spec``: tuning key ``|res``), every variant alike; a
+    layer's default row takes the knobs the model compiles that conv with (its ``|res`` record, else the plain one's)."""
     for c in cases:
-        if c["layer"].rsplit("_b", 1)[0].endswith(RESIDUAL_LAYERS) and not c["spec"].has_residual:
+        if c["layer"].rsplit("_b", 1)[0].endswith(tuple(layers)) and not c["spec"].has_residual:
             c["spec"] = residual_spec(c["spec"])
             if c["is_default"] and c["strategy"] == "implicit_gemm":
                 c["knobs"] = _now_knobs(c["spec"])
@@ -961,7 +963,7 @@ def cmd_build(a):
     else:
         cases = make_cases(a.batches, a.variants, a.cands, a.only_r, bench8=not a.append, only_c=a.only_c)
     if a.residual and not (a.pp or a.as_compiled):  # (those two build the residual specs themselves)
-        cases = with_residual(cases)
+        cases = with_residual(cases, tuple(a.residual_layers))
     if a.only_layers:
         cases = [c for c in cases if c["layer"] in a.only_layers]
     if a.append:
@@ -1582,6 +1584,9 @@ def main():
     b.add_argument("--residual", action="store_true",
                    help="the layers that carry ResNet-50's residual add (RESIDUAL_LAYERS) built and timed with it, "
                         "as compiled models run them (tuning key ...|res), in any build mode")
+    b.add_argument("--residual-layers", nargs="+", default=list(RESIDUAL_LAYERS),
+                   help="with --residual (not --pp / --as-compiled): the layer-name endings that get it (_3x3: "
+                        "ResNet-18's residual convs, the shapes of ResNet-50's stride-1 3x3s)")
     b.add_argument("--as-compiled", action="store_true",
                    help="no tuning: one kernel per ResNet-50 shape with the knobs compiled models get (bench only)")
     d = sub.add_parser("device")

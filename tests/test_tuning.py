@@ -40,6 +40,9 @@ def _specs():
             if C % 2 == 0:
                 yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint4", w_bits=4,
                                out_dtype="uint4", lo=0, hi=15)
+            if R == 3 and st == 1 and C == K:  # (ResNet-18's second 3x3 of a block carries its residual add)
+                yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint4", w_bits=4,
+                               out_dtype="uint4", lo=-8, hi=7, has_residual=True, res_dtype="uint4")
             if R == 1:  # (the 1x1 expansions carry ResNet-50's residual add: tuned with it, key ...|res)
                 yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
                                out_dtype="uint8", has_residual=True, res_dtype="uint8")
