@@ -277,11 +277,10 @@ def candidates(spec, n: int, names=None):
 # ------------------------------------------------------------------------------------------------------------
 # build (here)
 # ------------------------------------------------------------------------------------------------------------
-def r50_layer_specs(batches, residual=False):
+def r50_layer_specs(batches):
     """(NAME_bN_DT, spec, is_gemm) for every distinct ResNet-50 conv at each batch, INT8 and INT4, as compiled
     models run it (int8_spec / int4_spec: the C=3 stem padded to 4 channels, 8-bit inputs in both); is_gemm is False
-    where the tensor-core rules do not apply (generic fallback, nothing to tune). ``residual``: the RESIDUAL_LAYERS
-    with the residual add the model fuses into them (``residual_spec``; their tuning key is the ``|res`` one)."""
+    where the tensor-core rules do not apply (generic fallback, nothing to tune)."""
     from qcompile.schedules import select_strategy
     from qcompile.schedules.layers import RESNET50, distinct
 
@@ -289,8 +288,6 @@ def r50_layer_specs(batches, residual=False):
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
                 spec = mk(N, C, H, K, R, st, pd)
-                if residual and name.endswith(RESIDUAL_LAYERS):
-                    spec = residual_spec(spec)
                 yield f"{name}_b{N}_{dt}", spec, select_strategy(spec, ARCH) == "implicit_gemm"
 
 
@@ -497,7 +494,8 @@ def make_cases_pp(batches, layers=None, tiles=None, pipes=(-1, 0), erq=(False, T
     """Every ResNet-50 layer as compiled now plus, for its tensor-core layers of ``dtypes`` (or only ``layers``),
     ping-pong kernels (``GemmKnobs.pp``) on PP_TILES (or ``tiles``) with each of ``pipes`` and ``erq`` as tuning
     variants; 4-bit ones as the register-A kernel with expanded weights (w8, a packed A slot per stage: BK halved, the
-    same unpacked tile), and (``forms4``) with the producer unpacking. ``residual``: as in ``r50_layer_specs``."""
+    same unpacked tile), and (``forms4``) with the producer unpacking. ``residual``: as in
+    ``make_cases_as_compiled`` (the variants derive from the residual conv's own knobs)."""
     from qcompile.schedules import DEFAULT_KNOBS
     from qcompile.schedules.igemm import _adapt_knobs
 
@@ -781,7 +779,8 @@ def _now_knobs(spec):
 def with_residual(cases, layers=RESIDUAL_LAYERS):
     """``cases`` (any build mode's) with the specs of the layers named ``*layers`` (RESIDUAL_LAYERS) carrying the
     residual add a compiled ResNet fuses into them (``residual_spec``: tuning key ``|res``), every variant alike; a
-    layer's default row takes the knobs the model compiles that conv with (its ``|res`` record, else the plain one's)."""
+    layer's default row takes the knobs the model compiles that conv with (its ``|res`` record, else the plain one's);
+    variants a build mode derived from the plain conv's knobs keep them."""
     for c in cases:
         if c["layer"].rsplit("_b", 1)[0].endswith(tuple(layers)) and not c["spec"].has_residual:
             c["spec"] = residual_spec(c["spec"])
@@ -790,18 +789,18 @@ def with_residual(cases, layers=RESIDUAL_LAYERS):
     return cases
 
 
-def make_cases_as_compiled(batches, residual=False):
-    """One kernel per ResNet-50 shape: the knobs a compiled model gets (``_now_knobs``); no tuning. ``residual``: as
-    in ``r50_layer_specs``."""
+def make_cases_as_compiled(batches, residual=()):
+    """One kernel per ResNet-50 shape: the knobs a compiled model gets (``_now_knobs``); no tuning. ``residual``: the
+    layer-name endings whose convs carry the residual add (``with_residual``; True: RESIDUAL_LAYERS)."""
     cases = []
-    for layer, spec, gemm in r50_layer_specs(batches, residual):
+    for layer, spec, gemm in r50_layer_specs(batches):
         if not gemm:
             cases.append(fallback_case(layer, spec))
             continue
         kn = _now_knobs(spec)
         cases.append(dict(kind="tune" if spec.N != 8 else "bench", layer=layer, spec=spec, strategy="implicit_gemm",
                           knobs=kn, variant="default", is_default=True))
-    return cases
+    return with_residual(cases, RESIDUAL_LAYERS if residual is True else tuple(residual or ()))
 
 
 def make_cases_defaults_ab(batches):
@@ -914,6 +913,7 @@ def build_group(args):
 
 def cmd_build(a):
     TUNE_DIR.mkdir(parents=True, exist_ok=True)
+    res_layers = tuple(a.residual_layers) if a.residual else ()
     old = []
     if a.append:  # add variants to an existing build (same manifest; the device run re-checks everything)
         old = json.loads((TUNE_DIR / "manifest.json").read_text())
@@ -934,7 +934,7 @@ def cmd_build(a):
     elif a.erq:
         cases = make_cases_erq(a.batches, a.only_layers, a.cands)
     elif a.pp:
-        cases = make_cases_pp(a.batches, a.only_layers, a.cands, dtypes=tuple(a.dtypes), residual=a.residual,
+        cases = make_cases_pp(a.batches, a.only_layers, a.cands, dtypes=tuple(a.dtypes), residual=res_layers,
                               erq=(False,) if a.no_erq else (False, True),
                               forms4=tuple("" if f == "a" else f"_{f}" for f in a.pp_forms4))
     elif a.sk:
@@ -957,13 +957,12 @@ def cmd_build(a):
     elif a.neighbors:
         cases = make_cases_neighbors(a.batches)
     elif a.as_compiled:
-        cases = make_cases_as_compiled(a.batches, a.residual)
+        cases = make_cases_as_compiled(a.batches, res_layers)
     elif a.loop_ab:
         cases = make_cases_loop_ab(a.batches, {1: 2, 64: 1})
     else:
         cases = make_cases(a.batches, a.variants, a.cands, a.only_r, bench8=not a.append, only_c=a.only_c)
-    if a.residual and not (a.pp or a.as_compiled):  # (those two build the residual specs themselves)
-        cases = with_residual(cases, tuple(a.residual_layers))
+    cases = with_residual(cases, res_layers)  # (--pp / --as-compiled: done before their variants, no-op here)
     if a.only_layers:
         cases = [c for c in cases if c["layer"] in a.only_layers]
     if a.append:
@@ -1585,7 +1584,7 @@ def main():
                    help="the layers that carry ResNet-50's residual add (RESIDUAL_LAYERS) built and timed with it, "
                         "as compiled models run them (tuning key ...|res), in any build mode")
     b.add_argument("--residual-layers", nargs="+", default=list(RESIDUAL_LAYERS),
-                   help="with --residual (not --pp / --as-compiled): the layer-name endings that get it (_3x3: "
+                   help="with --residual: the layer-name endings that get it (_3x3: "
                         "ResNet-18's residual convs, the shapes of ResNet-50's stride-1 3x3s)")
     b.add_argument("--as-compiled", action="store_true",
                    help="no tuning: one kernel per ResNet-50 shape with the knobs compiled models get (bench only)")
