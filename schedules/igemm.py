@@ -502,9 +502,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             return ((kb // cb) * K + k) * cb + kb % cb
         return k * (R * S * cb) + kb
 
-    def requant1(a, bias_v, m_v, s_v):
+    def requant1(a, bias_v, m_v, s_v, rel=False):
         """Stage 1: out = clip(round((acc + bias) * M / 2^S) + zo, lo, hi) in int64 fixed point (int32 ops
-        when every S >= 33)."""
+        when every S >= 33); ``rel``: out - lo (the residual stage folds lo into its constant)."""
         t = unshift(a) + bias_v
         if spec.shift_ge33:
             # every S >= 33: (t*M + 2^(S-1)) >> S == (hi32(t*M) + 2^(S-33)) >> (S-32), all int32 (mul.hi)
@@ -515,28 +515,43 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             # integer-bound analysis narrows the result and drops the clip below
             sh = T.max(T.min(s_v - 32, T.int32(30)), T.int32(1))
             v = T.shift_right(hi32 + T.shift_left(T.int32(1), sh - 1), sh)
-            return T.max(T.min(v + T.int32(zo), T.int32(hi)), T.int32(lo))
-        v = T.Cast("int64", t) * T.Cast("int64", m_v)
-        v = T.shift_right(v + T.shift_left(T.int64(1), T.Cast("int64", s_v - 1)), T.Cast("int64", s_v))
-        return T.max(T.min(v + T.int64(zo), T.int64(hi)), T.int64(lo))
+            wd = "int32"
+        else:
+            v = T.Cast("int64", t) * T.Cast("int64", m_v)
+            v = T.shift_right(v + T.shift_left(T.int64(1), T.Cast("int64", s_v - 1)), T.Cast("int64", s_v))
+            wd = "int64"
+        if rel:  # y1 - lo = clip(v + zo - lo, 0, hi - lo): one add-min-max (VIADDMNMX.RELU) instead of two
+            return T.max(T.min(v + T.IntImm(wd, zo - lo), T.IntImm(wd, hi - lo)), T.IntImm(wd, 0))
+        return T.max(T.min(v + T.IntImm(wd, zo), T.IntImm(wd, hi)), T.IntImm(wd, lo))
 
-    def requant2(v, q2, e, res_v):
-        """With a residual, stage 2 on stage 1's ``v``: the quantized residual add (see ConvSpec; int32 when the
-        graph's own residual requantize is int32: no intermediate can overflow then, so int32 gives the same bits)."""
+    def requant2(v, q2, e, res_v, vlo=0):
+        """With a residual, stage 2 on stage 1's value y1 = ``v + vlo``: the quantized residual add (see ConvSpec; int32
+        when the graph's own residual requantize is int32: no intermediate can overflow then, so int32 gives the same
+        bits)."""
         if HAS_RES:
             wd = "int32" if spec.res_i32 else "int64"
             c = lambda x: T.Cast(wd, x)
-            if spec.rq2_uniform:  # the same for every channel (per-tensor activation scales): immediates
-                p = [T.IntImm(wd, int(u)) for u in spec.rq2_uniform]
+            if spec.rq2_uniform:  # the same for every channel (per-tensor activation scales): immediates, with the
+                # constant terms in one addend -- (lo + c1) M1 + c2 M2 + 2^(S2-1) -- so that the two products are two
+                # multiply-adds (equal bits in int32 too: the sum is the same mod 2^32 and, res_i32, fits int32)
+                c1, m1, c2, m2, s2 = (int(u) for u in spec.rq2_uniform)
+                k0 = (vlo + c1) * m1 + c2 * m2 + (1 << (s2 - 1))
+                if wd == "int32":
+                    k0 = (k0 + (1 << 31)) % (1 << 32) - (1 << 31)
+                v = c(v) * T.IntImm(wd, m1) + (c(res_v) * T.IntImm(wd, m2) + T.IntImm(wd, k0))
+                # (the shift stays a shift: as a multiply-high by 2^(32-S2) -- read at run time, or nvcc makes it a
+                # shift again -- it moved an ALU instruction to the multiply pipe and the conv + residual ran 3-8% slower
+                # on the H100: IMAD.HI costs more issue than SHF)
+                v = T.shift_right(v, T.IntImm(wd, s2))
             else:
                 p = [c(q2[j * EV + e]) for j in range(5)]
-            v = (c(v) + p[0]) * p[1] + (c(res_v) + p[2]) * p[3]
-            v = T.shift_right(v + T.shift_left(c(1), p[4] - c(1)), p[4]) + c(spec.zo2)
-            v = T.max(T.min(v, c(spec.hi2)), c(spec.lo2))
+                v = (c(v) + (p[0] + c(vlo) if vlo else p[0])) * p[1] + (c(res_v) + p[2]) * p[3]
+                v = T.shift_right(v + T.shift_left(c(1), p[4] - c(1)), p[4])
+            v = T.max(T.min(v + c(spec.zo2), c(spec.hi2)), c(spec.lo2))
         return T.Cast("int32", v)
 
     def requant(a, bias_v, m_v, s_v, q2, e, res_v):
-        return requant2(requant1(a, bias_v, m_v, s_v), q2, e, res_v)
+        return requant2(requant1(a, bias_v, m_v, s_v, rel=HAS_RES), q2, e, res_v, vlo=lo)
 
     def rp_at(i, j):  # word j of row block i's prefetched residual words (RP_ALL: every block's held at once)
         return i * (CS_IT * RW) + j if RP_ALL else j
@@ -642,10 +657,19 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             return T.int32(0)
         if RW:
             per = 32 // RB  # elements per word
-            v = T.bitwise_and(T.shift_right(rbw[e // per], (e % per) * RB), (1 << RB) - 1)
-            if RSIGNED:
-                return T.if_then_else(v >= (1 << (RB - 1)), v - (1 << RB), v)
-            return v
+            w, j = rbw[e // per], e % per  # (e: an unrolled loop's variable, folded to constants later)
+            if RSIGNED:  # the field shifted to the top, then arithmetically down: one shift on the ALU pipe (the left
+                # shift is a multiply) instead of shift, mask, compare and select
+                top = T.Cast("int32", T.shift_left(T.Cast("uint32", w), T.Cast("uint32", 32 - RB * (j + 1))))
+                return T.shift_right(top, 32 - RB)
+            # unsigned: a byte permute (PRMT) of the word -- its 4-bit fields first masked to their bytes, the even
+            # and odd ones apart (two masks per word, shared by its elements) -- one ALU instruction per element
+            # instead of a shift and a mask
+            if RB == 4:
+                w = T.bitwise_and(T.shift_right(w, (j % 2) * 4), T.int32(0x0F0F0F0F))
+            sel = 0x4440 + (j // 2 if RB == 4 else j)
+            return T.Cast("int32", T.call_pure_extern("uint32", "__byte_perm", T.Cast("uint32", w), T.uint32(0),
+                                                      T.Cast("uint32", sel)))
         if RB == 4:
             nib = T.bitwise_and(T.shift_right(T.Cast("int32", rb[e // 2]), (e % 2) * 4), 15)
             if RSIGNED:

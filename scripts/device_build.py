@@ -369,6 +369,23 @@ def make_cases(quick=False, bench=True):
         add("check", f"{nm}_padzp", sp.replace(pad_value=17), None, plan=True)
         add("check", f"{nm}_u4out", sp.replace(out_dtype="uint4", zo=1, lo=0, hi=15), None, plan=True,
             knobs=dict(BM=128, BN=64, BK=64, WM=2, WN=2, stages=4, erq=True))
+    # signed residuals (a block's first add takes the downsample's output, not ReLU-clipped: the residual fields
+    # sign-extended in the epilogue), with the 4-bit model's own residual constants (RQ2_RESNET50-like, compiled in) and
+    # per-channel 8-bit ones: every ResNet-50 shape at batch 8 (the as-compiled plan) and 32 (the w8 register-A and
+    # ping-pong kernels with erq on and off), both layouts
+    w8k = [dict(wg, BK=64, WM=1, BN=64, stages=3, pstages=3, areg=True, w8=True, awarp=True, minb=3),
+           dict(wg, BK=64, WM=1, BM=128, stages=4, pstages=4, pp=True, areg=True, w8=True)]
+    for li, (name, C, H, K, R, st, pd) in enumerate(distinct(RESNET50)):
+        lay = ("NHWC", "HWNC")[li % 2]
+        s4 = int4_spec(8, C, H, K, R, st, pd, 1, lay).replace(res_dtype="int4", res_i32=True, shift_ge33=True,
+                                                               rq2_uniform=(0, 1787590, 0, 760277, 20))
+        s8 = int8_spec(8, C, H, K, R, st, pd, 1, lay).replace(res_dtype="int8")
+        add("check", f"sres_{name}_b8_int4_{lay.lower()}", s4, None, plan=True)
+        add("check", f"sres_{name}_b8_int8_{lay.lower()}", s8, None, plan=True)
+        add("check", f"sres_{name}_b32_int4_{lay.lower()}", s4.replace(N=32), None,
+            knobs=dict(w8k[li % 2], erq=bool(li % 3 == 1)))
+        add("check", f"sres_{name}_b32_int8_{lay.lower()}", s8.replace(N=32), None,
+            knobs=dict(wg, WM=1, BN=64, stages=3, minb=3, erq=bool(li % 3 == 2)))
     if bench and not quick:
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for N in (8, 64, 256):
@@ -433,6 +450,7 @@ def main():
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--group", type=int, default=12)
     ap.add_argument("--filter", default=None, help="regex: build only cases whose name matches")
+    ap.add_argument("--residual", action="store_true", help="only cases with the residual-add epilogue")
     ap.add_argument("--checks-only", action="store_true", help="no bench kernels (the layer bench of "
                     "scripts/tune_layers.py times the compiled-model kernels instead)")
     a = ap.parse_args()
@@ -443,6 +461,8 @@ def main():
     if a.filter:
         import re
         cases = [c for c in cases if re.search(a.filter, c["name"])]
+    if a.residual:
+        cases = [c for c in cases if c["spec"].has_residual]
     for i, c in enumerate(cases):
         c["func"] = f"k{i:04d}"
     groups, cur = [], []

@@ -476,6 +476,31 @@ def test_cuda_4bit_output_words_mask_only_signed_values():
         assert words and all(("& (uint)15)" in w) == masked for w in words), (spec, words[:1])
 
 
+def test_cuda_residual_stage_off_the_alu():
+    """The residual epilogues are ALU-bound (ncu: ALU pipe ~70%, tensor 6%), so their stage 2 takes fewer ALU
+    instructions: unsigned residual fields come out of their word by a byte permute (after one mask per word half),
+    stage 1's clip is one add-min-max relative to its lower bound (the bound folded into stage 2's constant addend,
+    compiled in with the rest of the per-tensor constants). Signed fields: shifted to the top and arithmetically
+    down."""
+    kn = WG.replace(BK=64, WM=1, stages=3, pipe=-1, pstages=3, areg=True, awarp=True, w8=True)
+    res = ConvSpec(**L3, x_dtype="int4", w_bits=4, out_dtype="uint4", has_residual=True, res_dtype="uint4", zo=0,
+                   lo=-8, hi=7, zo2=0, lo2=0, hi2=15, res_i32=True, shift_ge33=True, rq2_uniform=(0, 1787590, 0, 760277, 20))
+
+    def epi(spec):
+        body = _src(spec, "sm_90", knobs=kn).split("main_kernel(")[-1]
+        return body[body.rindex("__syncthreads()"):]
+
+    e = epi(res)
+    # (each field's byte of its masked word half: 0x0F0F0F0F; nvcc shares the two masks among a word's 8 fields)
+    assert e.count("__byte_perm(") == e.count(" & 252645135)), (uint)0, (uint)1747") > 0
+    # stage 1: max(min(v + 8, 15), 0), not a clip to [-8, 7]; stage 2: y1' M1 + (r M2 + (-8 M1 + 2^19)), >> 20
+    assert "+ 8), 15), 0) * 1787590) + (((int)__byte_perm(" in e and "* 760277)) - 13776432) >> 20)" in e
+    signed = epi(dataclasses.replace(res, res_dtype="int4"))
+    assert "__byte_perm(" not in signed and "(((int)(((uint)rbw_ptr[0]) << (uint)24)) >> 28)" in signed
+    wide = epi(dataclasses.replace(res, res_i32=False))  # (int64 stage 2: the same terms)
+    assert "* (int64_t)760277)) - (int64_t)13776432) >> (int64_t)20)" in wide
+
+
 def test_cuda_residual_words_of_every_row_block():
     """Where a thread holds 128 accumulators (a 128x128 tile on one warpgroup: two m64 row blocks) the residual words
     of both row blocks are loaded at the epilogue's start, before the first staging store (per block, its loop kept
