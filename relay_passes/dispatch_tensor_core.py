@@ -214,9 +214,29 @@ def _find_groups(func: relax.Function) -> dict:
     return groups
 
 
-def find_fusions(func: relax.Function):
+def _packed_pool(call) -> Optional[tuple]:
+    """(logical shape, storage dtype, pool, strides, padding) when ``call`` is an NHWC max pool that qcompile's pool
+    kernel can run on a packed 4-bit input (``schedules.pool.max_pool_packed4_applies``), else None."""
+    from qcompile.schedules.pool import max_pool_packed4_applies
+
+    if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.nn.max_pool2d"):
+        return None
+    a, x = call.attrs, call.args[0]
+    if str(a.layout) != "NHWC" or str(a.out_layout) != "NHWC" or \
+            not all(isinstance(d, tvm.tirx.IntImm) for d in x.ty.shape):
+        return None
+    shape, dtype = tuple(int(d) for d in x.ty.shape), str(x.ty.dtype)
+    pool, strides, pad = (tuple(int(v) for v in t) for t in (a.pool_size, a.strides, a.padding))
+    if not max_pool_packed4_applies(shape, dtype, pool, strides, pad, tuple(int(d) for d in a.dilation),
+                                    bool(a.ceil_mode)):
+        return None
+    return shape, dtype, pool, strides, pad
+
+
+def find_fusions(func: relax.Function, packed_pools: bool = False):
     """(groups, residuals): :func:`find_groups` plus the residual adds fused into a conv kernel, with
-    each kernel's output type decided (4-bit outputs packed only when kernels consume all of them)."""
+    each kernel's output type decided (4-bit outputs packed only when kernels consume all of them; with
+    ``packed_pools`` a max pool that runs on the packed tensor counts as such a consumer)."""
     groups = _find_groups(func)
     var2val = relax.analysis.get_var2val(func)
     uses = _use_counts(func)
@@ -256,6 +276,10 @@ def find_fusions(func: relax.Function):
             kernel_uses[g.x] = kernel_uses.get(g.x, 0) + 1
     for r in residuals.values():
         kernel_uses[r.res] = kernel_uses.get(r.res, 0) + 1
+    if packed_pools:  # (the stem's pool: it reads the packed stem output and writes its own output packed)
+        for x, v in var2val.items():
+            if _packed_pool(v) is not None and isinstance(v.args[0], relax.Var):
+                kernel_uses[v.args[0]] = kernel_uses.get(v.args[0], 0) + 1
     for var, g in list(groups.items()) + list(residuals.items()):
         if g.out_dtype in ("int4", "uint4") and uses.get(var, 0) != kernel_uses.get(var, -1):
             g.out_dtype = str(var.ty.dtype)
@@ -275,6 +299,8 @@ class _Dispatcher(PyExprMutator):
         self.chosen: list = []   # (conv output, strategy)
         self.sources: list = []  # (conv output, knobs source: tuned / nearest / default / user; kind cuda only)
         self.fused: list = []    # (conv output, residual add output) fused into one kernel
+        self.pools4: dict = {}   # packed 4-bit max pools: key -> GlobalVar
+        self.pooled4: list = []  # one key per pool run on packed bytes
 
     def _data(self, x, dtype: str, layout_axis: int):
         """The kernel's data operand: packed for 4-bit types."""
@@ -289,7 +315,35 @@ class _Dispatcher(PyExprMutator):
             self.packed[x] = p
         return p
 
+    def _pool4(self, var, call) -> bool:
+        """A max pool of a kernel's packed 4-bit output: qcompile's pool kernel on the packed bytes, its output packed
+        too (what the next convs read; other consumers get it unpacked)."""
+        from qcompile.schedules.pool import max_pool_nhwc_kernel
+
+        pp = _packed_pool(call) if self.kind == "cuda" else None
+        x = call.args[0] if pp is not None else None
+        if x is None or x not in self.packed:
+            return False
+        shape, dtype, pool, strides, pad = pp
+        signed = dtype == "int8"
+        key = (shape, dtype, pool, strides, pad)
+        if key not in self.pools4:
+            f = max_pool_nhwc_kernel(*shape, dtype, pool, strides, pad, packed4="int4" if signed else "uint4")
+            name = f"qpool_max4_{len(self.pools4)}"
+            self.pools4[key] = self.builder_.add_func(f.with_attr("global_symbol", name).with_attr(
+                "tirx.is_scheduled", True).with_attr("op_pattern", 8), name)
+        oshape = [int(d) for d in var.ty.shape]
+        out = self.builder_.emit(relax.call_tir(self.pools4[key], [self.packed[x]],
+                                                relax.TensorType(oshape[:3] + [oshape[3] // 2], dtype)),
+                                 var.name + "_packed")
+        self.packed[var] = out
+        self.set_var_remap(var, self.builder_.emit(unpack_int4(out, 3, signed), var.name + "_unpack"))
+        self.pooled4.append(key)
+        return True
+
     def visit_var_binding_(self, binding):
+        if self._pool4(binding.var, binding.value):
+            return
         r = self.residuals.get(binding.var)
         g = r.group if r is not None else self.groups.get(binding.var)
         if g is None or (r is None and g.fused):
@@ -423,13 +477,14 @@ class DispatchTensorCore:
         self.chosen: list = []
         self.sources: list = []
         self.fused: list = []
+        self.pooled4: list = []  # max pools run on packed 4-bit bytes (on CUDA: the INT4 models' stem pool)
 
     @keeps_user_errors
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        groups, residuals = find_fusions(mod["main"])
+        groups, residuals = find_fusions(mod["main"], packed_pools=self.kind == "cuda")
         d = _Dispatcher(mod, groups, residuals, self.arch, self.log, self.kind, self.s2d, self.expand_w4)
         func = d.visit_expr(mod["main"])
-        self.chosen, self.fused, self.sources = d.chosen, d.fused, d.sources
+        self.chosen, self.fused, self.sources, self.pooled4 = d.chosen, d.fused, d.sources, d.pooled4
         out = d.builder_.get()
         out["main"] = func
         out = relax.transform.DeadCodeElimination(["main"])(out)

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Check (and time) qcompile's 8-bit NHWC max-pool kernel (schedules/pool.py) on the GPU host.
+"""Check (and time) qcompile's 8-bit NHWC max-pool kernel (schedules/pool.py) on the GPU host, and its packed 4-bit
+form (``packed4``: the INT4 models' stem pool on the nibbles two per byte).
 
     python scripts/check_pools.py build                      # here: .device/pools/pools.so + cases.json
     run(command="python3 scripts/check_pools.py device", carry=[".device/pools", ".bundle"])
@@ -29,6 +30,12 @@ CASES = [
     ("c4_words", 2, 9, 9, 4, "uint8", (3, 3), (2, 2), (1, 1, 1, 1)),
     ("c24_asym", 3, 10, 11, 24, "int8", (2, 3), (1, 2), (0, 1, 1, 2)),
     ("c16_big_pad", 1, 5, 6, 16, "uint8", (3, 3), (1, 1), (2, 2, 2, 2)),
+    # 4-bit tensors packed two per byte (``packed4``; the INT4 models' stem pool): shapes as logical NHWC
+    ("u4_stem_pool_b8", 8, 112, 112, 64, "uint8", (3, 3), (2, 2), (1, 1, 1, 1), "uint4"),
+    ("u4_stem_pool_b256", 256, 112, 112, 64, "uint8", (3, 3), (2, 2), (1, 1, 1, 1), "uint4"),
+    ("s4_odd", 3, 15, 13, 64, "int8", (3, 3), (2, 2), (1, 1, 1, 1), "int4"),
+    ("u4_c8_words", 2, 9, 9, 8, "uint8", (3, 3), (2, 2), (1, 1, 1, 1), "uint4"),
+    ("s4_c24_asym", 3, 10, 11, 24, "int8", (2, 3), (1, 2), (0, 1, 1, 2), "int4"),
 ]
 
 
@@ -72,7 +79,8 @@ def cmd_build():
 
     ensure_stub_libcuda()  # (so that the module embeds compiled code, not CUDA source: there is no nvrtc there)
     DIR.mkdir(parents=True, exist_ok=True)
-    funcs = {c[0]: max_pool_nhwc_kernel(*c[1:]).with_attr("global_symbol", c[0]) for c in CASES}
+    funcs = {c[0]: max_pool_nhwc_kernel(*c[1:9], packed4=c[9] if len(c) > 9 else "").with_attr("global_symbol", c[0])
+             for c in CASES}
     funcs.update({b[0]: _baseline(*b) for b in BASELINES})
     with nvcc_options("sm_90", "sass"):
         tvm.compile(tvm.IRModule(funcs), target=cuda_target("sm_90")).export_library(str(DIR / "pools.so"))
@@ -103,18 +111,25 @@ def cmd_device():
     out = pathlib.Path(os.environ.get("OUT", "/tmp"))
     spec = json.loads((DIR / "cases.json").read_text())
     results, ok_all = [], True
-    for name, N, H, W, C, dt, pool, strides, pad in spec["cases"]:
+    sys.path.insert(0, str(ROOT / "schedules"))
+    from reference import pack4  # (schedules/reference.py: the project's nibble order)
+
+    for name, N, H, W, C, dt, pool, strides, pad, *packed4 in spec["cases"]:
         rng = np.random.default_rng(len(results) + 1)
-        lo, hi = (-128, 128) if dt == "int8" else (0, 256)
-        x = rng.integers(lo, hi, (N, H, W, C)).astype(dt)
-        ref = reference(torch.from_numpy(x.astype(np.int64)).cuda(), pool, strides, pad).cpu().numpy()
+        p4 = packed4[0] if packed4 else ""
+        lo, hi = {"int4": (-8, 8), "uint4": (0, 16)}.get(p4, (-128, 128) if dt == "int8" else (0, 256))
+        xv = rng.integers(lo, hi, (N, H, W, C))
+        ref = reference(torch.from_numpy(xv).cuda(), pool, strides, pad).cpu().numpy().astype(np.int64)
+        x = pack4(xv).view(dt) if p4 else xv.astype(dt)
+        if p4:  # the packed bytes, compared as bytes
+            ref = pack4(ref).view(dt)
         xt = DR.tvm.runtime.tensor(x, DR.DEV)
         ok = True
         for poison in (0x5A, 0xA5):
             y = DR.tvm.runtime.tensor(np.full(ref.shape, poison, np.uint8).view(dt), DR.DEV)
             mod[name](xt, y)
             ok &= bool(np.array_equal(y.numpy().astype(np.int64), ref.astype(np.int64)))
-        row = dict(name=name, ok=ok, shape=[N, H, W, C], dtype=dt, pool=pool, strides=strides, padding=pad)
+        row = dict(name=name, ok=ok, shape=[N, H, W, C], dtype=dt, pool=pool, strides=strides, padding=pad, packed4=p4)
         if name.endswith("_b256"):
             row["ms"] = DR.bench_timer(lambda: mod[name](xt, y))
             xh = torch.randn(N, C, H, W, device="cuda").half().to(memory_format=torch.channels_last)

@@ -184,6 +184,31 @@ def test_dispatch_pools_cuda():
         assert ins in src and ("*(uint4*)(xw_ptr" in src) == v16
 
 
+def test_dispatch_packed_4bit_pool_cuda():
+    """INT4 model on CUDA (IR only): the stem kernel writes its 4-bit output packed, the max pool runs on the packed
+    bytes (``qpool_max4``: even and odd nibbles reduced apart) and the convs after it -- data and residual operand
+    -- take its packed output as it is: no unpack before the pool, no pack kernel after it. The CPU dispatch (no
+    such pool kernel) and 8-bit models keep the pool on unpacked bytes."""
+    from qcompile.relay_passes import DispatchPools
+
+    mod, _ = tiny_resnet_qdq(seed=2, w_bits=4, a_bits=4)
+    p, q = DispatchTensorCore("sm_90"), DispatchPools()
+    md = run_pass(q, run_pass(p, lower_to_integer(mod, "NHWC", pack_int4=False)))
+    assert p.pooled4 == [((2, 12, 12, 8), "uint8", (3, 3), (2, 2), (1, 1, 1, 1))] and q.replaced == []
+    main = md["main"].script(show_meta=False)
+    assert "R.nn.max_pool2d" not in main and "strided_slice" not in main and "bitwise" not in main
+    assert "R.call_tir(qpool_max4_0, (q_stem_tc,), out_ty=R.Tensor((2, 6, 6, 4), dtype=\"uint8\"))" in main
+    assert "R.call_tir(qconv_q_c1, (pool_packed," in main and ", pool_packed, " in main  # (the residual too)
+    stem = [ln for ln in main.splitlines() if "q_stem_tc = R.call_tir(" in ln]
+    assert len(stem) == 1 and stem[0].endswith('out_ty=R.Tensor((2, 12, 12, 4), dtype="uint8"))')  # (8 channels packed)
+    mod8, _ = tiny_resnet_qdq(seed=2, w_bits=8, a_bits=8)
+    p8 = DispatchTensorCore("sm_90")
+    run_pass(p8, lower_to_integer(mod8, "NHWC", pack_int4=False))
+    pc = DispatchTensorCore("sm_90", target_kind="llvm")
+    run_pass(pc, lower_to_integer(mod, "NHWC", pack_int4=False))
+    assert p8.pooled4 == [] and pc.pooled4 == []
+
+
 def _one_conv(bits: int, seed: int):
     """A QDQ model of one 3x3 conv (64 -> 64 channels, batch 8, 14x14) with ``bits``-bit unsigned activations and signed
     weights, lowered to integer NHWC (4-bit: unpacked); returns (module, the weights' values [K, C, R, S])."""
