@@ -25,7 +25,7 @@ class _PoolDispatcher(PyExprMutator):
         self.replaced: list = []
 
     def visit_call_(self, call):
-        from qcompile.schedules.pool import max_pool_nhwc_applies, max_pool_nhwc_kernel
+        from qcompile.schedules.pool import max_pool_nhwc_applies, max_pool_relax_func
 
         call = super().visit_call_(call)
         if not call.op.same_as(self.pool_op):
@@ -39,10 +39,8 @@ class _PoolDispatcher(PyExprMutator):
             return call
         key = (tuple(shape), dtype, pool, strides, pad)
         if key not in self.kernels:
-            f = max_pool_nhwc_kernel(*shape, dtype, pool, strides, pad).with_attr("op_pattern", 8)
             name = f"qpool_max_{len(self.kernels)}"
-            self.kernels[key] = self.builder_.add_func(f.with_attr("global_symbol", name).with_attr(
-                "tirx.is_scheduled", True), name)
+            self.kernels[key] = self.builder_.add_func(max_pool_relax_func(name, *shape, dtype, pool, strides, pad), name)
         self.replaced.append(key)
         return relax.call_tir(self.kernels[key], [x], call.ty)
 

@@ -318,7 +318,7 @@ class _Dispatcher(PyExprMutator):
     def _pool4(self, var, call) -> bool:
         """A max pool of a kernel's packed 4-bit output: qcompile's pool kernel on the packed bytes, its output packed
         too (what the next convs read; other consumers get it unpacked)."""
-        from qcompile.schedules.pool import max_pool_nhwc_kernel
+        from qcompile.schedules.pool import max_pool_relax_func
 
         pp = _packed_pool(call) if self.kind == "cuda" else None
         x = call.args[0] if pp is not None else None
@@ -328,10 +328,9 @@ class _Dispatcher(PyExprMutator):
         signed = dtype == "int8"
         key = (shape, dtype, pool, strides, pad)
         if key not in self.pools4:
-            f = max_pool_nhwc_kernel(*shape, dtype, pool, strides, pad, packed4="int4" if signed else "uint4")
             name = f"qpool_max4_{len(self.pools4)}"
-            self.pools4[key] = self.builder_.add_func(f.with_attr("global_symbol", name).with_attr(
-                "tirx.is_scheduled", True).with_attr("op_pattern", 8), name)
+            self.pools4[key] = self.builder_.add_func(max_pool_relax_func(
+                name, *shape, dtype, pool, strides, pad, packed4="int4" if signed else "uint4"), name)
         oshape = [int(d) for d in var.ty.shape]
         out = self.builder_.emit(relax.call_tir(self.pools4[key], [self.packed[x]],
                                                 relax.TensorType(oshape[:3] + [oshape[3] // 2], dtype)),

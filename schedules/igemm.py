@@ -540,8 +540,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     k0 = (k0 + (1 << 31)) % (1 << 32) - (1 << 31)
                 v = c(v) * T.IntImm(wd, m1) + (c(res_v) * T.IntImm(wd, m2) + T.IntImm(wd, k0))
                 # (the shift stays a shift: as a multiply-high by 2^(32-S2) -- read at run time, or nvcc makes it a
-                # shift again -- it moved an ALU instruction to the multiply pipe and the conv + residual ran 3-8% slower
-                # on the H100: IMAD.HI costs more issue than SHF)
+                # shift again -- it moved an ALU instruction to the multiply pipe, and the conv + residual ran 1-5% slower
+                # than without either change on the H100: IMAD.HI costs more than SHF)
                 v = T.shift_right(v, T.IntImm(wd, s2))
             else:
                 p = [c(q2[j * EV + e]) for j in range(5)]

@@ -30,6 +30,13 @@ def max_pool_packed4_applies(shape, dtype: str, pool, strides, padding, dilation
             and max(padding[0], padding[2]) < pool[0] and max(padding[1], padding[3]) < pool[1])
 
 
+def max_pool_relax_func(name: str, *args, **kw):
+    """``max_pool_nhwc_kernel(*args, **kw)`` as the scheduled PrimFunc a Relax module calls (``name``): how both pool
+    dispatchers (8-bit ``DispatchPools``, packed 4-bit ``DispatchTensorCore``) add it."""
+    return max_pool_nhwc_kernel(*args, **kw).with_attr("op_pattern", 8).with_attr("global_symbol", name).with_attr(
+        "tirx.is_scheduled", True)
+
+
 def max_pool_nhwc_kernel(N: int, H: int, W: int, C: int, dtype: str, pool=(3, 3), strides=(2, 2),
                          padding=(1, 1, 1, 1), packed4: str = ""):
     """PrimFunc ``(x [N, H, W, C], y [N, P, Q, C])`` (``dtype`` int8 / uint8; padding top, left, bottom, right).

@@ -27,7 +27,7 @@ def spec_dict(s):
 
 def make_cases(quick=False, bench=True):
     from qcompile.schedules import ConvSpec
-    from qcompile.schedules.layers import ALL_RESNET, ODD, RESNET50, distinct
+    from qcompile.schedules.layers import ALL_RESNET, ODD, RESNET50, RQ2_RESNET50, distinct
 
     cases = []
 
@@ -370,7 +370,7 @@ def make_cases(quick=False, bench=True):
         add("check", f"{nm}_u4out", sp.replace(out_dtype="uint4", zo=1, lo=0, hi=15), None, plan=True,
             knobs=dict(BM=128, BN=64, BK=64, WM=2, WN=2, stages=4, erq=True))
     # signed residuals (a block's first add takes the downsample's output, not ReLU-clipped: the residual fields
-    # sign-extended in the epilogue), with the 4-bit model's own residual constants (RQ2_RESNET50-like, compiled in) and
+    # sign-extended in the epilogue), with the 4-bit model's own residual constants (RQ2_RESNET50, compiled in) and
     # per-channel 8-bit ones: every ResNet-50 shape at batch 8 (the as-compiled plan) and 32 (the w8 register-A and
     # ping-pong kernels with erq on and off), both layouts
     w8k = [dict(wg, BK=64, WM=1, BN=64, stages=3, pstages=3, areg=True, w8=True, awarp=True, minb=3),
@@ -378,7 +378,7 @@ def make_cases(quick=False, bench=True):
     for li, (name, C, H, K, R, st, pd) in enumerate(distinct(RESNET50)):
         lay = ("NHWC", "HWNC")[li % 2]
         s4 = int4_spec(8, C, H, K, R, st, pd, 1, lay).replace(res_dtype="int4", res_i32=True, shift_ge33=True,
-                                                               rq2_uniform=(0, 1787590, 0, 760277, 20))
+                                                               rq2_uniform=RQ2_RESNET50)
         s8 = int8_spec(8, C, H, K, R, st, pd, 1, lay).replace(res_dtype="int8")
         add("check", f"sres_{name}_b8_int4_{lay.lower()}", s4, None, plan=True)
         add("check", f"sres_{name}_b8_int8_{lay.lower()}", s8, None, plan=True)

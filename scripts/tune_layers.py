@@ -171,18 +171,13 @@ RESIDUAL_LAYERS = ("_1x1b",)  # ResNet-50: the bottleneck's expansion conv carri
 # with `build --residual --residual-layers _3x3`)
 
 
-# the second stage's per-tensor constants (c1, M1, c2, M2, S2) of ResNet-50 INT4's first residual conv as the
-# dispatcher compiles it (build_e2e.py's model). Constants whose sum cannot reach the top of the output range (the
-# (1, 3 << 14, -2, 5 << 13, 16) used until the nineteenth round) let TVM drop the upper clip and left nvcc a mask in
-# the 4-bit pack: the tuned kernel was not the model's
-RQ2_RESNET50 = (0, 1787590, 0, 760277, 20)
-
-
 def residual_spec(spec):
     """``spec`` with the residual add a compiled ResNet-50 fuses into it (schedules/spec.py, ConvSpec): the int8 /
     int4 stage-1 intermediate, the unsigned residual input and output (after the block's ReLU), the per-tensor
     second stage compiled in (``rq2_uniform``: RQ2_RESNET50) and computed in int32, as the dispatcher plans it for a
     QDQ graph."""
+    from qcompile.schedules.layers import RQ2_RESNET50
+
     if spec.x_bits == 4:
         return spec.replace(has_residual=True, lo=-8, hi=7, zo=0, res_dtype="uint4", zo2=0, lo2=0, hi2=15,
                             res_i32=True, rq2_uniform=RQ2_RESNET50)
