@@ -3,7 +3,7 @@
 Public interface (see docs/SCHEDULES.md):
     conv2d_int_kernel(spec, arch="sm_90", strategy=None, knobs=None) -> tvm.tirx.PrimFunc
     conv2d_int_plan(spec, arch="sm_90", strategy=None, knobs=None) -> [PrimFunc] (one kernel, or a split-K pair)
-    select_strategy(spec, arch) -> "direct_hwnc" | "implicit_gemm" | "fallback"
+    select_strategy(spec, arch) -> "direct_hwnc" | "direct_halo" | "implicit_gemm" | "fallback"
     tuned_knobs(spec, arch) -> GemmKnobs | None   (measured best knobs from tuning_logs/<arch>.json)
     knobs_for(spec, arch) -> (GemmKnobs, source)   (what kernels get: that record, the layer's record at the nearest
                                                     batch size, or default_knobs(spec, arch))
@@ -16,7 +16,7 @@ import warnings
 from .spec import DEFAULT_KNOBS, MMA_SHAPES, ArchMMA, ConvSpec, GemmKnobs, MMAShape, arch_info, default_knobs
 from .tuning import knobs_for, tuned_knobs, tuning_key
 
-STRATEGIES = ("direct_hwnc", "implicit_gemm", "fallback")
+STRATEGIES = ("direct_hwnc", "implicit_gemm", "direct_halo", "fallback")
 
 
 # ---- dlight-style rules: each returns a PrimFunc, or None when it does not apply ----------------
@@ -56,16 +56,31 @@ def rule_fallback(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
     return make_fallback(spec, "cuda")
 
 
-RULES = {"direct_hwnc": rule_direct_hwnc, "implicit_gemm": rule_implicit_gemm, "fallback": rule_fallback}
+def rule_direct_halo(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
+    """The stem's space-to-depth conv from a shared-memory halo tile (schedules/stem.py); ``knobs`` a HaloKnobs (any
+    other knobs -- the implicit GEMM's -- are not this kernel's: its defaults)."""
+    from .stem import HaloKnobs, halo_constraints, make_halo_conv
+
+    if halo_constraints(spec, arch):
+        return None
+    return make_halo_conv(spec, arch, knobs if isinstance(knobs, HaloKnobs) else None)
+
+
+RULES = {"direct_hwnc": rule_direct_hwnc, "implicit_gemm": rule_implicit_gemm, "direct_halo": rule_direct_halo,
+         "fallback": rule_fallback}
 
 
 def select_strategy(spec: ConvSpec, arch: str = "sm_90") -> str:
-    """direct HWNC where the shape fits the MMA constraints, else implicit GEMM (NHWC), else fallback.
-    The layout is part of the spec (the caller decides it per layer); this only checks the rules."""
+    """direct HWNC where the shape fits the MMA constraints; on NHWC the direct kernel from a shared-memory halo tile
+    where it applies (the RGB stem's space-to-depth conv on sm_90a: ``stem.halo_constraints``), else implicit GEMM;
+    else fallback. The layout is part of the spec (the caller decides it per layer); this only checks the rules."""
     from .igemm import gemm_constraints
+    from .stem import halo_constraints
 
     if spec.layout == "HWNC" and gemm_constraints(spec, arch, "HWNC") is None:
         return "direct_hwnc"
+    if spec.layout == "NHWC" and halo_constraints(spec, arch) is None:
+        return "direct_halo"
     if spec.layout == "NHWC" and gemm_constraints(spec, arch, "NHWC") is None:
         return "implicit_gemm"
     return "fallback"
@@ -86,7 +101,7 @@ def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None 
     if strategy not in RULES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
     source = "user" if knobs is not None else "default"
-    if knobs is None and strategy != "fallback":
+    if knobs is None and strategy not in ("fallback", "direct_halo"):
         knobs, source = knobs_for(spec, arch)
         if packed_weights and spec.w_bits == 4:
             from .spec import packed_weight_knobs

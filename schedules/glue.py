@@ -6,6 +6,11 @@ thread: 1-byte accesses and per-element index arithmetic. ``VectorizedElementwis
 ``vec`` consecutive elements along the innermost axis, so loads and stores are ``vec`` bytes wide and
 the index arithmetic is amortized.
 
+The input quantize of a CUDA build also changes the layout (NCHW float -> NHWC bytes, the channels padded to 4, and
+the stem's 2x2 space-to-depth): each output byte gathers one input element, so no vector loads apply, and
+``VectorizedElementwise`` left its 4-byte loop serial, storing byte by byte. ``GatherRowElementwise`` gives each
+thread one whole innermost output row (16 bytes there), computed in registers and stored as one vector.
+
 The pools between them (the stem's 3x3 max pool, the global average pool's sum) reduce over spatial windows of
 NHWC tensors. dlight's reduction rules map them onto threads without vector accesses (ResNet-50's at batch 256 on the
 H100, ``scripts/check_pools.py``: the max pool 225 us, the sum 60 us; under this rule 155 us and 6.4 us). ``ChannelsLastWindowReduction`` gives each thread ``vec`` consecutive
@@ -36,6 +41,35 @@ def _single_block(rule: GPUScheduleRule, func, target: Target, kind: str):
     return sch, infos[0]
 
 
+def _injective_loops(rule: GPUScheduleRule, func, target: Target):
+    """(schedule, block, its loops, their extents as ints) when ``func`` is one injective block after inlining (see
+    ``_single_block``) with static loop extents; else None."""
+    one = _single_block(rule, func, target, "is_injective")
+    if one is None:
+        return None
+    sch, info = one
+    loops = sch.get_loops(info.block_rv)
+    extents = [sch.get(l).extent for l in loops]
+    if not loops or not all(isinstance(e, tirx.IntImm) for e in extents):
+        return None
+    return sch, info.block_rv, loops, [int(e) for e in extents]
+
+
+def _bind(sch, fused, threads: int):
+    """Split loop ``fused`` over blocks of ``threads`` threads and bind both; the thread loop."""
+    bx, tx = sch.split(fused, factors=[None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    return bx, tx
+
+
+def _local_result(sch, block, tx):
+    """``block``'s result computed into registers (a local cache written back under thread loop ``tx``)."""
+    wb = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(wb, tx, preserve_unit_loops=True)
+    return wb
+
+
 class VectorizedElementwise(GPUScheduleRule):
     """One injective block (after inlining) whose innermost extent is a multiple of ``vec``; else None."""
 
@@ -44,21 +78,14 @@ class VectorizedElementwise(GPUScheduleRule):
 
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool):
         # 1. only GPU element-wise functions that are not already scheduled
-        # 2. inline every producer; exactly one injective block must remain
-        one = _single_block(self, func, target, "is_injective")
+        # 2. inline every producer; exactly one injective block must remain, with static loop extents
+        one = _injective_loops(self, func, target)
         if one is None:
             return None
-        sch, info = one
-        block = info.block_rv
-        loops = sch.get_loops(block)
-        if not loops:
-            return None
-        extents = [sch.get(l).extent for l in loops]
-        if not all(isinstance(e, tirx.IntImm) for e in extents):
-            return None
-        inner, total = int(extents[-1]), 1
+        sch, block, loops, extents = one
+        inner, total = extents[-1], 1
         for e in extents:
-            total *= int(e)
+            total *= e
         # 3. vec elements per thread along the innermost axis, no tail (a predicate blocks vectorizing)
         if inner % self.vec or total % (self.vec * self.threads):
             return None
@@ -67,6 +94,44 @@ class VectorizedElementwise(GPUScheduleRule):
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
         sch.vectorize(v)
+        return sch
+
+
+class GatherRowElementwise(GPUScheduleRule):
+    """One injective block (after inlining) whose innermost axis spans 4, 8 or 16 bytes of output that no read walks
+    contiguously (a gather: the input quantize fused with the layout change to NHWC and the stem's space-to-depth,
+    where output byte (dr*2 + ds)*4 + c of a pixel reads x[n, c, 2i + dr, 2j + ds]); else None.
+
+    ``VectorizedElementwise`` would give each thread 4 consecutive output bytes and store them one by one (it cannot
+    vectorize the gathered reads, so the loop stays serial); here each thread computes one whole innermost row in
+    registers and stores it as one vector (ResNet's input quantize at batch 256 on the H100: see
+    docs/BENCHMARKS.md, twenty-first round)."""
+
+    def __init__(self, threads: int = 256):
+        self.threads = threads
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _: bool):
+        # 1. only GPU element-wise functions that are not already scheduled; one injective block after inlining
+        one = _injective_loops(self, func, target)
+        if one is None:
+            return None
+        sch, block, loops, extents = one
+        stmt = sch.get(block)
+        if len(loops) < 2 or len(stmt.writes) != 1:
+            return None
+        nbytes = extents[-1] * tvm.DataType(str(stmt.writes[0].source.dtype)).bits // 8
+        # 2. a short innermost row (4 / 8 / 16 bytes) that the write walks contiguously and no read does
+        c = stmt.iter_vars[-1].var
+        w = stmt.writes[0]
+        if nbytes not in (4, 8, 16) or not w.region or not w.region[-1].min.same_as(c):
+            return None
+        if any(r.region and r.region[-1].min.same_as(c) for r in stmt.reads):
+            return None
+        # 3. a thread per row: its values unrolled into registers, stored as one vector
+        _, tx = _bind(sch, sch.fuse(*loops[:-1]), self.threads)
+        wb = _local_result(sch, block, tx)
+        sch.unroll(sch.get_loops(block)[-1])
+        sch.vectorize(sch.get_loops(wb)[-1])
         return sch
 
 
@@ -114,14 +179,10 @@ class ChannelsLastWindowReduction(GPUScheduleRule):
             return None
         spatial, reduce_ = loops[:ns], loops[ns:]
         co, cv = sch.split(spatial[-1], factors=[None, vec])
-        fused = sch.fuse(*spatial[:-1], co)
-        bx, tx = sch.split(fused, factors=[None, self.threads])
+        bx, tx = _bind(sch, sch.fuse(*spatial[:-1], co), self.threads)
         sch.reorder(bx, tx, *reduce_, cv)
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
         # 4. accumulate in registers; init, update and the store vectorized over the channels
-        wb = sch.cache_write(block, 0, "local")
-        sch.reverse_compute_at(wb, tx, preserve_unit_loops=True)
+        wb = _local_result(sch, block, tx)
         #    (the block keeps its init: an update block without one cannot be vectorized)
         sch.vectorize(sch.get_loops(block)[-1])
         sch.vectorize(sch.get_loops(wb)[-1])

@@ -153,6 +153,29 @@ def w8_kperm(func) -> int:
     return int(a["qcompile.w8_kperm"]) if a is not None and "qcompile.w8_kperm" in a else 0
 
 
+def requant_stage1(t, m_v, s_v, shift_ge33: bool, zo: int, lo: int, hi: int, rel: bool = False):
+    """Stage 1 of the epilogue on ``t = acc + bias`` (int32 PrimExprs; ``m_v``, ``s_v`` the channel's M and S):
+    out = clip(round(t * M / 2^S) + zo, lo, hi) in int64 fixed point (int32 ops when every S >= 33, ``shift_ge33``);
+    ``rel``: out - lo (the residual stage folds lo into its constant)."""
+    if shift_ge33:
+        # every S >= 33: (t*M + 2^(S-1)) >> S == (hi32(t*M) + 2^(S-33)) >> (S-32), all int32 (mul.hi)
+        # (t is int32, wrapping like the reference; written as a 64-bit product TVM distributes the cast over
+        # t's sum and nvcc multiplies in 64 bits: ~7 instructions per element instead of one IMAD.HI)
+        hi32 = T.call_pure_extern("int32", "__mulhi", t, m_v)
+        # shift amount clamped to [1, 30] (a no-op for 33 <= S <= 62): with an unbounded shift TVM's
+        # integer-bound analysis narrows the result and drops the clip below
+        sh = T.max(T.min(s_v - 32, T.int32(30)), T.int32(1))
+        v = T.shift_right(hi32 + T.shift_left(T.int32(1), sh - 1), sh)
+        wd = "int32"
+    else:
+        v = T.Cast("int64", t) * T.Cast("int64", m_v)
+        v = T.shift_right(v + T.shift_left(T.int64(1), T.Cast("int64", s_v - 1)), T.Cast("int64", s_v))
+        wd = "int64"
+    if rel:  # y1 - lo = clip(v + zo - lo, 0, hi - lo): one add-min-max (VIADDMNMX.RELU) instead of two
+        return T.max(T.min(v + T.IntImm(wd, zo - lo), T.IntImm(wd, hi - lo)), T.IntImm(wd, 0))
+    return T.max(T.min(v + T.IntImm(wd, zo), T.IntImm(wd, hi)), T.IntImm(wd, lo))
+
+
 def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None = None,
                    layout: str | None = None, adapt: bool = True, allow_split: bool = False):
     """Build the tensor-core PrimFunc. ``layout`` "NHWC" = implicit GEMM, "HWNC" = direct.
@@ -503,26 +526,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         return k * (R * S * cb) + kb
 
     def requant1(a, bias_v, m_v, s_v, rel=False):
-        """Stage 1: out = clip(round((acc + bias) * M / 2^S) + zo, lo, hi) in int64 fixed point (int32 ops
-        when every S >= 33); ``rel``: out - lo (the residual stage folds lo into its constant)."""
-        t = unshift(a) + bias_v
-        if spec.shift_ge33:
-            # every S >= 33: (t*M + 2^(S-1)) >> S == (hi32(t*M) + 2^(S-33)) >> (S-32), all int32 (mul.hi)
-            # (t is int32, wrapping like the reference; written as a 64-bit product TVM distributes the cast over
-            # t's sum and nvcc multiplies in 64 bits: ~7 instructions per element instead of one IMAD.HI)
-            hi32 = T.call_pure_extern("int32", "__mulhi", t, m_v)
-            # shift amount clamped to [1, 30] (a no-op for 33 <= S <= 62): with an unbounded shift TVM's
-            # integer-bound analysis narrows the result and drops the clip below
-            sh = T.max(T.min(s_v - 32, T.int32(30)), T.int32(1))
-            v = T.shift_right(hi32 + T.shift_left(T.int32(1), sh - 1), sh)
-            wd = "int32"
-        else:
-            v = T.Cast("int64", t) * T.Cast("int64", m_v)
-            v = T.shift_right(v + T.shift_left(T.int64(1), T.Cast("int64", s_v - 1)), T.Cast("int64", s_v))
-            wd = "int64"
-        if rel:  # y1 - lo = clip(v + zo - lo, 0, hi - lo): one add-min-max (VIADDMNMX.RELU) instead of two
-            return T.max(T.min(v + T.IntImm(wd, zo - lo), T.IntImm(wd, hi - lo)), T.IntImm(wd, 0))
-        return T.max(T.min(v + T.IntImm(wd, zo), T.IntImm(wd, hi)), T.IntImm(wd, lo))
+        """Stage 1 on accumulator ``a`` (``requant_stage1``; Hopper INT4 accumulators unshifted first)."""
+        return requant_stage1(unshift(a) + bias_v, m_v, s_v, spec.shift_ge33, zo, lo, hi, rel)
 
     def requant2(v, q2, e, res_v, vlo=0):
         """With a residual, stage 2 on stage 1's value y1 = ``v + vlo``: the quantized residual add (see ConvSpec; int32

@@ -163,8 +163,9 @@ def main():
         net, bits = tag.rsplit("_", 1)
         d = root / tag
         wfile = root / entry.get("weights_from", tag) / "weights.npz"  # (an A/B build of one model may share them)
-        wb = {b: (d / f"weights_b{b}.npz" if (d / f"weights_b{b}.npz").exists() else wfile)  # (per batch: w8 records)
-              for b in (int(k) for k in entry["batches"])}
+        wd = root / entry.get("weights_from", tag)
+        wb = {b: next((f for f in (d / f"weights_b{b}.npz", wd / f"weights_b{b}.npz") if f.exists()), wfile)
+              for b in (int(k) for k in entry["batches"])}  # (per batch: w8 records; an A/B build's from its twin)
         runs = [(b, f"b{b}.so") for b in sorted(wb) if (d / f"b{b}.so").exists() and wb[b].exists()]  # (what the call carried)
         runs += [(int(p.stem[3:]), p.name) for p in sorted(d.glob("emb*.so"))]  # weights inside the .so
         for b, so in runs:

@@ -386,6 +386,27 @@ def make_cases(quick=False, bench=True):
             knobs=dict(w8k[li % 2], erq=bool(li % 3 == 1)))
         add("check", f"sres_{name}_b32_int8_{lay.lower()}", s8.replace(N=32), None,
             knobs=dict(wg, WM=1, BN=64, stages=3, minb=3, erq=bool(li % 3 == 2)))
+    # the stem's direct kernel from a shared-memory halo tile (schedules/stem.py, strategy direct_halo): the ResNet stem
+    # (its space-to-depth conv) at batch 1 / 3 / 8 as the selector gives it, and forced on smaller stems (output rows
+    # of 32 / 48 / 80 pixels) with rows-per-item that do not divide the rows, both pipe forms, signed inputs with a
+    # non-zero padding value, signed 8- and 4-bit outputs and the int64 fixed point (shift_ge33 off)
+    from qcompile.schedules.spec import space_to_depth
+
+    def stem_s2d(N, H, **kw):
+        return space_to_depth(ConvSpec(N=N, H=H, W=H, C=4, K=64, R=7, S=7, stride=2, padding=3, w_bits=8, **kw))
+
+    u4 = dict(x_dtype="uint8", out_dtype="uint4", zo=1, lo=0, hi=15, shift_ge33=True)
+    u8 = dict(x_dtype="uint8", out_dtype="uint8", zo=3, lo=0, hi=255, shift_ge33=True)
+    s8 = dict(x_dtype="int8", out_dtype="int8", zo=-3, lo=-128, hi=127, pad_value=-5)
+    s4 = dict(x_dtype="int8", out_dtype="int4", zo=0, lo=-8, hi=7, pad_value=7, shift_ge33=True)
+    for N in (1, 3, 8):
+        add("check", f"halo_stem_b{N}_int4", stem_s2d(N, 224, **u4), None, plan=True)
+        add("check", f"halo_stem_b{N}_int8", stem_s2d(N, 224, **u8), None, plan=True)
+    for i, (N, H) in enumerate(((3, 96), (2, 64), (1, 160), (5, 96))):
+        for j, ep in enumerate((u4, u8, s8, s4)):
+            th, pipe, minb = (1, 3, 4, 5, 8)[(i + j) % 5], (i + j) % 2, (3, 2, 4)[(i + 2 * j) % 3]
+            add("check", f"halo_h{H}_b{N}_{('u4', 'u8', 's8', 's4')[j]}_th{th}_p{pipe}_m{minb}", stem_s2d(N, H, **ep),
+                "direct_halo", knobs=dict(th=th, pipe=pipe, minb=minb))
     if bench and not quick:
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for N in (8, 64, 256):
@@ -408,10 +429,11 @@ def build_group(args):
     import warnings
 
     from qcompile.schedules import GemmKnobs
+    from qcompile.schedules.stem import HaloKnobs
 
     for c in group:
         strat = c["strategy"] or select_strategy(c["spec"], arch)
-        kn = GemmKnobs(**c["knobs_kw"]) if c.get("knobs_kw") else None
+        kn = ((HaloKnobs if strat == "direct_halo" else GemmKnobs)(**c["knobs_kw"])) if c.get("knobs_kw") else None
         with warnings.catch_warnings():  # forced wgmma knobs on a shape they cannot take: the mma.sync kernel
             warnings.simplefilter("ignore")
             fs = (conv2d_int_plan(c["spec"], arch, strat, kn) if c.get("plan")

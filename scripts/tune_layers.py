@@ -273,9 +273,10 @@ def candidates(spec, n: int, names=None):
 # build (here)
 # ------------------------------------------------------------------------------------------------------------
 def r50_layer_specs(batches):
-    """(NAME_bN_DT, spec, is_gemm) for every distinct ResNet-50 conv at each batch, INT8 and INT4, as compiled
-    models run it (int8_spec / int4_spec: the C=3 stem padded to 4 channels, 8-bit inputs in both); is_gemm is False
-    where the tensor-core rules do not apply (generic fallback, nothing to tune)."""
+    """(NAME_bN_DT, spec, strategy) for every distinct ResNet-50 conv at each batch, INT8 and INT4, as compiled
+    models run it (int8_spec / int4_spec: the C=3 stem padded to 4 channels, 8-bit inputs in both, as its
+    space-to-depth conv); strategy is ``select_strategy``'s: "implicit_gemm" (GemmKnobs to tune), "direct_halo" (the
+    stem: schedules/stem.py, ``build --halo``) or "fallback"."""
     from qcompile.schedules import select_strategy
     from qcompile.schedules.layers import RESNET50, distinct
 
@@ -283,12 +284,13 @@ def r50_layer_specs(batches):
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
                 spec = mk(N, C, H, K, R, st, pd)
-                yield f"{name}_b{N}_{dt}", spec, select_strategy(spec, ARCH) == "implicit_gemm"
+                yield f"{name}_b{N}_{dt}", spec, select_strategy(spec, ARCH)
 
 
-def fallback_case(layer, spec):
-    return dict(kind="bench", layer=layer, spec=spec, strategy="fallback", knobs=None, variant="fallback",
-                is_default=True)
+def fallback_case(layer, spec, strategy="fallback"):
+    """A layer whose kernel takes no GemmKnobs (the generic fallback; the stem's direct_halo kernel), as compiled."""
+    return dict(kind="bench", layer=layer, spec=spec, strategy=strategy, knobs=None,
+                variant="fallback" if strategy == "fallback" else "default", is_default=True)
 
 
 def bench8_cases():
@@ -296,8 +298,8 @@ def bench8_cases():
     from qcompile.schedules import DEFAULT_KNOBS
 
     return [dict(kind="bench", layer=layer, spec=spec, strategy="implicit_gemm", knobs=DEFAULT_KNOBS[ARCH],
-                 variant="default", is_default=True) if gemm else fallback_case(layer, spec)
-            for layer, spec, gemm in r50_layer_specs([8])]
+                 variant="default", is_default=True) if st == "implicit_gemm" else fallback_case(layer, spec, st)
+            for layer, spec, st in r50_layer_specs([8])]
 
 
 def make_cases(batches, nvar, names=None, only_r=None, bench8=True, only_c=None):
@@ -315,8 +317,8 @@ def make_cases(batches, nvar, names=None, only_r=None, bench8=True, only_c=None)
             for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
                 spec = mk(N, C, H, K, R, st, pd)
                 layer = f"{name}_b{N}_{dt}"
-                if select_strategy(spec, ARCH) != "implicit_gemm":  # C=3 INT4 stem: generic fallback, no knobs
-                    cases.append(fallback_case(layer, spec))
+                if select_strategy(spec, ARCH) != "implicit_gemm":  # no GemmKnobs (the stem: direct_halo)
+                    cases.append(fallback_case(layer, spec, select_strategy(spec, ARCH)))
                     continue
                 for vname, kn in candidates(spec, nv, names):
                     cases.append(dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=kn,
@@ -530,7 +532,7 @@ def make_cases_stem(batches, names=None):
     from qcompile.schedules import DEFAULT_KNOBS
     from qcompile.schedules.igemm import _adapt_knobs
 
-    cases, extra = [c for c in make_cases_as_compiled(batches) if c["layer"].startswith("r50_stem_")], []
+    cases, extra = _stem_igemm_cases(batches), []
     for c in _tunable(cases, ("int8", "int4")):
         spec, seen = c["spec"], {c["knobs"]}
         for cname in names or CAND:
@@ -538,6 +540,35 @@ def make_cases_stem(batches, names=None):
             for vname, kn in ((cname, e), (cname + "_erq", e.replace(erq=True))):
                 if _fits(kn, spec, seen):
                     extra.append(dict(c, knobs=kn, variant=vname, is_default=False))
+    return cases + extra
+
+
+def _stem_igemm_cases(batches):
+    """The stem's space-to-depth conv at each batch, INT8 and INT4, as the implicit GEMM with the knobs it would get
+    (``_now_knobs``: its tuning-log record), as tuning rows: what compiled models ran before the direct_halo kernel."""
+    return [dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=_now_knobs(spec), variant="default",
+                 is_default=True) for layer, spec, _ in r50_layer_specs(batches) if layer.startswith("r50_stem_")]
+
+
+def make_cases_halo(batches, ths=(1, 2, 4, 8), minbs=(2, 3, 4), pipes=(0, 1)):
+    """The stem's space-to-depth conv at each batch, INT8 and INT4, as the implicit GEMM (``_stem_igemm_cases``: the
+    "default" rows) against the direct kernel from a shared-memory halo tile (``schedules/stem.py``, strategy
+    ``direct_halo``): its defaults as compiled models get them ("halo_default") and each rows-per-item ``th``, blocks
+    per SM ``minb`` and ``pipe`` as tuning variants."""
+    from qcompile.schedules.stem import HaloKnobs, halo_constraints
+
+    cases, extra = _stem_igemm_cases(batches), []
+    for c in cases:
+        if halo_constraints(c["spec"], ARCH):
+            continue
+        extra.append(dict(c, strategy="direct_halo", knobs=None, variant="halo_default", is_default=False))
+        for pipe in pipes:
+            for th in ths:
+                for m in minbs:
+                    if pipe and m > 2:  # (two accumulator sets: 239 registers; 3 blocks per SM already spill)
+                        continue
+                    extra.append(dict(c, strategy="direct_halo", knobs=HaloKnobs(th=th, minb=m, pipe=pipe),
+                                      variant=f"halo_th{th}_m{m}" + ("_p1" if pipe else ""), is_default=False))
     return cases + extra
 
 
@@ -788,9 +819,9 @@ def make_cases_as_compiled(batches, residual=()):
     """One kernel per ResNet-50 shape: the knobs a compiled model gets (``_now_knobs``); no tuning. ``residual``: the
     layer-name endings whose convs carry the residual add (``with_residual``; True: RESIDUAL_LAYERS)."""
     cases = []
-    for layer, spec, gemm in r50_layer_specs(batches):
-        if not gemm:
-            cases.append(fallback_case(layer, spec))
+    for layer, spec, st in r50_layer_specs(batches):
+        if st != "implicit_gemm":
+            cases.append(fallback_case(layer, spec, st))
             continue
         kn = _now_knobs(spec)
         cases.append(dict(kind="tune" if spec.N != 8 else "bench", layer=layer, spec=spec, strategy="implicit_gemm",
@@ -846,9 +877,9 @@ def make_cases_loop_ab(batches, alt):
     from qcompile.schedules import tuned_knobs
 
     cases = []
-    for layer, spec, gemm in r50_layer_specs(batches):
-        if not gemm:
-            cases.append(fallback_case(layer, spec))
+    for layer, spec, st in r50_layer_specs(batches):
+        if st != "implicit_gemm":
+            cases.append(fallback_case(layer, spec, st))
             continue
         N = spec.N
         base = tuned_knobs(spec, ARCH) or candidates(spec, 1)[0][1]
@@ -898,7 +929,8 @@ def build_group(args):
                          is_default=c["is_default"], arch=ARCH, mode="sass", funcs=nf,
                          strategy_used=c["strategy"] + (f"+splitk{split}" if split > 1 else ""),
                          knobs=str(c["knobs"]) if c["knobs"] else "",
-                         knobs_dict=knobs_to_dict(c["knobs"]) if c["knobs"] else None,
+                         knobs_dict=knobs_to_dict(c["knobs"]) if c["knobs"] and c["strategy"] != "direct_halo" else (
+                             dataclasses.asdict(c["knobs"]) if c["knobs"] else None),
                          key=tuning_key(c["spec"]), spec=dataclasses.asdict(c["spec"]), so=so.name, func=c["func"],
                          sk=streamk_args(funcs[nf[0]]), w8=w8_weights(funcs[nf[0]]),
                          w8_kperm=w8_kperm(funcs[nf[0]]),
@@ -936,6 +968,8 @@ def cmd_build(a):
         cases = make_cases_sk(a.batches, a.only_layers, a.cands)
     elif a.stem:
         cases = make_cases_stem(a.batches, a.cands)
+    elif a.halo:
+        cases = make_cases_halo(a.batches)
     elif a.occ1wg:
         cases = make_cases_occ1wg(a.batches, a.only_layers, tuple(a.minb or (0, 3, 4)),
                                   (False, True) if not a.no_erq else (False,))
@@ -1433,6 +1467,9 @@ def cmd_log(a):
         vs = row["variants"]
         dflt = next(v for v in vs if v["is_default"])
         ok = [v for v in vs if v.get("ok") and "ms" in v]
+        if any(v["variant"].startswith("halo_") for v in ok):  # (build --halo: HaloKnobs, no log records)
+            print("direct_halo variants not logged (the stem's kernel takes HaloKnobs defaults):", row["layer"])
+            ok = [v for v in ok if not v["variant"].startswith("halo_")]
         if not dflt.get("ok") or not ok:
             print("skip (default not exact / nothing exact):", row["layer"])
             continue
@@ -1562,6 +1599,9 @@ def main():
                    help="as compiled + one-warpgroup 128-row tiles with minb 0/3/4 (--minb), with and without erq "
                         "(--no-erq: without), for the 8-bit layers (--only-layers)")
     b.add_argument("--no-erq", action="store_true", help="with --occ1wg / --pp: no erq variants")
+    b.add_argument("--halo", action="store_true",
+                   help="the stem as compiled against the direct kernel from a shared-memory halo tile (schedules/stem.py)"
+                        " with each rows-per-item and blocks-per-SM knob")
     b.add_argument("--stem", action="store_true",
                    help="the stem as compiled (its space-to-depth form) with every CAND tile (--cands), with and "
                         "without erq, INT8 and INT4")

@@ -38,7 +38,7 @@ def test_dispatch_exact_on_cpu(bits, layout):
     assert np.array_equal(y, Reference(mi)(x))
 
 
-def _stem_model(hw, zp=117, seed=5):
+def _stem_model(hw, zp=117, seed=5, k=16):
     """A 3-channel 7x7 stride-2 stem (the ResNet one), uint8 input with zero point ``zp`` (the padding reads it)."""
     from qcompile.qdq import QDQBuilder, qtype
 
@@ -47,8 +47,8 @@ def _stem_model(hw, zp=117, seed=5):
     x = b.input("x", (2, 3) + hw)
     u8, s8 = qtype(8, False), qtype(8, True)
     d0 = b.dequantize(b.quantize(x, 0.03, zp, u8, name="q_in"), 0.03, zp)
-    w = b.qweight(rng.integers(-127, 128, (16, 3, 7, 7)), np.full(16, 2e-3), s8, name="w")
-    h = b.relu(b.conv2d(d0, w, b.qbias(rng.integers(-999, 999, 16), 6e-5, "bias"), (2, 2), (3, 3, 3, 3), name="stem"))
+    w = b.qweight(rng.integers(-127, 128, (k, 3, 7, 7)), np.full(k, 2e-3), s8, name="w")
+    h = b.relu(b.conv2d(d0, w, b.qbias(rng.integers(-999, 999, k), 6e-5, "bias"), (2, 2), (3, 3, 3, 3), name="stem"))
     return b.finish([b.dequantize(b.quantize(h, 0.02, 0, u8, name="q_stem"), 0.02, 0, name="out")])
 
 
@@ -70,7 +70,12 @@ def test_dispatch_space_to_depth_stem_exact_on_cpu(hw):
 
 
 def test_dispatch_cuda_space_to_depth_stem():
-    """On CUDA (IR only) the stem's kernel is the 16-channel 4x4 stride-1 conv; CPU builds keep the 7x7 one."""
+    """On CUDA (IR only) the stem's kernel is the 16-channel 4x4 stride-1 conv; CPU builds keep the 7x7 one. With
+    ResNet's 64 output channels it is the direct kernel from a shared-memory halo tile (schedules/stem.py), with 16
+    the implicit GEMM."""
+    p = DispatchTensorCore("sm_90")
+    run_pass(p, lower_to_integer(_stem_model((224, 224), k=64), "NHWC", pack_int4=False))
+    assert p.chosen == [("q_stem", "direct_halo+s2d")]
     mi = lower_to_integer(_stem_model((224, 224)), "NHWC", pack_int4=False)
     p = DispatchTensorCore("sm_90")
     md = run_pass(p, mi)

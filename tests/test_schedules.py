@@ -30,6 +30,8 @@ def test_mma_table():
 
 
 def test_selector():
+    from qcompile.schedules.spec import space_to_depth
+
     base = dict(H=56, W=56, C=64, K=64, R=3, S=3, padding=1)
     assert select_strategy(ConvSpec(N=8, layout="HWNC", **base)) == "direct_hwnc"
     assert select_strategy(ConvSpec(N=1, layout="NHWC", **base)) == "implicit_gemm"
@@ -38,6 +40,10 @@ def test_selector():
     stem = dict(N=1, H=224, W=224, C=3, K=64, R=7, S=7, stride=2, padding=3)
     assert select_strategy(ConvSpec(**stem)) == "implicit_gemm"
     assert select_strategy(ConvSpec(**stem, layout="HWNC")) == "fallback"
+    # the stem as CUDA builds run it (C padded to 4, then its 2x2 space-to-depth conv): the direct halo kernel on
+    # sm_90a, the implicit GEMM where there is no wgmma
+    s2d = space_to_depth(ConvSpec(**dict(stem, C=4)))
+    assert select_strategy(s2d) == "direct_halo" and select_strategy(s2d, "sm_80") == "implicit_gemm"
     assert select_strategy(ConvSpec(N=3, H=9, W=9, C=3, K=8, R=3, S=3, x_dtype="int4", w_bits=4)) == "fallback"
     # forcing
     f = conv2d_int_kernel(ConvSpec(N=1, **base), strategy="fallback")
@@ -142,6 +148,42 @@ def _src(spec, arch, strategy=None, knobs=None):
 
 
 L3 = dict(N=8, H=14, W=14, C=64, K=128, R=3, S=3, padding=1)
+
+
+def test_cuda_direct_halo_stem():
+    """The stem's space-to-depth conv from a shared-memory halo tile (schedules/stem.py): one register-A wgmma per
+    tap pair and output row (m64 = the 64 output channels, n = the 112 pixels of the row), its B operand a
+    no-swizzle descriptor into the halo (LBO 16 bytes: the next tap is the next pixel; SBO 128 bytes); the halo rows
+    by 16-byte cp.async; stage 1 of the implicit GEMM's epilogue; the 4-bit row packed by byte permutes."""
+    from qcompile.schedules.spec import space_to_depth
+    from qcompile.schedules.stem import HaloKnobs, halo_constraints
+
+    stem = ConvSpec(N=256, H=224, W=224, C=4, K=64, R=7, S=7, stride=2, padding=3, x_dtype="uint8", out_dtype="uint4",
+                    zo=1, lo=0, hi=15, shift_ge33=True)
+    s2d = space_to_depth(stem)
+    src = _src(s2d, "sm_90")
+    assert src.count("wgmma.mma_async.sync.aligned.m64n112k32.s32.s8.u8") >= 1 and "mma.sync" not in src
+    body = src.split("main_kernel(")[-1]
+    mma = "wgmma_int_rs_mma_async_sync_aligned_m64n112k32_s32_s8_u8("
+    assert body.count(mma) == 8  # 4 kernel rows x 2 tap pairs, in the loop over an item's output rows
+    # at batch 8 (a smaller grid) the rows of an item are unrolled, the next row's MMAs issued before an epilogue
+    assert _src(s2d.replace(N=8), "sm_90").split("main_kernel(")[-1].count(mma) == 4 * 8
+    assert "34359803904ULL" in body  # (descriptor fields: LBO 1 << 16 | SBO 8 << 32 in 16-byte units, no swizzle)
+    # one staged store per pixel and channel pair (the MMA rows permuted: a thread's two channels are adjacent), the
+    # 4-bit pair packed into one byte: 14 column groups x 2 pixels; the row written out in 16-byte stores
+    assert "cp_async_cg" in body and "__mulhi(" in body and "__byte_perm(" not in body
+    assert body.count("tvm_builtin_ptx_st_shared_b8_u32(") == 28 and "st_shared_b16" not in body
+    src8 = _src(s2d.replace(out_dtype="int8", zo=-3, lo=-128, hi=127, x_dtype="int8", pad_value=-5), "sm_90",
+                knobs=HaloKnobs(th=2, pipe=1))
+    body8 = src8.split("main_kernel(")[-1]
+    assert "m64n112k32.s32.s8.s8" in src8 and body8.count("tvm_builtin_ptx_st_shared_b16_u32(") == 2 * 28
+    assert "(uint)4227595259" in body8  # (the padding value -5 in every byte of a word: 0xFBFBFBFB)
+    # what it cannot take, said plainly
+    assert "16-byte pixels" in halo_constraints(stem, "sm_90")
+    assert "wgmma" in halo_constraints(s2d, "sm_86")
+    assert "K = 64" in halo_constraints(s2d.replace(K=128), "sm_90")
+    with pytest.raises(ValueError, match="direct_halo"):
+        conv2d_int_kernel(stem, "sm_90", "direct_halo")
 
 
 def test_cuda_int8_sm90_mma():
@@ -858,7 +900,7 @@ def _legalized(build):
     from tvm import relax
 
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(build.shape, "uint8"))
+    x = relax.Var("x", relax.TensorType(build.shape, getattr(build, "dtype", "uint8")))
     with bb.function("main", [x]):
         with bb.dataflow():
             y = bb.emit_output(build(x))
@@ -902,6 +944,45 @@ def test_glue_pool_rule():
         assert sch is not None
         src = cuda_source(build_cuda(sch.mod["main"].with_attr("global_symbol", "glue"), "sm_90", mode="ptx"))
         assert load in src and store in src, src[-3000:]
+
+
+def test_glue_gather_row_rule():
+    """GatherRowElementwise: the input quantize fused with the NCHW -> NHWC transpose, the channel pad and the stem's
+    space-to-depth (output byte (2 dr + ds) 4 + c of a pixel reads x[n, c, 2i + dr, 2j + ds]) gets a thread per
+    16-byte output row, computed in registers and stored as one vector (VectorizedElementwise stored it byte by byte,
+    its 4-byte loop serial); element-wise functions whose reads walk the innermost axis stay with
+    VectorizedElementwise, and the CUDA pipeline tries this rule first."""
+    from tvm import relax
+
+    from qcompile.schedules.glue import GatherRowElementwise, VectorizedElementwise
+
+    def quant_s2d(x):
+        v = relax.op.astype(relax.op.clip(relax.op.floor(relax.op.add(relax.op.divide(
+            x, relax.const(0.0187, "float32")), relax.const(114.0, "float32"))), 0, 255), "uint8")
+        v = relax.op.nn.pad(relax.op.permute_dims(v, [0, 2, 3, 1]), [0, 0, 0, 0, 0, 0, 0, 1], pad_value=0.0)
+        v = relax.op.permute_dims(relax.op.reshape(v, (2, 4, 2, 4, 2, 4)), [0, 1, 3, 2, 4, 5])
+        return relax.op.reshape(v, (2, 4, 4, 16))
+    quant_s2d.shape, quant_s2d.dtype = [2, 3, 8, 8], "float32"
+
+    def add1(x):  # channels-last element-wise: contiguous reads
+        return relax.op.add(x, relax.const(1, "uint8"))
+    add1.shape = [2, 8, 8, 16]
+
+    tgt = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    rule = GatherRowElementwise()
+    assert rule.apply(_legalized(add1)[0], tgt, False) is None
+    assert VectorizedElementwise().apply(_legalized(add1)[0], tgt, False) is not None
+    (f,) = _legalized(quant_s2d)
+    sch = rule.apply(f, tgt, False)
+    assert sch is not None
+    src = cuda_source(build_cuda(sch.mod["main"].with_attr("global_symbol", "glue"), "sm_90", mode="ptx"))
+    body = src.split("glue_kernel(")[-1]
+    assert body.count("= *(uint4*)(") == 1 and "for (" not in body and body.count("x_ptr[") == 12  # 3 of 4 channels
+    import inspect
+
+    from qcompile import pipeline
+
+    assert "GatherRowElementwise(), VectorizedElementwise()" in inspect.getsource(pipeline.cuda_pipeline)
 
 
 def _ptxas_stack_bytes(src: str) -> int:

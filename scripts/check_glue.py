@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Check (and time) the input quantize of a CUDA build -- float NCHW -> uint8, NHWC, the RGB channels padded to 4 and
+the stem's 2x2 space-to-depth, one fused kernel -- under qcompile's glue rules (``glue.GatherRowElementwise``: a thread
+per 16-byte output row) against the same function under the rules before it (``glue.VectorizedElementwise`` first:
+4 bytes per thread, stored one by one).
+
+    python scripts/check_glue.py build                      # here: .device/glue/{rule,before}_bN.so
+    run(command="python3 scripts/check_glue.py device", carry=[".device/glue", ".bundle"])
+
+On the GPU host (TVM runtime only): fresh random images, each build's output compared byte for byte with NumPy (the
+same float32 division, floor and clip), then both timed alternately (``time_evaluator``, median of 5 x 50 calls; a
+VM call around one kernel, so a few microseconds of host time are included), three rounds; JSON to $OUT/glue.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DIR = ROOT / ".device" / "glue"
+BATCHES = (8, 256)
+SCALE, ZP = 0.0187, 114.0  # (an ImageNet-like input scale and zero point)
+
+
+def quantize_s2d(N):
+    """The Relax function a CUDA build fuses in front of the stem (relay_passes/dispatch_tensor_core.py)."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([N, 3, 224, 224], "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            v = relax.op.floor(relax.op.add(relax.op.divide(x, relax.const(SCALE, "float32")),
+                                            relax.const(ZP, "float32")))
+            v = relax.op.astype(relax.op.clip(v, 0, 255), "uint8")
+            v = relax.op.nn.pad(relax.op.permute_dims(v, [0, 2, 3, 1]), [0, 0, 0, 0, 0, 0, 0, 1], pad_value=0.0)
+            v = relax.op.permute_dims(relax.op.reshape(v, (N, 112, 2, 112, 2, 4)), [0, 1, 3, 2, 4, 5])
+            y = bb.emit_output(relax.op.reshape(v, (N, 112, 112, 16)))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+def cmd_build():
+    import tvm
+    from tvm.relax.backend.cuda import pipeline as cp
+    from tvm.s_tir import dlight as dl
+
+    from qcompile.pipeline import cuda_pipeline
+    from qcompile.schedules.build import cuda_target, ensure_stub_libcuda
+    from qcompile.schedules.glue import ChannelsLastWindowReduction, VectorizedElementwise
+
+    ensure_stub_libcuda()
+    tgt = cuda_target("sm_90")
+
+    @tvm.transform.module_pass(opt_level=0, name="before")
+    def before(mod, _ctx):  # the pipeline's rules before GatherRowElementwise
+        with tgt:
+            legalize = cp.legalize_passes(tgt)
+            legalize[-1] = dl.ApplyDefaultSchedule(VectorizedElementwise(), ChannelsLastWindowReduction(),
+                                                   dl.gpu.Fallback())
+            return tvm.transform.Sequential(cp.library_dispatch_passes(tgt) + legalize + cp.dataflow_lower_passes(tgt)
+                                            + cp.finalize_passes(tgt))(mod)
+
+    DIR.mkdir(parents=True, exist_ok=True)
+    for N in BATCHES:
+        for name, pipe in (("rule", cuda_pipeline(tgt)), ("before", before)):
+            with tvm.transform.PassContext(opt_level=3):
+                tvm.compile(quantize_s2d(N), target=tgt, relax_pipeline=pipe).export_library(str(DIR / f"{name}_b{N}.so"))
+    print("built", sorted(p.name for p in DIR.glob("*.so")))
+
+
+def cmd_device():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from device_env import setup_runtime_and_reexec
+
+    setup_runtime_and_reexec(__file__, sys.argv[1:])
+    import device_run as DR  # the TVM runtime with its CUDA module loader
+    import numpy as np
+    import torch
+    from tvm.runtime.vm import VirtualMachine
+
+    tvm = DR.tvm
+    dev = tvm.cuda(0)
+    res = dict(device=torch.cuda.get_device_name(0), rows=[])
+    for N in BATCHES:
+        x = (np.random.default_rng(N).standard_normal((N, 3, 224, 224)) * 2).astype("float32")
+        q = np.clip(np.floor(x / np.float32(SCALE) + np.float32(ZP)), 0, 255).astype(np.uint8)
+        q = np.concatenate([q.transpose(0, 2, 3, 1), np.zeros((N, 224, 224, 1), np.uint8)], axis=-1)
+        ref = q.reshape(N, 112, 2, 112, 2, 4).transpose(0, 1, 3, 2, 4, 5).reshape(N, 112, 112, 16)
+        xt = tvm.runtime.tensor(x, dev)
+        vms = {k: VirtualMachine(tvm.runtime.load_module(str(DIR / f"{k}_b{N}.so")), dev) for k in ("rule", "before")}
+        row = {"batch": N}
+        for k, vm in vms.items():
+            row[f"{k}_exact"] = bool(np.array_equal(vm["main"](xt).numpy(), ref))
+        for _ in range(3):
+            for k, vm in vms.items():
+                row.setdefault(f"{k}_ms", []).append(round(vm.time_evaluator("main", dev, number=50, repeat=5)(xt).median
+                                                           * 1e3, 4))
+        print(json.dumps(row), flush=True)
+        res["rows"].append(row)
+    (pathlib.Path(os.environ.get("OUT", "/tmp")) / "glue.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    {"build": cmd_build, "device": cmd_device}[sys.argv[1]]()
