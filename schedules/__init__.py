@@ -16,7 +16,7 @@ import warnings
 from .spec import DEFAULT_KNOBS, MMA_SHAPES, ArchMMA, ConvSpec, GemmKnobs, MMAShape, arch_info, default_knobs
 from .tuning import knobs_for, tuned_knobs, tuning_key
 
-STRATEGIES = ("direct_hwnc", "implicit_gemm", "direct_halo", "fallback")
+STRATEGIES = ("direct_hwnc", "direct_halo", "implicit_gemm", "fallback")  # (select_strategy's order)
 
 
 # ---- dlight-style rules: each returns a PrimFunc, or None when it does not apply ----------------

@@ -98,6 +98,9 @@ def make_halo_conv(spec: ConvSpec, arch: str = "sm_90", knobs: HaloKnobs | None 
     ST_OFF = 2 * HALO
     ST_BYTES = Q * KP  # a staging tile (PIPE: two, rows alternating, so one barrier per row)
     SMEM = ST_OFF + (2 if PIPE else 1) * ST_BYTES
+    if SMEM > arch_info(arch).smem_per_block:
+        raise ValueError(f"direct_halo: {SMEM // 1024} KiB of halo and staging tiles (th = {TH}) exceed the "
+                         f"{arch_info(arch).smem_per_block // 1024} KiB per block of {arch}; use fewer rows per item")
     IPI = -(-P // TH)  # items per image
     ITEMS = N * IPI
     GRID = min(ITEMS, kn.minb * arch_info(arch).sms)

@@ -162,8 +162,8 @@ def main():
             continue
         net, bits = tag.rsplit("_", 1)
         d = root / tag
-        wfile = root / entry.get("weights_from", tag) / "weights.npz"  # (an A/B build of one model may share them)
-        wd = root / entry.get("weights_from", tag)
+        wd = root / entry.get("weights_from", tag)  # (an A/B build of one model may share its weights)
+        wfile = wd / "weights.npz"
         wb = {b: next((f for f in (d / f"weights_b{b}.npz", wd / f"weights_b{b}.npz") if f.exists()), wfile)
               for b in (int(k) for k in entry["batches"])}  # (per batch: w8 records; an A/B build's from its twin)
         runs = [(b, f"b{b}.so") for b in sorted(wb) if (d / f"b{b}.so").exists() and wb[b].exists()]  # (what the call carried)

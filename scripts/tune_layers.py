@@ -317,8 +317,9 @@ def make_cases(batches, nvar, names=None, only_r=None, bench8=True, only_c=None)
             for dt, mk in (("int8", int8_spec), ("int4", int4_spec)):
                 spec = mk(N, C, H, K, R, st, pd)
                 layer = f"{name}_b{N}_{dt}"
-                if select_strategy(spec, ARCH) != "implicit_gemm":  # no GemmKnobs (the stem: direct_halo)
-                    cases.append(fallback_case(layer, spec, select_strategy(spec, ARCH)))
+                strat = select_strategy(spec, ARCH)
+                if strat != "implicit_gemm":  # no GemmKnobs (the stem: direct_halo)
+                    cases.append(fallback_case(layer, spec, strat))
                     continue
                 for vname, kn in candidates(spec, nv, names):
                     cases.append(dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=kn,
@@ -929,8 +930,8 @@ def build_group(args):
                          is_default=c["is_default"], arch=ARCH, mode="sass", funcs=nf,
                          strategy_used=c["strategy"] + (f"+splitk{split}" if split > 1 else ""),
                          knobs=str(c["knobs"]) if c["knobs"] else "",
-                         knobs_dict=knobs_to_dict(c["knobs"]) if c["knobs"] and c["strategy"] != "direct_halo" else (
-                             dataclasses.asdict(c["knobs"]) if c["knobs"] else None),
+                         knobs_dict=None if not c["knobs"] else dataclasses.asdict(c["knobs"])
+                         if c["strategy"] == "direct_halo" else knobs_to_dict(c["knobs"]),  # (HaloKnobs / GemmKnobs)
                          key=tuning_key(c["spec"]), spec=dataclasses.asdict(c["spec"]), so=so.name, func=c["func"],
                          sk=streamk_args(funcs[nf[0]]), w8=w8_weights(funcs[nf[0]]),
                          w8_kperm=w8_kperm(funcs[nf[0]]),
@@ -1601,7 +1602,7 @@ def main():
     b.add_argument("--no-erq", action="store_true", help="with --occ1wg / --pp: no erq variants")
     b.add_argument("--halo", action="store_true",
                    help="the stem as compiled against the direct kernel from a shared-memory halo tile (schedules/stem.py)"
-                        " with each rows-per-item and blocks-per-SM knob")
+                        " with each rows-per-item, blocks-per-SM and pipe knob (HaloKnobs)")
     b.add_argument("--stem", action="store_true",
                    help="the stem as compiled (its space-to-depth form) with every CAND tile (--cands), with and "
                         "without erq, INT8 and INT4")

@@ -184,6 +184,8 @@ def test_cuda_direct_halo_stem():
     assert "K = 64" in halo_constraints(s2d.replace(K=128), "sm_90")
     with pytest.raises(ValueError, match="direct_halo"):
         conv2d_int_kernel(stem, "sm_90", "direct_halo")
+    with pytest.raises(ValueError, match="KiB per block"):  # (64 rows per item: two 120-KiB halo buffers)
+        conv2d_int_kernel(s2d, "sm_90", "direct_halo", HaloKnobs(th=64))
 
 
 def test_cuda_int8_sm90_mma():
