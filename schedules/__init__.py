@@ -3,7 +3,7 @@
 Public interface (see docs/SCHEDULES.md):
     conv2d_int_kernel(spec, arch="sm_90", strategy=None, knobs=None) -> tvm.tirx.PrimFunc
     conv2d_int_plan(spec, arch="sm_90", strategy=None, knobs=None) -> [PrimFunc] (one kernel, or a split-K pair)
-    select_strategy(spec, arch) -> "direct_hwnc" | "direct_halo" | "implicit_gemm" | "fallback"
+    select_strategy(spec, arch) -> "direct_hwnc" | "direct_halo" | "implicit_gemm_t" | "implicit_gemm" | "fallback"
     tuned_knobs(spec, arch) -> GemmKnobs | None   (measured best knobs from tuning_logs/<arch>.json)
     knobs_for(spec, arch) -> (GemmKnobs, source)   (what kernels get: that record, the layer's record at the nearest
                                                     batch size, or default_knobs(spec, arch))
@@ -16,7 +16,7 @@ import warnings
 from .spec import DEFAULT_KNOBS, MMA_SHAPES, ArchMMA, ConvSpec, GemmKnobs, MMAShape, arch_info, default_knobs
 from .tuning import knobs_for, tuned_knobs, tuning_key
 
-STRATEGIES = ("direct_hwnc", "direct_halo", "implicit_gemm", "fallback")  # (select_strategy's order)
+STRATEGIES = ("direct_hwnc", "direct_halo", "implicit_gemm_t", "implicit_gemm", "fallback")  # (select_strategy's order)
 
 
 # ---- dlight-style rules: each returns a PrimFunc, or None when it does not apply ----------------
@@ -66,21 +66,36 @@ def rule_direct_halo(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
     return make_halo_conv(spec, arch, knobs if isinstance(knobs, HaloKnobs) else None)
 
 
+def rule_implicit_gemm_t(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
+    """The implicit GEMM with output channels as the MMA's M (schedules/igemm_t.py); ``knobs`` a KtKnobs (any other
+    knobs -- the implicit GEMM's -- are not this kernel's: its defaults)."""
+    from .igemm_t import KtKnobs, kt_constraints, make_kt_conv
+
+    if kt_constraints(spec, arch):
+        return None
+    return make_kt_conv(spec, arch, knobs if isinstance(knobs, KtKnobs) else None)
+
+
 RULES = {"direct_hwnc": rule_direct_hwnc, "implicit_gemm": rule_implicit_gemm, "direct_halo": rule_direct_halo,
-         "fallback": rule_fallback}
+         "implicit_gemm_t": rule_implicit_gemm_t, "fallback": rule_fallback}
 
 
 def select_strategy(spec: ConvSpec, arch: str = "sm_90") -> str:
     """direct HWNC where the shape fits the MMA constraints; on NHWC the direct kernel from a shared-memory halo tile
-    where it applies (the RGB stem's space-to-depth conv on sm_90a: ``stem.halo_constraints``), else implicit GEMM;
-    else fallback. The layout is part of the spec (the caller decides it per layer); this only checks the rules."""
+    where it applies (the RGB stem's space-to-depth conv on sm_90a: ``stem.halo_constraints``), the implicit GEMM
+    with output channels as M where its grid fills the GPU better (sm_90a: ``igemm_t.kt_preferred``), else implicit
+    GEMM; else fallback. The layout is part of the spec (the caller decides it per layer); this only checks the
+    rules."""
     from .igemm import gemm_constraints
+    from .igemm_t import kt_preferred
     from .stem import halo_constraints
 
     if spec.layout == "HWNC" and gemm_constraints(spec, arch, "HWNC") is None:
         return "direct_hwnc"
     if spec.layout == "NHWC" and halo_constraints(spec, arch) is None:
         return "direct_halo"
+    if spec.layout == "NHWC" and kt_preferred(spec, arch):
+        return "implicit_gemm_t"
     if spec.layout == "NHWC" and gemm_constraints(spec, arch, "NHWC") is None:
         return "implicit_gemm"
     return "fallback"
@@ -89,7 +104,8 @@ def select_strategy(spec: ConvSpec, arch: str = "sm_90") -> str:
 def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
                       allow_split: bool = False, packed_weights: bool = False):
     """PrimFunc for one quantized conv layer. Params: x, w, bias, M, S, [res], out.
-    ``strategy`` forces a rule (ValueError when it cannot take the spec); ``knobs`` a GemmKnobs. With
+    ``strategy`` forces a rule (ValueError when it cannot take the spec); ``knobs`` a GemmKnobs (with no strategy:
+    the implicit GEMM's, where the selector would take implicit_gemm_t), or the HaloKnobs / KtKnobs of those rules. With
     ``knobs=None`` the tensor-core rules use ``knobs_for``: the measured best knobs from ``tuning_logs/<arch>.json``
     when it has a record for this shape, else its record for the same layer at the nearest batch size, else the
     arch's defaults (``default_knobs``). The PrimFunc's ``qcompile.knobs_source`` attribute says which ("user" |
@@ -98,10 +114,15 @@ def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None 
     ``w8`` kernel becomes the register-A kernel that unpacks B itself), the source unchanged."""
     if strategy is None:
         strategy = select_strategy(spec, arch)
+        if strategy == "implicit_gemm_t" and (isinstance(knobs, GemmKnobs) or packed_weights and spec.w_bits == 4):
+            strategy = "implicit_gemm"  # (GemmKnobs are the implicit GEMM's; implicit_gemm_t takes 4-bit weights
+            #                              expanded only)
+    elif strategy == "implicit_gemm_t" and packed_weights and spec.w_bits == 4:
+        raise ValueError("implicit_gemm_t takes 4-bit weights expanded (reference.expand_w4), not packed")
     if strategy not in RULES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
     source = "user" if knobs is not None else "default"
-    if knobs is None and strategy not in ("fallback", "direct_halo"):
+    if knobs is None and strategy not in ("fallback", "direct_halo", "implicit_gemm_t"):
         knobs, source = knobs_for(spec, arch)
         if packed_weights and spec.w_bits == 4:
             from .spec import packed_weight_knobs

@@ -407,6 +407,37 @@ def make_cases(quick=False, bench=True):
             th, pipe, minb = (1, 3, 4, 5, 8)[(i + j) % 5], (i + j) % 2, (3, 2, 4)[(i + 2 * j) % 3]
             add("check", f"halo_h{H}_b{N}_{('u4', 'u8', 's8', 's4')[j]}_th{th}_p{pipe}_m{minb}", stem_s2d(N, H, **ep),
                 "direct_halo", knobs=dict(th=th, pipe=pipe, minb=minb))
+    # the transposed implicit GEMM (schedules/igemm_t.py, strategy implicit_gemm_t: output channels as M, pixels as
+    # N): every ResNet-50 shape it takes at batch 8 (the last pixel tile partial), forced, with pixel tiles of 64-192,
+    # ring depths 4-6 and one or two MMA groups in flight (4-bit: the activations through registers or a shared packed
+    # ring); 8- and 4-bit, signed / unsigned activations, 8- / 4-bit outputs, both fixed-point forms; the layer-4
+    # shapes at batch 64 (132 blocks, the defaults) and odd shapes (stride 2 on odd sizes, batch 1-3)
+    from qcompile.schedules.igemm_t import kt_constraints, smem_bytes
+
+    kts = [(64, 4, 1), (96, 5, 2), (128, 6, 1), (192, 5, 2), (112, 5, 1)]  # (pixel tile, ring depth, groups in flight)
+    eps = [dict(x_dtype="uint8", w_bits=8, out_dtype="uint8", zo=3, lo=0, hi=255, shift_ge33=True),
+           dict(x_dtype="uint4", w_bits=4, out_dtype="uint4", zo=1, lo=0, hi=15, shift_ge33=True),
+           dict(x_dtype="int8", w_bits=8, out_dtype="int4", zo=-1, lo=-8, hi=7),
+           dict(x_dtype="int4", w_bits=4, out_dtype="int8", zo=-3, lo=-128, hi=127)]
+    kti = 0
+    for (name, C, H, K, R, st, pd) in distinct(RESNET50):
+        for N in (8, 64):
+            sp = ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, **eps[kti % len(eps)])
+            if kt_constraints(sp, "sm_90") or (N == 64 and "_l4_" not in name):
+                continue
+            bn, stg, gif = kts[kti % len(kts)]
+            ring = kti % 3 == 1 and sp.x_bits == 4
+            while smem_bytes(sp, bn, stg, ring) > 227 * 1024:
+                stg -= 1
+            gif = min(gif, stg - 3)
+            add("check", f"kt_{name}_b{N}_{sp.x_dtype}_w{sp.w_bits}_{sp.out_dtype}", sp, "implicit_gemm_t",
+                knobs=dict(bn=bn, stages=stg, ring=int(ring), gif=gif) if N == 8 else None)
+            kti += 1
+    for i, (N, C, H, K, R, st, pd) in enumerate(((3, 128, 15, 256, 3, 2, 1), (3, 256, 9, 128, 3, 1, 1),
+                                                 (2, 128, 13, 128, 1, 2, 0), (1, 384, 11, 256, 3, 1, 1))):
+        sp = ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, **eps[i])
+        add("check", f"kt_odd{i}_{sp.x_dtype}_w{sp.w_bits}_{sp.out_dtype}", sp, "implicit_gemm_t",
+            knobs=dict(bn=(80, 80, 64, 96)[i], stages=(4, 6, 5, 4)[i], ring=int(i == 3)) if i % 2 else None)
     if bench and not quick:
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for N in (8, 64, 256):
@@ -429,11 +460,13 @@ def build_group(args):
     import warnings
 
     from qcompile.schedules import GemmKnobs
+    from qcompile.schedules.igemm_t import KtKnobs
     from qcompile.schedules.stem import HaloKnobs
 
     for c in group:
         strat = c["strategy"] or select_strategy(c["spec"], arch)
-        kn = ((HaloKnobs if strat == "direct_halo" else GemmKnobs)(**c["knobs_kw"])) if c.get("knobs_kw") else None
+        kcls = {"direct_halo": HaloKnobs, "implicit_gemm_t": KtKnobs}.get(strat, GemmKnobs)
+        kn = kcls(**c["knobs_kw"]) if c.get("knobs_kw") else None
         with warnings.catch_warnings():  # forced wgmma knobs on a shape they cannot take: the mma.sync kernel
             warnings.simplefilter("ignore")
             fs = (conv2d_int_plan(c["spec"], arch, strat, kn) if c.get("plan")

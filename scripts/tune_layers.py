@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -573,6 +574,33 @@ def make_cases_halo(batches, ths=(1, 2, 4, 8), minbs=(2, 3, 4), pipes=(0, 1)):
     return cases + extra
 
 
+def make_cases_kt(batches, layers=None, bns=(64, 96, 192), stages=(4, 5, 6), gifs=(1, 2)):
+    """ResNet-50 layers (``layers``, else every one the transposed implicit GEMM takes whose grid it fills better --
+    ``igemm_t.fill_gain`` > 1 -- with at least 3/4 of the SMs' blocks, ``kt_preferred``'s rule) as compiled now ("default",
+    the implicit GEMM with its record) against ``implicit_gemm_t`` (schedules/igemm_t.py: output channels as the
+    MMA's M, pixels as N): its defaults ("kt_default": ``auto_bn``'s pixel tile, the deepest ring that fits) and each
+    pixel tile ``bns`` x ring depth ``stages`` that fits as tuning variants (4-bit: with the activations through
+    registers and through a shared packed ring)."""
+    from qcompile.schedules.igemm_t import KtKnobs, fill_gain, kt_constraints, kt_grid, smem_bytes
+    from qcompile.schedules.spec import arch_info
+
+    cases, extra = [], []
+    for layer, spec, st in r50_layer_specs(batches):
+        if st != "implicit_gemm" or kt_constraints(spec, ARCH) or (layers and layer not in layers):
+            continue
+        if not layers and (fill_gain(spec, ARCH) <= 1 or kt_grid(spec, ARCH) < 0.75 * arch_info(ARCH).sms):
+            continue
+        c = dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=_now_knobs(spec),
+                 variant="default", is_default=True)
+        cases.append(c)
+        extra.append(dict(c, strategy="implicit_gemm_t", knobs=None, variant="kt_default", is_default=False))
+        for bn, stg, gif, ring in itertools.product(bns, stages, gifs, (0, 1) if spec.x_bits == 4 else (0,)):
+            if stg >= 3 + gif and smem_bytes(spec, bn, stg, bool(ring)) <= arch_info(ARCH).smem_per_block:
+                extra.append(dict(c, strategy="implicit_gemm_t", knobs=KtKnobs(bn=bn, stages=stg, ring=ring, gif=gif),
+                                  variant=f"kt_n{bn}_s{stg}_g{gif}" + ("_ring" if ring else ""), is_default=False))
+    return cases + extra
+
+
 def make_cases_occ1wg(batches, layers=None, minbs=(0, 3, 4), erqs=(False, True)):
     """Every ResNet-50 layer as compiled now plus, for the 8-bit wgmma-able ones (or only ``layers``), one-warpgroup
     128-row tiles (BN 64 / 128, BK 64 / 128, 2-3 stages) with each ``minb`` of ``minbs`` blocks per SM, with each
@@ -808,10 +836,16 @@ def with_residual(cases, layers=RESIDUAL_LAYERS):
     residual add a compiled ResNet fuses into them (``residual_spec``: tuning key ``|res``), every variant alike; a
     layer's default row takes the knobs the model compiles that conv with (its ``|res`` record, else the plain one's);
     variants a build mode derived from the plain conv's knobs keep them."""
+    from qcompile.schedules import select_strategy
+
     for c in cases:
         if c["layer"].rsplit("_b", 1)[0].endswith(tuple(layers)) and not c["spec"].has_residual:
             c["spec"] = residual_spec(c["spec"])
-            if c["is_default"] and c["strategy"] == "implicit_gemm":
+            if c["strategy"] != "implicit_gemm" and select_strategy(c["spec"], ARCH) == "implicit_gemm":
+                # (a rule that takes no residual -- implicit_gemm_t -- chosen for the plain conv: the model's conv
+                # with its add runs the implicit GEMM, as a tuning row with the knobs it gets)
+                c.update(kind="tune", strategy="implicit_gemm", knobs=_now_knobs(c["spec"]))
+            elif c["is_default"] and c["strategy"] == "implicit_gemm":
                 c["knobs"] = _now_knobs(c["spec"])
     return cases
 
@@ -931,7 +965,8 @@ def build_group(args):
                          strategy_used=c["strategy"] + (f"+splitk{split}" if split > 1 else ""),
                          knobs=str(c["knobs"]) if c["knobs"] else "",
                          knobs_dict=None if not c["knobs"] else dataclasses.asdict(c["knobs"])
-                         if c["strategy"] == "direct_halo" else knobs_to_dict(c["knobs"]),  # (HaloKnobs / GemmKnobs)
+                         if c["strategy"] in ("direct_halo", "implicit_gemm_t") else knobs_to_dict(c["knobs"]),
+                         # (HaloKnobs / KtKnobs / GemmKnobs)
                          key=tuning_key(c["spec"]), spec=dataclasses.asdict(c["spec"]), so=so.name, func=c["func"],
                          sk=streamk_args(funcs[nf[0]]), w8=w8_weights(funcs[nf[0]]),
                          w8_kperm=w8_kperm(funcs[nf[0]]),
@@ -971,6 +1006,8 @@ def cmd_build(a):
         cases = make_cases_stem(a.batches, a.cands)
     elif a.halo:
         cases = make_cases_halo(a.batches)
+    elif a.kt:
+        cases = make_cases_kt(a.batches, a.only_layers, tuple(a.kt_bns), tuple(a.kt_stages), tuple(a.kt_gifs))
     elif a.occ1wg:
         cases = make_cases_occ1wg(a.batches, a.only_layers, tuple(a.minb or (0, 3, 4)),
                                   (False, True) if not a.no_erq else (False,))
@@ -1468,9 +1505,10 @@ def cmd_log(a):
         vs = row["variants"]
         dflt = next(v for v in vs if v["is_default"])
         ok = [v for v in vs if v.get("ok") and "ms" in v]
-        if any(v["variant"].startswith("halo_") for v in ok):  # (build --halo: HaloKnobs, no log records)
-            print("direct_halo variants not logged (the stem's kernel takes HaloKnobs defaults):", row["layer"])
-            ok = [v for v in ok if not v["variant"].startswith("halo_")]
+        if any(v["variant"].startswith(("halo_", "kt_")) for v in ok):  # (--halo / --kt: no GemmKnobs records)
+            print("direct_halo / implicit_gemm_t variants not logged (their kernels take their own defaults):",
+                  row["layer"])
+            ok = [v for v in ok if not v["variant"].startswith(("halo_", "kt_"))]
         if not dflt.get("ok") or not ok:
             print("skip (default not exact / nothing exact):", row["layer"])
             continue
@@ -1603,6 +1641,12 @@ def main():
     b.add_argument("--halo", action="store_true",
                    help="the stem as compiled against the direct kernel from a shared-memory halo tile (schedules/stem.py)"
                         " with each rows-per-item, blocks-per-SM and pipe knob (HaloKnobs)")
+    b.add_argument("--kt", action="store_true",
+                   help="the implicit GEMM against implicit_gemm_t (output channels as M: schedules/igemm_t.py), "
+                        "its defaults and pixel tiles x ring depths as variants (make_cases_kt)")
+    b.add_argument("--kt-bns", type=int, nargs="+", default=[64, 96, 192], help="with --kt: pixel tiles")
+    b.add_argument("--kt-stages", type=int, nargs="+", default=[4, 5, 6], help="with --kt: ring depths")
+    b.add_argument("--kt-gifs", type=int, nargs="+", default=[1, 2], help="with --kt: MMA groups in flight")
     b.add_argument("--stem", action="store_true",
                    help="the stem as compiled (its space-to-depth form) with every CAND tile (--cands), with and "
                         "without erq, INT8 and INT4")

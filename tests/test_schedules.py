@@ -188,6 +188,59 @@ def test_cuda_direct_halo_stem():
         conv2d_int_kernel(s2d, "sm_90", "direct_halo", HaloKnobs(th=64))
 
 
+def test_cuda_implicit_gemm_t():
+    """The implicit GEMM with output channels as M (schedules/igemm_t.py): 128 channels x BN pixels per block, both
+    operands from a 128-byte-swizzled cp.async ring (ss-form wgmma m64nBN), the weights' rows permuted so that a
+    thread's two accumulator rows are adjacent channels (one 2-byte staged store per pixel; 4-bit: one packed byte);
+    4-bit activations loaded into registers (or through a packed shared ring) and unpacked into the ring. Selected
+    where its grid fills the SMs better than 128 x 128 tiles (ResNet-50 layer 4 at batch 64: 4 x 33 blocks of 96
+    pixels for 132 SMs), 4-bit only with pixel tiles of 192 or more."""
+    from qcompile.schedules.igemm_t import KtKnobs, auto_bn, fill_gain, kt_constraints, kt_grid
+
+    u8 = dict(x_dtype="uint8", out_dtype="uint8", zo=3, lo=0, hi=255, shift_ge33=True)
+    u4 = dict(x_dtype="uint4", w_bits=4, out_dtype="uint4", zo=1, lo=0, hi=15, shift_ge33=True)
+    l4 = ConvSpec(N=64, H=7, W=7, C=512, K=512, R=3, S=3, padding=1, **u8)
+    l3 = ConvSpec(N=64, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, **u4)
+    assert (auto_bn(l4, "sm_90"), kt_grid(l4, "sm_90"), fill_gain(l4, "sm_90")) == (96, 132, 128 / 96)
+    assert auto_bn(l3, "sm_90") == 192 and kt_grid(l3, "sm_90") == 132
+    assert select_strategy(l4) == "implicit_gemm_t" and select_strategy(l3) == "implicit_gemm_t"
+    assert select_strategy(l4.replace(**u4)) == "implicit_gemm"  # (4-bit with 96-pixel tiles: slower, measured)
+    assert select_strategy(l4.replace(N=256)) == "implicit_gemm"  # (392 tiles of 128 x 128: 2.97 waves already)
+    assert select_strategy(l4.replace(N=1)) == "implicit_gemm"  # (4 blocks: the split-K pairs' ground)
+    assert select_strategy(l4, "sm_80") == "implicit_gemm"
+    body = _src(l4, "sm_90").split("main_kernel(")[-1]
+    assert body.count("wgmma_int_ss_mma_async_sync_aligned_m64n96k32_s32_s8_u8(") == 4  # (one chunk's k-steps)
+    assert "4611686293305360384ULL" in body  # (descriptor: 128-byte swizzle 1 << 62 | SBO 64 << 32 | LBO 1 << 16)
+    assert "cp_async_cg" in body and "__mulhi(" in body and "mma_sync" not in body
+    assert body.count("tvm_builtin_ptx_st_shared_b16_u32(") == 96 // 8 * 2  # one store per pixel and channel pair
+    b4 = _src(l3, "sm_90").split("main_kernel(")[-1]
+    assert b4.count("wgmma_int_ss_mma_async_sync_aligned_m64n192k32_s32_s8_u8(") == 8  # (main loop unrolled by two)
+    assert "ld_vec_global_nc_v4_b32" in b4 and "st_vec_shared_v4_b32" in b4  # (packed into registers, unpacked)
+    assert b4.count("tvm_builtin_ptx_st_shared_b8_u32(") == 192 // 8 * 2  # (4-bit output: one packed byte per pair)
+    f = conv2d_int_kernel(l3, "sm_90")
+    assert "qcompile.w8" in f.attrs and str(f.attrs["qcompile.knobs"]) == "KtKnobs(bn=192, stages=4, ring=0, gif=1)"
+    b4r = _src(l3, "sm_90", knobs=KtKnobs(bn=96, ring=1, stages=5, gif=2)).split("main_kernel(")[-1]
+    assert "ld_vec_global_nc" not in b4r and "ld_vec_shared_v4_b32" in b4r  # (packed ring read back)
+    # what it cannot take, said plainly
+    assert "multiples of 128" in kt_constraints(l4.replace(C=64), "sm_90")
+    assert "no residual" in kt_constraints(l4.replace(has_residual=True), "sm_90")
+    assert "zeros" in kt_constraints(l4.replace(pad_value=3), "sm_90")
+    assert "one width" in kt_constraints(l4.replace(w_bits=4), "sm_90")
+    assert "wgmma" in kt_constraints(l4, "sm_86")
+    with pytest.raises(ValueError, match="no wgmma N"):
+        conv2d_int_kernel(l4, "sm_90", "implicit_gemm_t", KtKnobs(bn=100))
+    with pytest.raises(ValueError, match="stages"):
+        conv2d_int_kernel(l4, "sm_90", "implicit_gemm_t", KtKnobs(stages=4, gif=2))
+    with pytest.raises(ValueError, match="KiB"):
+        conv2d_int_kernel(l4, "sm_90", "implicit_gemm_t", KtKnobs(bn=224, stages=6))
+    with pytest.raises(ValueError, match="does not apply"):
+        conv2d_int_kernel(l4.replace(C=64), "sm_90", "implicit_gemm_t")
+    # 4-bit weights kept packed (qcompile --packed-int4-weights): not this kernel's (it takes them expanded)
+    assert str(conv2d_int_kernel(l3, "sm_90", packed_weights=True).attrs["qcompile.strategy"]) == "implicit_gemm"
+    with pytest.raises(ValueError, match="expanded"):
+        conv2d_int_kernel(l3, "sm_90", "implicit_gemm_t", packed_weights=True)
+
+
 def test_cuda_int8_sm90_mma():
     """sm_90's mma.sync kernel (DEFAULT_KNOBS: what shapes wgmma cannot take get), and the warpgroup-MMA kernel an
     untuned NHWC shape with 16-byte channel vectors gets by default (schedules.default_knobs)."""

@@ -158,7 +158,8 @@ def test_missing_log_warns_once_and_falls_back(tmp_path, monkeypatch):
     monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path))
     spec = ConvSpec(N=64, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8")
     kernels = []
-    msgs = _count(lambda: [tuned_knobs(spec, "sm_90"), kernels.append(conv2d_int_kernel(spec, "sm_90")),
+    # (the implicit GEMM forced: at batch 64 the selector gives this 14x14 conv to implicit_gemm_t, which has no log)
+    msgs = _count(lambda: [tuned_knobs(spec, "sm_90"), kernels.append(conv2d_int_kernel(spec, "sm_90", "implicit_gemm")),
                            kernels.append(conv2d_int_kernel(spec.replace(N=8), "sm_90")), tuned_knobs(spec, "sm_90")])
     assert len(msgs) == 1 and str(tmp_path / "sm_90.json") in msgs[0]
     assert tuned_knobs(spec, "sm_90") is None
@@ -441,9 +442,12 @@ def test_residual_tuning_cases_and_reference():
     from qcompile.schedules import reference as R
 
     tl = _tune_layers()
-    cases = tl.make_cases_pp([64], ["r50_l4_1x1b_b64_int8", "r50_l4_1x1c_b64_int8"], residual=True)
+    # (two layers the implicit GEMM runs in a model: r50_l4_1x1b with its add; r50_l4_1x1a, 14x14 -- implicit_gemm_t
+    # takes no residual, and the 7x7 r50_l4_1x1c at 64 is implicit_gemm_t's)
+    cases = tl.make_cases_pp([64], ["r50_l4_1x1b_b64_int8", "r50_l4_1x1a_b64_int8"], residual=True)
     tune = [c for c in cases if c["variant"] != "default"]
-    assert {c["layer"] for c in tune} == {"r50_l4_1x1b_b64_int8", "r50_l4_1x1c_b64_int8"}
+    assert {c["layer"] for c in tune} == {"r50_l4_1x1b_b64_int8", "r50_l4_1x1a_b64_int8"}
+    assert next(c for c in cases if c["layer"] == "r50_l4_1x1c_b64_int8")["strategy"] == "implicit_gemm_t"
     for c in cases:  # (every layer as compiled, the residual ones with their add, and the variants)
         assert c["spec"].has_residual == c["layer"].startswith(("r50_l1_1x1b", "r50_l2_1x1b", "r50_l3_1x1b",
                                                                  "r50_l4_1x1b"))
