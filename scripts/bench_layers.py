@@ -16,12 +16,15 @@ import math
 import pathlib
 import subprocess
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def table(path, device="NVIDIA H100 80GB HBM3", date="2026-11-22"):
+def table(path, device="NVIDIA H100 80GB HBM3", date=None):
     res = json.loads(pathlib.Path(path).read_text())
+    if date is None:  # (the device run records its date; older results files: the file's own date)
+        date = res.get("date") or time.strftime("%Y-%m-%d", time.localtime(pathlib.Path(path).stat().st_mtime))
     rows = res["bench"]
     timing = {"b2b": "per launch, from 20 back-to-back launches between two CUDA events (median of 7 rounds)",
               "graph": "per launch, from 20 launches captured in one CUDA graph (no host launch cost), median of 7 "

@@ -1373,8 +1373,8 @@ def cmd_device(a):
                 f" int4 {row['int4_ms']:.4f}ms {g / row['int4_ms']:6.0f}T (dflt {row['int4_default_ms']:.4f})"
                 f" cudnn16 {row['cudnn_fp16_ms']:.4f}ms")
             torch.cuda.empty_cache()
-        (out / "results.json").write_text(json.dumps({"checks": [], "bench": results["bench"], "timing": DR.TIMING},
-                                                     indent=1))
+        (out / "results.json").write_text(json.dumps({"checks": [], "bench": results["bench"], "timing": DR.TIMING,
+                                                      "date": time.strftime("%Y-%m-%d")}, indent=1))
         save()
     log(f"bench done ({time.time() - T0:.0f}s)")
 
@@ -1553,9 +1553,10 @@ def cmd_table(a):
         "Command: `python scripts/tune_layers.py build && scripts/make_runtime_bundle.sh 3.12`, then one device call "
         "`python3 scripts/tune_layers.py device` (carry `.device/tune`, `.bundle`; it tunes, then runs "
         "bench_layers.py's bench with the best kernel per shape), then `python scripts/tune_layers.py table results.json`.")
-    txt = txt.replace("untuned sm_90 defaults (128x128x64 B tiles, 2x2 warps, 4-stage cp.async)",
-                      "knobs from tuning_logs/sm_90.json at batch 64 and 256 (best of up to 6 / 4 bit-exact candidates "
-                      "per shape), sm_90 defaults (128x128x64 B tiles, 2x2 warps, 4-stage cp.async) at batch 8")
+    txt = txt.replace("Kernels: implicit-GEMM NHWC, ", "Kernels: as compiled models run them (`select_strategy`: the "
+                      "implicit GEMM with `knobs_for`'s knobs from tuning_logs/sm_90.json, the stem's `direct_halo`, "
+                      "`implicit_gemm_t` where its grid fills the GPU better), NHWC, ")
+    txt = txt.replace(", untuned sm_90 defaults (128x128x64 B tiles, 2x2 warps, 4-stage cp.async)", "")
     # tuned-vs-default summary from the same run
     extra = []
     for N in sorted({r["N"] for r in rows}):
