@@ -449,7 +449,7 @@ def make_cases(quick=False, bench=True):
 def build_group(args):
     gi, group = args
     import tvm
-    from qcompile.schedules import conv2d_int_kernel, conv2d_int_plan, select_strategy
+    from qcompile.schedules import conv2d_int_kernel, conv2d_int_plan
     from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options, cuda_target
     from qcompile.cuda_tools import wgmma_a_hazards_by_kernel
     from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
@@ -464,7 +464,9 @@ def build_group(args):
     from qcompile.schedules.stem import HaloKnobs
 
     for c in group:
-        strat = c["strategy"] or select_strategy(c["spec"], arch)
+        # (knobs with no forced strategy are GemmKnobs: conv2d_int_kernel then keeps the implicit GEMM where the
+        # selector would take implicit_gemm_t)
+        strat = c["strategy"]
         kcls = {"direct_halo": HaloKnobs, "implicit_gemm_t": KtKnobs}.get(strat, GemmKnobs)
         kn = kcls(**c["knobs_kw"]) if c.get("knobs_kw") else None
         with warnings.catch_warnings():  # forced wgmma knobs on a shape they cannot take: the mma.sync kernel
@@ -472,6 +474,7 @@ def build_group(args):
             fs = (conv2d_int_plan(c["spec"], arch, strat, kn) if c.get("plan")
                   else [conv2d_int_kernel(c["spec"], arch, strat, kn)])
         f = fs[0]
+        strat = str(f.attrs["qcompile.strategy"])
         c["strategy_used"] = strat + (f"+splitk{int(f.attrs['qcompile.split_k'])}" if len(fs) > 1 else "")
         c["knobs"] = str(f.attrs["qcompile.knobs"]) if f.attrs and "qcompile.knobs" in f.attrs else ""
         c["funcs"] = [c["func"] + ("_e" if i else "") for i in range(len(fs))]
