@@ -579,14 +579,15 @@ def make_cases_kt(batches, layers=None, bns=(64, 96, 192), stages=(4, 5, 6), gif
     ``igemm_t.fill_gain`` > 1 -- with at least 3/4 of the SMs' blocks, ``kt_preferred``'s rule) as compiled now ("default",
     the implicit GEMM with its record) against ``implicit_gemm_t`` (schedules/igemm_t.py: output channels as the
     MMA's M, pixels as N): its defaults ("kt_default": ``auto_bn``'s pixel tile, the deepest ring that fits) and each
-    pixel tile ``bns`` x ring depth ``stages`` that fits as tuning variants (4-bit: with the activations through
-    registers and through a shared packed ring)."""
-    from qcompile.schedules.igemm_t import KtKnobs, fill_gain, kt_constraints, kt_grid, smem_bytes
+    pixel tile ``bns`` (0: ``auto_bn``'s) x ring depth ``stages`` that fits as tuning variants (4-bit: with the
+    activations through registers and through a shared packed ring)."""
+    from qcompile.schedules.igemm_t import KtKnobs, auto_bn, fill_gain, kt_constraints, kt_grid, smem_bytes
     from qcompile.schedules.spec import arch_info
 
     cases, extra = [], []
     for layer, spec, st in r50_layer_specs(batches):
-        if st != "implicit_gemm" or kt_constraints(spec, ARCH) or (layers and layer not in layers):
+        if (st not in ("implicit_gemm", "implicit_gemm_t") or kt_constraints(spec, ARCH)
+                or (layers and layer not in layers)):
             continue
         if not layers and (fill_gain(spec, ARCH) <= 1 or kt_grid(spec, ARCH) < 0.75 * arch_info(ARCH).sms):
             continue
@@ -595,7 +596,8 @@ def make_cases_kt(batches, layers=None, bns=(64, 96, 192), stages=(4, 5, 6), gif
         cases.append(c)
         extra.append(dict(c, strategy="implicit_gemm_t", knobs=None, variant="kt_default", is_default=False))
         for bn, stg, gif, ring in itertools.product(bns, stages, gifs, (0, 1) if spec.x_bits == 4 else (0,)):
-            if stg >= 3 + gif and smem_bytes(spec, bn, stg, bool(ring)) <= arch_info(ARCH).smem_per_block:
+            smem = smem_bytes(spec, bn or auto_bn(spec, ARCH), stg, bool(ring))
+            if stg >= 3 + gif and smem <= arch_info(ARCH).smem_per_block:
                 extra.append(dict(c, strategy="implicit_gemm_t", knobs=KtKnobs(bn=bn, stages=stg, ring=ring, gif=gif),
                                   variant=f"kt_n{bn}_s{stg}_g{gif}" + ("_ring" if ring else ""), is_default=False))
     return cases + extra

@@ -470,3 +470,25 @@ def test_residual_tuning_cases_and_reference():
         w = R.from_storage(wb, "int4" if sp.w_bits == 4 else "int8", sp.C)
         y = R.requant(R.conv_acc_nhwc(x, w, sp), b, M, S, sp, (R.from_storage(rb, sp.res_dtype, sp.K), rq2))
         assert ok_np and nuniq > 8 and np.array_equal(R.to_storage(y, sp.out_dtype), ref.numpy())
+
+
+def test_kt_tuning_cases():
+    """tune_layers.py build --kt: a layer the selector gives to implicit_gemm_t is timed as the implicit GEMM with
+    the knobs it would get ("default") against implicit_gemm_t's defaults and its pixel tile x ring depth x groups in
+    flight variants (bn 0: auto_bn's tile), only those whose shared tiles fit; 4-bit ones with both activation paths."""
+    from qcompile.schedules.igemm_t import KtKnobs
+
+    tl = _tune_layers()
+    cases = tl.make_cases_kt([64], ["r50_l4_3x3_b64_int8", "r50_l4_3x3_b64_int4"], bns=(0, 224), stages=(4, 6),
+                             gifs=(1, 2))
+    dflt = [c for c in cases if c["is_default"]]
+    assert [c["layer"] for c in dflt] == ["r50_l4_3x3_b64_int8", "r50_l4_3x3_b64_int4"]
+    assert all(c["strategy"] == "implicit_gemm" and c["knobs"] == tl._now_knobs(c["spec"]) for c in dflt)
+    kt = [c for c in cases if not c["is_default"]]
+    assert all(c["strategy"] == "implicit_gemm_t" for c in kt)
+    v8 = {c["variant"] for c in kt if c["layer"].endswith("int8")}
+    # (224 pixels x 6 stages: 264 KiB of shared tiles, more than a block has)
+    assert v8 == {"kt_default", "kt_n0_s4_g1", "kt_n0_s6_g1", "kt_n0_s6_g2", "kt_n224_s4_g1"}
+    v4 = {c["variant"] for c in kt if c["layer"].endswith("int4")}
+    assert {"kt_n0_s4_g1_ring", "kt_n0_s6_g2_ring"} <= v4 and all(
+        isinstance(c["knobs"], KtKnobs) for c in kt if c["variant"] != "kt_default")
