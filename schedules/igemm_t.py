@@ -79,9 +79,9 @@ def kt_preferred(spec: ConvSpec, arch: str) -> bool:
     """Whether ``select_strategy`` takes this kernel over the implicit GEMM: a grid that fills the SMs better than
     128 x 128 tiles do (``fill_gain`` > 1) and has at least 3/4 as many blocks as SMs (smaller grids are the split-K
     pairs' ground); with 4-bit activations only pixel tiles of 192 or more. (H100, every ResNet-50 conv this takes at
-    batch 8 / 32 / 64 / 128, ``tune_layers.py build --kt``: 8-bit 0.98-1.56x the implicit GEMM as compiled, 1.26x
-    geomean; 4-bit with 192+ pixels 1.00-1.24x, with fewer 0.82-1.11x -- the per-chunk unpack through shared memory
-    is latency on every chunk's path, hidden behind 192 columns of MMAs but not behind 64-96.)"""
+    batch 8 / 32 / 64 / 128, ``tune_layers.py build --kt``: 8-bit 0.98-1.56x the implicit GEMM as compiled, 1.22x
+    geomean over 32 convs; 4-bit with 192+ pixels 1.00-1.24x, with fewer 0.82-1.11x -- the per-chunk unpack through
+    shared memory is latency on every chunk's path, hidden behind 192 columns of MMAs but not behind 64-112.)"""
     return (kt_constraints(spec, arch) is None and fill_gain(spec, arch) > 1
             and kt_grid(spec, arch) >= 0.75 * arch_info(arch).sms and (spec.x_bits == 8 or auto_bn(spec, arch) >= 192))
 
@@ -109,7 +109,8 @@ def resolve_knobs(spec: ConvSpec, arch: str, kn: KtKnobs) -> KtKnobs:
     bn = kn.bn or auto_bn(spec, arch)
     stages = kn.stages
     if not stages:
-        stages = 3 + kn.gif  # (measured: the shallowest ring the loop takes ran fastest at batch 64, 1-7% over 5-6)
+        stages = 3 + kn.gif  # (measured: the shallowest ring the loop takes; 4-7% over 5-6 on the 3x3 layers at
+        #                      batch 64, geomean 0.98 for 5 stages over the 1x1 convs at 8-128)
     return KtKnobs(bn=bn, stages=stages, ring=max(kn.ring, 0), gif=kn.gif)
 
 
