@@ -354,8 +354,7 @@ class _Dispatcher(PyExprMutator):
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
         from qcompile.schedules import ConvSpec, conv2d_int_plan, select_strategy
         from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
-        from qcompile.schedules.igemm_t import kt_tiles_weights
-        from qcompile.schedules.reference import expand_w4, kt_tiles, permute_k8
+        from qcompile.schedules.reference import expand_w4, permute_k8
         from qcompile.schedules.spec import operand_plan, space_to_depth, space_to_depth_weights
 
         x_dtype = _x_dtype(g.x, self.var2val)
@@ -436,8 +435,6 @@ class _Dispatcher(PyExprMutator):
             wq = pack_int4_np(wq, 3).view(np.int8)
         elif w8_kperm(funcs[0]):  # 8-bit agl: the reduction k-permuted per K-chunk
             wq = permute_k8(wq, w8_kperm(funcs[0]))
-        if kt_tiles_weights(funcs[0]):  # implicit_gemm_t with bulk-copied weights: its ring's tiles
-            wq = kt_tiles(wq)
         epi = [relax.const(g.bias, "int32"), relax.const(g.M, "int32"), relax.const(g.S, "int32")]
         if r is not None:
             epi += [self._data(r.res, res["res_dtype"], 3), relax.const(r.rq2, "int32")]

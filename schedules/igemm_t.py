@@ -49,18 +49,6 @@ class KtKnobs:
     ring: int = -1  # 4-bit activations: 1 copied packed into a shared ring and read back, 0 loaded into registers
     #                 (two sets, three chunks ahead); -1: 0
     gif: int = 1  # MMA groups (K-chunks) in flight: 1 or 2
-    ws: int = 0  # 1: warp-specialised -- a third warpgroup copies (and unpacks) every chunk, named barriers per ring
-    #              slot between it and the two MMA warpgroups (``ring`` 0 only)
-    sets: int = 0  # WS, 4-bit: register sets of packed activations (loads that many chunks ahead); 0: 2
-    wb: int = 0  # 1: the weights as one bulk copy (cp.async.bulk, an mbarrier per slot) per chunk, from tiles laid out
-    #              as the ring holds them at compile time (``reference.kt_tiles``)
-
-
-def kt_tiles_weights(func) -> bool:
-    """Whether kernel ``func`` takes its weights as ``reference.kt_tiles`` lays them out (``KtKnobs.wb``; 4-bit ones
-    expanded first: ``kt_tiles(expand_w4(w))``)."""
-    a = func.attrs
-    return a is not None and "qcompile.kt_tiles" in a
 
 
 def auto_bn(spec: ConvSpec, arch: str) -> int:
@@ -123,13 +111,12 @@ def resolve_knobs(spec: ConvSpec, arch: str, kn: KtKnobs) -> KtKnobs:
     if not stages:
         stages = 3 + kn.gif  # (measured: the shallowest ring the loop takes; 4-7% over 5-6 on the 3x3 layers at
         #                      batch 64, geomean 0.98 for 5 stages over the 1x1 convs at 8-128)
-    return KtKnobs(bn=bn, stages=stages, ring=max(kn.ring, 0), gif=kn.gif, ws=kn.ws,
-                   sets=(kn.sets or 2) if kn.ws and spec.x_bits == 4 else 0, wb=kn.wb)
+    return KtKnobs(bn=bn, stages=stages, ring=max(kn.ring, 0), gif=kn.gif)
 
 
-def smem_bytes(spec: ConvSpec, bn: int, stages: int, ring: bool = False, wb: bool = False) -> int:
+def smem_bytes(spec: ConvSpec, bn: int, stages: int, ring: bool = False) -> int:
     stg = stages * (BMC + bn) * BKU
-    return stg + ((stages - 1) * bn * BKU // 2 if spec.x_bits == 4 and ring else 0) + (8 * stages if wb else 0)
+    return stg + ((stages - 1) * bn * BKU // 2 if spec.x_bits == 4 and ring else 0)
 
 
 def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = None):
@@ -147,17 +134,9 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
     if kn.gif not in (1, 2) or STG < 3 + kn.gif:
         raise ValueError("implicit_gemm_t: 1 or 2 MMA groups in flight, stages >= 3 + those (loads run stages - 1 - "
                          "gif chunks ahead)")
-    WS = bool(kn.ws)
-    if WS and (kn.ring or STG > 7):
-        raise ValueError("implicit_gemm_t: the warp-specialised form takes ring 0 and at most 7 stages (two named "
-                         "barriers per slot)")
     X4 = spec.x_bits == 4
-    WB = bool(kn.wb)
-    NSET = (kn.sets if X4 else 1) if WS else 2  # X4: register sets of packed activations (WS 8-bit: 1, the unroll)
     RG = X4 and not kn.ring  # 4-bit activations through registers
-    SMEM = smem_bytes(spec, BN, STG, X4 and bool(kn.ring), bool(kn.wb))
-    MB_OFF = SMEM - 8 * STG  # WB: an mbarrier per ring slot, after the tiles (in the dynamic buffer: a static one
-    #                          would move the tiles off the 1024-byte alignment their swizzle needs)
+    SMEM = smem_bytes(spec, BN, STG, X4 and bool(kn.ring))
     if SMEM > arch_info(arch).smem_per_block:
         raise ValueError(f"implicit_gemm_t: {SMEM // 1024} KiB of shared tiles (bn {BN}, {STG} stages) exceed the "
                          f"{arch_info(arch).smem_per_block // 1024} KiB per block of {arch}")
@@ -177,18 +156,14 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
     GRID = KT * MTILES
     GIF = kn.gif  # MMA groups (chunks) in flight
     L = STG - 1 - GIF  # chunks the loads run ahead (their stage is that of chunk kc - 1 - GIF: retired)
-    LAG = L  # WS: chunks the copying warpgroup is ahead of the chunk it hands over (its copies' time to land: the
-    #          most the ring allows -- it hands chunk j - LAG over before it waits for chunk j - STG's slot, released
-    #          by the MMA warpgroups at chunk j - STG + GIF + 1)
     SA, SB = BMC * BKU, BN * BKU
     STAGE = SA + SB
     P_OFF = STG * STAGE  # X4: the packed ring
     PR = L + 1  # X4: its slots (B runs one chunk ahead of A: chunk kc + 1's is unpacked while chunk kc's MMAs run)
     PSLOT = BN * BKX
-    LT = 128 if WS else THREADS  # the threads that copy (WS: the third warpgroup's)
-    A_IT = SA // 16 // LT
+    A_IT = SA // 16 // THREADS
     VPR = BKX // 16  # 16-byte vectors per pixel row and chunk
-    B_IT = -(-BN * VPR // LT)
+    B_IT = -(-BN * VPR // THREADS)
     NACC = BN // 2
     O_AW, O_AS = 0, A_IT  # per-thread offsets: weight elements, A stage bytes (per A vector)
     O_BO, O_BM, O_BS, O_BU = 2 * A_IT, 2 * A_IT + B_IT, 2 * A_IT + 2 * B_IT, 2 * A_IT + 3 * B_IT  # per B vector
@@ -234,34 +209,24 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
         return e
 
     @T.macro
-    def load_a(wv, Sm, ofs, kc, slot):
-        """K-chunk kc of the weights' 128 rows (A) into stage ``slot`` (kc % STG), by cp.async (ofs: the thread's
-        offsets)."""
+    def load_a(wv, Sm, ofs, kc):
+        """K-chunk kc of the weights' 128 rows (A) into stage kc % STG, by cp.async (ofs: the thread's offsets)."""
         for i in T.unroll(A_IT):
             T.evaluate(T.ptx.cp.async_.cg.shared.global_(
-                T.address_of(Sm[slot * STAGE + ofs[O_AS + i]]),
+                T.address_of(Sm[T.truncmod(kc, STG) * STAGE + ofs[O_AS + i]]),
                 T.address_of(wv[ofs[O_AW + i] + kc * BKU]), 16, T.uint32(16)))
 
     @T.macro
-    def load_a_bulk(wv, Sm, kc, slot, bk):
-        """WB: K-chunk kc of the weights' tile of channel block bk (16 KiB, laid out as the ring holds it) into stage
-        ``slot`` by one bulk copy, completing slot's mbarrier (run by one thread)."""
-        T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(Sm[MB_OFF + 8 * (slot)]), T.uint32(SA))
-        T.ptx.cp.async_.bulk.shared__cluster.global_.mbarrier__complete_tx__bytes(
-            T.address_of(Sm[slot * STAGE]), T.address_of(wv[(bk * NK + kc) * SA]), T.uint32(SA),
-            T.address_of(Sm[MB_OFF + 8 * (slot)]))
-
-    @T.macro
-    def load_b(xw, Sm, ofs, kc, slot, tid):
-        """K-chunk kc of the pixels' im2col rows (B) into stage ``slot`` (X4: packed, into ring slot kc % PR), by
+    def load_b(xw, Sm, ofs, kc, tid):
+        """K-chunk kc of the pixels' im2col rows (B) into stage kc % STG (X4: packed, into ring slot kc % PR), by
         cp.async; zeros where a tap falls in the padding or past the last pixel (the thread's tap masks)."""
         tap = T.truncdiv(kc, CPT)
         toff = (T.truncdiv(tap, S) * (dh * W) + T.truncmod(tap, S) * dw) * CXB + T.truncmod(kc, CPT) * BKX
         for i in T.unroll(B_IT):
             ok = T.meta_var(T.bitwise_and(T.shift_right(T.Cast("uint32", ofs[O_BM + i]), T.Cast("uint32", tap)),
                                           T.uint32(1)) != T.uint32(0))
-            dst = T.meta_var(P_OFF + T.truncmod(kc, PR) * PSLOT if X4 else slot * STAGE)
-            if (i + 1) * LT <= BN * VPR or tid < BN * VPR - i * LT:
+            dst = T.meta_var(P_OFF + T.truncmod(kc, PR) * PSLOT if X4 else T.truncmod(kc, STG) * STAGE)
+            if (i + 1) * THREADS <= BN * VPR or tid < BN * VPR - i * THREADS:
                 T.evaluate(T.ptx.cp.async_.cg.shared.global_(
                     T.address_of(Sm[dst + ofs[O_BS + i]]),
                     T.address_of(xw[T.if_then_else(ok, ofs[O_BO + i] + toff, 0)]), 16,
@@ -277,7 +242,7 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
             b = T.meta_var(st * 4 * B_IT + 4 * i)
             for e in T.unroll(4):
                 uv[b + e] = T.uint32(0)
-            if (i + 1) * LT <= BN * VPR or tid < BN * VPR - i * LT:
+            if (i + 1) * THREADS <= BN * VPR or tid < BN * VPR - i * THREADS:
                 if T.bitwise_and(T.shift_right(T.Cast("uint32", ofs[O_BM + i]), T.Cast("uint32", tap)),
                                  T.uint32(1)) != T.uint32(0):
                     T.evaluate(T.ptx.ld.global_.nc.v4.b32(uv[b], uv[b + 1], uv[b + 2], uv[b + 3],
@@ -289,27 +254,25 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
         into registers uv -- issued before the block barrier, so that their latency (the shared-memory pipe is busy
         with the MMAs' operand reads) passes while the barrier and the MMAs are issued."""
         for i in T.unroll(B_IT):
-            if (i + 1) * LT <= BN * VPR or tid < BN * VPR - i * LT:
+            if (i + 1) * THREADS <= BN * VPR or tid < BN * VPR - i * THREADS:
                 T.evaluate(T.ptx.ld.shared.v4.b32(uv[4 * i], uv[4 * i + 1], uv[4 * i + 2], uv[4 * i + 3], T.address_of(
                     Sm[P_OFF + T.truncmod(kc, PR) * PSLOT + ofs[O_BS + i]])))
 
     @T.macro
-    def unpack_chunk(Sm, uv, ofs, slot, st, tid):
-        """X4: the packed vectors in register set ``st`` of uv -> the B tile of stage ``slot``, 16 packed bytes -> the
+    def unpack_chunk(Sm, uv, ofs, kc, st, tid):
+        """X4: the packed vectors in register set ``st`` of uv -> the B tile of stage kc % STG, 16 packed bytes -> the
         even values x16, then the odd ones x16 (the next 16-byte column: its swizzled offset differs in bit 4 alone)."""
         for i in T.unroll(B_IT):
             b = T.meta_var(st * 4 * B_IT + 4 * i)
-            if (i + 1) * LT <= BN * VPR or tid < BN * VPR - i * LT:
-                dlo = T.meta_var(slot * STAGE + ofs[O_BU + i])
+            if (i + 1) * THREADS <= BN * VPR or tid < BN * VPR - i * THREADS:
+                dlo = T.meta_var(T.truncmod(kc, STG) * STAGE + ofs[O_BU + i])
                 T.evaluate(T.ptx.st.shared.v4.b32(T.address_of(Sm[dlo]), *[nib_lo(uv[b + e]) for e in range(4)]))
                 T.evaluate(T.ptx.st.shared.v4.b32(T.address_of(Sm[T.bitwise_xor(dlo, 16)]),
                                                   *[nib_hi(uv[b + e]) for e in range(4)]))
 
     @T.macro
-    def chunk_step(xw, wv, Sm, uv, ofs, acc, d0, kc, st, wg, tid, bk):
+    def chunk_step(xw, wv, Sm, uv, ofs, acc, d0, kc, st, wg, tid):
         T.ptx.cp.async_.wait_group(L - 1)
-        if WB:
-            T.cuda.mbarrier_wait(T.address_of(Sm[MB_OFF + 8 * (T.truncmod(kc, STG))]), T.truncmod(T.truncdiv(kc, STG), 2))
         T.ptx.fence.proxy.async_.shared__cta()
         if X4 and not RG:  # (after the fence, which would wait for the reads)
             if kc + 1 < NK:
@@ -323,86 +286,29 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
                            T.ptx.pred(scale_d(kc, ks))))
         T.ptx.wgmma.commit_group.sync.aligned()
         if kc + L < NK:
-            if WB:
-                if tid == 0:
-                    load_a_bulk(wv, Sm, kc + L, T.truncmod(kc + L, STG), bk)
-            else:
-                load_a(wv, Sm, ofs, kc + L, T.truncmod(kc + L, STG))
+            load_a(wv, Sm, ofs, kc + L)
         if X4 and not RG:
             if kc + L + 1 < NK:
-                load_b(xw, Sm, ofs, kc + L + 1, 0, tid)
+                load_b(xw, Sm, ofs, kc + L + 1, tid)
         elif not X4:
             if kc + L < NK:
-                load_b(xw, Sm, ofs, kc + L, T.truncmod(kc + L, STG), tid)
+                load_b(xw, Sm, ofs, kc + L, tid)
         T.ptx.cp.async_.commit_group()
         if X4:  # chunk kc + 1's activations unpacked and fenced while chunk kc's MMAs run (off the barrier's path)
             if kc + 1 < NK:
-                unpack_chunk(Sm, uv, ofs, T.truncmod(kc + 1, STG), st if RG else 0, tid)
+                unpack_chunk(Sm, uv, ofs, kc + 1, st if RG else 0, tid)
             if RG:
                 if kc + 3 < NK:
                     load_b_regs(xw, uv, ofs, kc + 3, st, tid)
             T.ptx.fence.proxy.async_.shared__cta()
         T.ptx.wgmma.wait_group.sync.aligned(GIF)
 
-    @T.macro
-    def bump(sl, e):  # ring slot e one chunk on
-        sl[e] = T.if_then_else(sl[e] == STG - 1, 0, sl[e] + 1)
-
-    @T.macro
-    def produce_step(xw, wv, Sm, uv, ofs, sl, j, st, lt, bk):
-        """WS, the copying warpgroup: chunk j - LAG handed over (slot sl[1]: its copies awaited -- LAG - 1 groups
-        younger -- and fenced for the MMAs' async proxy; first, so that the MMAs never wait on this warpgroup's copy
-        issue), then chunk j copied into slot sl[0] once the MMAs have released it (4-bit: its activations unpacked
-        from register set ``st``, chunk j + NSET's loaded into it). One cp.async group per step, empty past the last
-        chunk, keeps the wait counts uniform."""
-        if j >= LAG:
-            T.ptx.cp.async_.wait_group(LAG - 1)
-            T.ptx.fence.proxy.async_.shared__cta()
-            T.ptx.bar.arrive(T.Cast("uint32", 1 + sl[1]), T.uint32(THREADS + LT))
-        bump(sl, 1)
-        if j < NK:
-            if j >= STG:
-                T.ptx.bar.sync(T.Cast("uint32", 1 + STG + sl[0]), T.uint32(THREADS + LT))
-            if WB:
-                if lt == 0:
-                    load_a_bulk(wv, Sm, j, sl[0], bk)
-            else:
-                load_a(wv, Sm, ofs, j, sl[0])
-            if not X4:
-                load_b(xw, Sm, ofs, j, sl[0], lt)
-        T.ptx.cp.async_.commit_group()
-        if X4 and j < NK:
-            unpack_chunk(Sm, uv, ofs, sl[0], st, lt)
-            if j + NSET < NK:
-                load_b_regs(xw, uv, ofs, j + NSET, st, lt)
-        bump(sl, 0)
-
-    @T.macro
-    def consume_step(Sm, acc, d0, sl, kc, wg):
-        """WS, the MMA warpgroups: chunk kc's slot sl[0] awaited, its MMAs issued, chunk kc - GIF's slot sl[1]
-        released (where the copying warpgroup will fill it again)."""
-        T.ptx.bar.sync(T.Cast("uint32", 1 + sl[0]), T.uint32(THREADS + LT))
-        if WB:
-            T.cuda.mbarrier_wait(T.address_of(Sm[MB_OFF + 8 * sl[0]]), T.truncmod(T.truncdiv(kc, STG), 2))
-        T.ptx.wgmma.fence.sync.aligned()
-        for ks in T.unroll(BKU // 32):
-            T.evaluate(mma(*[acc[e] for e in range(NACC)],
-                           d0[0] + T.Cast("uint64", T.shift_right(sl[0] * STAGE + wg * 64 * BKU + ks * 32, 4)),
-                           d0[0] + T.Cast("uint64", T.shift_right(sl[0] * STAGE + SA + ks * 32, 4)),
-                           T.ptx.pred(scale_d(kc, ks))))
-        T.ptx.wgmma.commit_group.sync.aligned()
-        T.ptx.wgmma.wait_group.sync.aligned(GIF)
-        if kc >= GIF and kc - GIF + STG < NK:
-            T.ptx.bar.arrive(T.Cast("uint32", 1 + STG + sl[1]), T.uint32(THREADS + LT))
-        bump(sl, 0)
-        bump(sl, 1)
-
     @T.prim_func
     def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, "int8"), bias: T.Buffer((K,), "int32"),
              Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), out: T.Buffer(os_, o_st)):
         T.func_attr({"tir.noalias": True})
         bid = T.launch_thread("blockIdx.x", GRID)
-        tid = T.launch_thread("threadIdx.x", THREADS + (LT if WS else 0))
+        tid = T.launch_thread("threadIdx.x", THREADS)
         T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
         xw = T.decl_buffer((N * H * W * CXB,), x_st, data=x.data)
         wv = T.decl_buffer((K * RSC,), "int8", data=w.data)
@@ -411,9 +317,7 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
         acc = T.alloc_buffer((NACC,), "uint32", scope="local")
         ofs = T.alloc_buffer((NOFS,), "int32", scope="local")  # the thread's copy offsets (O_* below), set once
         prm = T.alloc_buffer((6,), "int32", scope="local")  # bias, M, S of channels c0 and c0 + 1
-        uv = T.alloc_buffer(((NSET if RG else 1) * 4 * B_IT,), "uint32", scope="local")  # X4: packed vectors (RG: sets)
-        sl = T.alloc_buffer((2,), "int32", scope="local")  # WS: ring slots (copying: chunk j's, j - LAG's; MMA: kc's,
-        #                                                     kc - GIF's), counted without a division
+        uv = T.alloc_buffer(((2 if RG else 1) * 4 * B_IT,), "uint32", scope="local")  # X4: packed vectors (RG: 2 sets)
         sb = T.alloc_buffer((4 * ST_IT,), "uint32", scope="local")
         d0 = T.alloc_buffer((1,), "uint64", scope="local")
         m0 = bid // KT * BN
@@ -424,130 +328,92 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
         g = lane // 4
         q = lane % 4
         c0 = wg * 64 + warp * 16 + g * 2  # this thread's channels c0, c0 + 1 (block-local): its MMA rows g, g + 8
-        lt = T.meta_var(tid - THREADS if WS else tid)  # the thread's index among those that copy
         # 1. the thread's copy offsets (weights: element and stage offsets; pixels: the element offset of tap (0, 0),
         #    the stage / ring offset, the valid-tap mask), its channels' epilogue constants, the ring's descriptor
         for i in T.unroll(A_IT):
-            ofs[O_AW + i] = (n0c + wrow(i * (LT // 8) + lt // 8)) * RSC + lt % 8 * 16
-            ofs[O_AS + i] = swz(i * (LT // 8) + lt // 8, lt % 8)
+            ofs[O_AW + i] = (n0c + wrow(i * (THREADS // 8) + tid // 8)) * RSC + tid % 8 * 16
+            ofs[O_AS + i] = swz(i * (THREADS // 8) + tid // 8, tid % 8)
         for i in T.unroll(B_IT):
-            row = i * (LT // VPR) + lt // VPR
+            row = i * (THREADS // VPR) + tid // VPR
             m = m0 + row
             mc = T.min(m, MT - 1)
             pq = T.truncmod(mc, P * Q)
             ih0 = T.truncdiv(pq, Q) * sh - pt
             iw0 = T.truncmod(pq, Q) * sw - pl
-            ofs[O_BO + i] = ((T.truncdiv(mc, P * Q) * H + ih0) * W + iw0) * CXB + lt % VPR * 16
+            ofs[O_BO + i] = ((T.truncdiv(mc, P * Q) * H + ih0) * W + iw0) * CXB + tid % VPR * 16
             ofs[O_BM + i] = T.Cast("int32", tap_mask(m < MT, ih0, iw0))
-            ofs[O_BS + i] = (row * BKX + lt % VPR * 16) if X4 else (SA + swz(row, lt % VPR))
+            ofs[O_BS + i] = (row * BKX + tid % VPR * 16) if X4 else (SA + swz(row, tid % VPR))
             if X4:
-                ofs[O_BU + i] = SA + swz(row, 2 * (lt % VPR))
-        if not WS or tid < THREADS:  # (WS: the copying warpgroup has no channels)
-            for e2 in T.unroll(2):
-                prm[e2 * 3] = bias[n0c + c0 + e2]
-                prm[e2 * 3 + 1] = Mq[n0c + c0 + e2]
-                prm[e2 * 3 + 2] = Sq[n0c + c0 + e2]
+                ofs[O_BU + i] = SA + swz(row, 2 * (tid % VPR))
+        for e2 in T.unroll(2):
+            prm[e2 * 3] = bias[n0c + c0 + e2]
+            prm[e2 * 3 + 1] = Mq[n0c + c0 + e2]
+            prm[e2 * 3 + 2] = Sq[n0c + c0 + e2]
         d0[0] = T.bitwise_or(T.Cast("uint64", T.shift_right(T.cuda.cvta_generic_to_shared(Sm.access_ptr("r")), 4)),
                              T.uint64((1 << 16) | (64 << 32) | (1 << 62)))  # 128-byte swizzle, SBO 1024 bytes
-        if WB:  # the slots' mbarriers, one arrival (the copying thread's expect_tx) per phase
-            if tid == 0:
-                for s_ in T.unroll(STG):
-                    T.ptx.mbarrier.init.shared.b64(T.address_of(Sm[MB_OFF + 8 * (s_)]), T.uint32(1))
-                T.ptx.fence.mbarrier_init.release.cluster()
-            T.tvm_storage_sync("shared")
-        if WS:
-            # 2-3 (WS). The copying warpgroup runs ahead of the MMAs as far as the ring's free slots let it (4-bit:
-            #    chunks 0 .. NSET - 1 of the activations into its register sets first); the MMA warpgroups take each
-            #    chunk as it is handed over, GIF MMA groups in flight
-            if tid >= THREADS:
-                sl[0] = 0
-                sl[1] = STG - LAG
-                if X4:
-                    for u in T.unroll(NSET):
-                        if u < NK:
-                            load_b_regs(xw, uv, ofs, u, u, lt)
-                for j2 in T.serial(-(-(NK + LAG) // NSET)):
-                    for u in T.unroll(NSET):
-                        if j2 * NSET + u < NK + LAG:
-                            produce_step(xw, wv, Sm, uv, ofs, sl, j2 * NSET + u, u, lt, bid % KT)
-            else:
-                sl[0] = 0
-                sl[1] = STG - GIF
-                for kc in T.serial(NK):
-                    consume_step(Sm, acc, d0, sl, kc, wg)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-        else:
-            # 2. the first L chunks in flight, one cp.async group each (ring: the activations one chunk further ahead,
-            #    the first group with chunks 0 and 1 of them; RG: chunks 0 and 1 of them in registers, then chunk 2);
-            #    X4: chunk 0's activations unpacked
-            for kc in T.unroll(L):
-                if kc < NK:
-                    if WB:
-                        if tid == 0:
-                            load_a_bulk(wv, Sm, kc, kc % STG, bid % KT)
-                    else:
-                        load_a(wv, Sm, ofs, kc, T.truncmod(kc, STG))
-                if RG:
-                    if kc < 2 and kc < NK:
-                        load_b_regs(xw, uv, ofs, kc, kc, tid)
-                elif X4:
-                    if kc == 0:
-                        load_b(xw, Sm, ofs, 0, 0, tid)
-                    if kc + 1 < NK:
-                        load_b(xw, Sm, ofs, kc + 1, 0, tid)
-                elif kc < NK:
-                    load_b(xw, Sm, ofs, kc, T.truncmod(kc, STG), tid)
-                T.ptx.cp.async_.commit_group()
+        # 2. the first L chunks in flight, one cp.async group each (ring: the activations one chunk further ahead,
+        #    the first group with chunks 0 and 1 of them; RG: chunks 0 and 1 of them in registers, then chunk 2);
+        #    X4: chunk 0's activations unpacked
+        for kc in T.unroll(L):
+            if kc < NK:
+                load_a(wv, Sm, ofs, kc)
             if RG:
-                unpack_chunk(Sm, uv, ofs, 0, 0, tid)
-                if 2 < NK:
-                    load_b_regs(xw, uv, ofs, 2, 0, tid)
+                if kc < 2 and kc < NK:
+                    load_b_regs(xw, uv, ofs, kc, kc, tid)
             elif X4:
-                T.ptx.cp.async_.wait_group(L - 1)
-                read_packed(Sm, uv, ofs, 0, tid)
-                unpack_chunk(Sm, uv, ofs, 0, 0, tid)
-            # 3. per chunk: its tiles visible to every thread, its MMAs issued (X4: then chunk kc + 1's activations
-            #    unpacked), the copies of chunk kc + L (ring: the activations of kc + L + 1; RG: kc + 3's into the
-            #    register set just unpacked), one MMA group in flight
-            for k2 in T.serial((NK + 1) // 2 if RG else NK):
-                for u in T.unroll(2 if RG else 1):
-                    kc = T.meta_var(k2 * 2 + u if RG else k2)
-                    if not RG or kc < NK:
-                        chunk_step(xw, wv, Sm, uv, ofs, acc, d0, kc, (u + 1) % 2, wg, tid, bid % KT)
-            T.ptx.wgmma.wait_group.sync.aligned(0)
-            T.ptx.cp.async_.wait_group(0)
+                if kc == 0:
+                    load_b(xw, Sm, ofs, 0, tid)
+                if kc + 1 < NK:
+                    load_b(xw, Sm, ofs, kc + 1, tid)
+            elif kc < NK:
+                load_b(xw, Sm, ofs, kc, tid)
+            T.ptx.cp.async_.commit_group()
+        if RG:
+            unpack_chunk(Sm, uv, ofs, 0, 0, tid)
+            if 2 < NK:
+                load_b_regs(xw, uv, ofs, 2, 0, tid)
+        elif X4:
+            T.ptx.cp.async_.wait_group(L - 1)
+            read_packed(Sm, uv, ofs, 0, tid)
+            unpack_chunk(Sm, uv, ofs, 0, 0, tid)
+        # 3. per chunk: its tiles visible to every thread, its MMAs issued (X4: then chunk kc + 1's activations
+        #    unpacked), the copies of chunk kc + L (ring: the activations of kc + L + 1; RG: kc + 3's into the
+        #    register set just unpacked), one MMA group in flight
+        for k2 in T.serial((NK + 1) // 2 if RG else NK):
+            for u in T.unroll(2 if RG else 1):
+                kc = T.meta_var(k2 * 2 + u if RG else k2)
+                if not RG or kc < NK:
+                    chunk_step(xw, wv, Sm, uv, ofs, acc, d0, kc, (u + 1) % 2, wg, tid)
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        T.ptx.cp.async_.wait_group(0)
         T.tvm_storage_sync("shared")
         # 4. stage 1 on the accumulators: channels c0, c0 + 1 of pixels 8j + 2q + e, one staged store per pair (8-bit:
         #    two bytes; 4-bit: one packed byte, the even channel in the low nibble)
-        if not WS or tid < THREADS:  # (WS: the MMA warpgroups)
-            for j in T.unroll(BN // 8):
-                for e in T.unroll(2):
-                    v = T.meta_var([T.bitwise_and(T.Cast("int32", requant_stage1(
-                        T.shift_right(T.reinterpret("int32", acc[j * 4 + e2 * 2 + e]), SHIFT) + prm[e2 * 3],
-                        prm[e2 * 3 + 1], prm[e2 * 3 + 2], spec.shift_ge33, zo, lo, hi)), omask) for e2 in range(2)])
-                    px = j * 8 + q * 2 + e
-                    if OB == 4:
-                        T.evaluate(T.ptx.st.shared.b8(T.address_of(Sm[px * KP + c0 // 2]),
-                                                      T.Cast("uint32", T.bitwise_or(v[0], T.shift_left(v[1], 4)))))
-                    else:
-                        T.evaluate(T.ptx.st.shared.b16(T.address_of(Sm[px * KP + c0]),
-                                                       T.Cast("uint32", T.bitwise_or(v[0], T.shift_left(v[1], 8)))))
+        for j in T.unroll(BN // 8):
+            for e in T.unroll(2):
+                v = T.meta_var([T.bitwise_and(T.Cast("int32", requant_stage1(
+                    T.shift_right(T.reinterpret("int32", acc[j * 4 + e2 * 2 + e]), SHIFT) + prm[e2 * 3],
+                    prm[e2 * 3 + 1], prm[e2 * 3 + 2], spec.shift_ge33, zo, lo, hi)), omask) for e2 in range(2)])
+                px = j * 8 + q * 2 + e
+                if OB == 4:
+                    T.evaluate(T.ptx.st.shared.b8(T.address_of(Sm[px * KP + c0 // 2]),
+                                                  T.Cast("uint32", T.bitwise_or(v[0], T.shift_left(v[1], 4)))))
+                else:
+                    T.evaluate(T.ptx.st.shared.b16(T.address_of(Sm[px * KP + c0]),
+                                                   T.Cast("uint32", T.bitwise_or(v[0], T.shift_left(v[1], 8)))))
         T.tvm_storage_sync("shared")
         # 5. each pixel's RB bytes out in 16-byte stores (reads clamped to the tile: no branch)
-        if not WS or tid < THREADS:
-            for it in T.unroll(ST_IT):
-                Lx = T.min(it * THREADS + tid, BN * CPX - 1)
-                T.evaluate(T.ptx.ld.shared.v4.b32(
-                    sb[it * 4], sb[it * 4 + 1], sb[it * 4 + 2], sb[it * 4 + 3],
-                    T.address_of(Sm[T.truncdiv(Lx, CPX) * KP + T.truncmod(Lx, CPX) * 16])))
-            for it in T.unroll(ST_IT):
-                Lx = it * THREADS + tid
-                px = T.truncdiv(Lx, CPX)
-                if ((it + 1) * THREADS <= BN * CPX or Lx < BN * CPX) and m0 + px < MT:
-                    for e in T.vectorized(4):
-                        ow[((m0 + px) * RBK + n0c * OB // 8 + T.truncmod(Lx, CPX) * 16) // 4 + e] = sb[it * 4 + e]
+        for it in T.unroll(ST_IT):
+            Lx = T.min(it * THREADS + tid, BN * CPX - 1)
+            T.evaluate(T.ptx.ld.shared.v4.b32(
+                sb[it * 4], sb[it * 4 + 1], sb[it * 4 + 2], sb[it * 4 + 3],
+                T.address_of(Sm[T.truncdiv(Lx, CPX) * KP + T.truncmod(Lx, CPX) * 16])))
+        for it in T.unroll(ST_IT):
+            Lx = it * THREADS + tid
+            px = T.truncdiv(Lx, CPX)
+            if ((it + 1) * THREADS <= BN * CPX or Lx < BN * CPX) and m0 + px < MT:
+                for e in T.vectorized(4):
+                    ow[((m0 + px) * RBK + n0c * OB // 8 + T.truncmod(Lx, CPX) * 16) // 4 + e] = sb[it * 4 + e]
 
     conv = conv.with_attr("qcompile.knobs", str(kn)).with_attr("qcompile.strategy", "implicit_gemm_t")
-    if WB:
-        conv = conv.with_attr("qcompile.kt_tiles", 1)
     return conv.with_attr("qcompile.w8", 1) if spec.w_bits == 4 else conv

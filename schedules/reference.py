@@ -63,32 +63,6 @@ def expand_w4(w: np.ndarray, kperm: int = 0) -> np.ndarray:
     return (16 * g).reshape(w.shape).astype(np.int8)
 
 
-def kt_tiles(w: np.ndarray, bm: int = 128, bk: int = 128) -> np.ndarray:
-    """8-bit (or ``expand_w4``-expanded) weights int8 [K, R, S, C] -> the buffer an ``implicit_gemm_t`` kernel with
-    ``KtKnobs.wb`` takes (same shape, bytes reordered): for each block of ``bm`` output channels b and K-chunk kc of
-    ``bk`` bytes of the reduction (r, s, c), the ``bm`` x ``bk`` A tile exactly as the kernel's ring holds it -- one
-    bulk copy per chunk --
-
-        tile[b, kc][row * bk + 16 * (j ^ (row % 8)) + e] = W[b * bm + wrow(row), kc * bk + 16 j + e]
-
-    (W = w as [K, R*S*C]; 128-byte swizzle: 16-byte column j of row ``row`` at column j ^ (row % 8); the rows
-    permuted as the kernel's accumulators want them: in each 64-row group, MMA rows g and g + 8 of a 16-row slice are
-    channels 2g and 2g + 1, ``wrow(r) = r - r % 64 + 16 ((r % 64) // 16) + 2 (r % 8) + (r % 16) // 8``)."""
-    w = np.asarray(w)
-    K = w.shape[0]
-    red = int(np.prod(w.shape[1:]))
-    if K % bm or red % bk or bk != 128:
-        raise ValueError(f"kt_tiles: {K} channels x {red} reduction bytes are not whole {bm} x {bk} tiles "
-                         "(128-byte rows)")
-    r = np.arange(bm)
-    rr = r % 64
-    wrow = r - rr + rr // 16 * 16 + rr % 8 * 2 + rr % 16 // 8
-    Wt = w.reshape(K // bm, bm, red // bk, bk // 16, 16)[:, wrow].transpose(0, 2, 1, 3, 4)  # [b, kc, row, j, e]
-    out = np.empty_like(Wt)
-    out[:, :, r[:, None], np.arange(bk // 16)[None, :] ^ (r[:, None] % 8)] = Wt
-    return out.reshape(w.shape)
-
-
 def permute_k8(w: np.ndarray, kperm: int) -> np.ndarray:
     """8-bit weights (logical values, w [K, R, S, C]) -> the int8 buffer a ``GemmKnobs.agl`` kernel on 8-bit operands
     takes: the reduction (r, s, c), flattened, permuted in 4-byte words within each K-chunk of ``kperm`` bytes, and

@@ -438,44 +438,6 @@ def make_cases(quick=False, bench=True):
         sp = ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, **eps[i])
         add("check", f"kt_odd{i}_{sp.x_dtype}_w{sp.w_bits}_{sp.out_dtype}", sp, "implicit_gemm_t",
             knobs=dict(bn=(80, 80, 64, 96)[i], stages=(4, 6, 5, 4)[i], ring=int(i == 3)) if i % 2 else None)
-    # its warp-specialised form (KtKnobs.ws: a copying warpgroup beside the two MMA ones, named barriers per ring
-    # slot): the same shapes with other epilogue forms, pixel tiles 64-224, 4-7 stages, one or two groups in flight
-    wsk = [(96, 5, 1), (192, 4, 1), (64, 7, 2), (128, 6, 2), (224, 4, 1), (112, 5, 2)]
-    wi = 0
-    for (name, C, H, K, R, st, pd) in distinct(RESNET50):
-        for N in (8, 64):
-            sp = ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, **eps[(wi + 1) % len(eps)])
-            if kt_constraints(sp, "sm_90") or (N == 64 and "_l4_" not in name):
-                continue
-            bn, stg, gif = wsk[wi % len(wsk)]
-            while smem_bytes(sp, bn, stg) > 227 * 1024:
-                stg -= 1
-            gif = min(gif, stg - 3)
-            add("check", f"ktws_{name}_b{N}_{sp.x_dtype}_w{sp.w_bits}_{sp.out_dtype}", sp, "implicit_gemm_t",
-                knobs=dict(bn=bn, stages=stg, gif=gif, ws=1, sets=2 + wi % 3 if sp.x_bits == 4 else 0))
-            wi += 1
-    for i, (N, C, H, K, R, st, pd) in enumerate(((3, 128, 15, 256, 3, 2, 1), (3, 256, 9, 128, 3, 1, 1),
-                                                 (2, 128, 13, 128, 1, 2, 0), (1, 384, 11, 256, 3, 1, 1))):
-        sp = ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, **eps[3 - i])
-        add("check", f"ktws_odd{i}_{sp.x_dtype}_w{sp.w_bits}_{sp.out_dtype}", sp, "implicit_gemm_t",
-            knobs=dict(bn=(80, 48, 64, 96)[i], stages=(4, 6, 5, 7)[i], ws=1, sets=(3, 0, 4, 0)[i]))
-    # the weights as one bulk copy per chunk (KtKnobs.wb: tiles laid out at compile time, an mbarrier per slot), in
-    # both forms, over the same shapes
-    wi = 0
-    for (name, C, H, K, R, st, pd) in distinct(RESNET50):
-        for N in (8, 64):
-            sp = ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, **eps[(wi + 2) % len(eps)])
-            if kt_constraints(sp, "sm_90") or (N == 64 and "_l4_" not in name):
-                continue
-            bn, stg, gif = wsk[(wi + 3) % len(wsk)]
-            while smem_bytes(sp, bn, stg, wb=True) > 227 * 1024:
-                stg -= 1
-            gif = min(gif, stg - 3)
-            ws = wi % 2
-            add("check", f"ktwb_{name}_b{N}_{sp.x_dtype}_w{sp.w_bits}_{sp.out_dtype}" + ("_ws" if ws else ""), sp,
-                "implicit_gemm_t", knobs=dict(bn=bn, stages=stg, gif=gif, ws=ws, wb=1,
-                                              sets=2 + wi % 3 if ws and sp.x_bits == 4 else 0))
-            wi += 1
     if bench and not quick:
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for N in (8, 64, 256):
@@ -491,7 +453,6 @@ def build_group(args):
     from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options, cuda_target
     from qcompile.cuda_tools import wgmma_a_hazards_by_kernel
     from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
-    from qcompile.schedules.igemm_t import kt_tiles_weights
 
     ensure_stub_libcuda()
     arch, mode = group[0]["arch"], group[0]["mode"]
@@ -519,7 +480,6 @@ def build_group(args):
         c["funcs"] = [c["func"] + ("_e" if i else "") for i in range(len(fs))]
         c["sk"] = streamk_args(f)
         c["w8"] = w8_weights(f)
-        c["wtile"] = kt_tiles_weights(f)
         c["w8_kperm"] = w8_kperm(f)
         for fn, f in zip(c["funcs"], fs):
             funcs[fn] = f.with_attr("global_symbol", fn)

@@ -72,7 +72,7 @@ def get_func(rec):
 def w8_wrap(rec, f):
     """``f`` (a kernel of ``rec``) taking the packed 4-bit (or plain 8-bit) weights: expanded for a ``w8`` record
     (k-permuted for agl), k-permuted for an 8-bit agl one."""
-    if not rec.get("w8") and not rec.get("w8_kperm") and not rec.get("wtile"):
+    if not rec.get("w8") and not rec.get("w8_kperm"):
         return f
     held = {}
 
@@ -82,12 +82,8 @@ def w8_wrap(rec, f):
             if rec.get("w8"):
                 wl = R.unpack4(np.asarray(w.numpy()).view(np.uint8), True)
                 wk = R.expand_w4(wl, rec.get("w8_kperm", 0))
-            elif rec.get("w8_kperm"):
-                wk = R.permute_k8(np.asarray(w.numpy()), rec["w8_kperm"])
             else:
-                wk = np.asarray(w.numpy())
-            if rec.get("wtile"):  # (implicit_gemm_t with KtKnobs.wb: the ring's tiles, laid out at compile time)
-                wk = R.kt_tiles(wk)
+                wk = R.permute_k8(np.asarray(w.numpy()), rec["w8_kperm"])
             held[id(w)] = (w, tvm.runtime.tensor(wk, DEV))
         f(x, held[id(w)][1], *rest)
     if hasattr(f, "sk_counters"):
