@@ -49,15 +49,14 @@ class KtKnobs:
     ring: int = -1  # 4-bit activations: 1 copied packed into a shared ring and read back, 0 loaded into registers
     #                 (two sets, three chunks ahead); -1: 0
     gif: int = 1  # MMA groups (K-chunks) in flight: 1 or 2
-    bm: int = 128  # output channels per block: 128 (two MMA warpgroups) or 256 (four: 512 threads)
 
 
-def auto_bn(spec: ConvSpec, arch: str, bm: int = BMC) -> int:
+def auto_bn(spec: ConvSpec, arch: str) -> int:
     """The pixel tile whose grid finishes first on ``arch``'s SMs: fewest waves x tile width (ties: the wider
     tile), counting a block's time as proportional to its pixels."""
     sms = arch_info(arch).sms
     mt = spec.N * spec.P * spec.Q
-    kt = spec.K // bm
+    kt = spec.K // BMC
     return min(BN_AUTO, key=lambda bn: (-(-(kt * -(-mt // bn)) // sms) * bn, -bn))
 
 
@@ -107,16 +106,16 @@ def kt_constraints(spec: ConvSpec, arch: str) -> str | None:
 
 
 def resolve_knobs(spec: ConvSpec, arch: str, kn: KtKnobs) -> KtKnobs:
-    bn = kn.bn or auto_bn(spec, arch, kn.bm)
+    bn = kn.bn or auto_bn(spec, arch)
     stages = kn.stages
     if not stages:
         stages = 3 + kn.gif  # (measured: the shallowest ring the loop takes; 4-7% over 5-6 on the 3x3 layers at
         #                      batch 64, geomean 0.98 for 5 stages over the 1x1 convs at 8-128)
-    return KtKnobs(bn=bn, stages=stages, ring=max(kn.ring, 0), gif=kn.gif, bm=kn.bm)
+    return KtKnobs(bn=bn, stages=stages, ring=max(kn.ring, 0), gif=kn.gif)
 
 
-def smem_bytes(spec: ConvSpec, bn: int, stages: int, ring: bool = False, bm: int = BMC) -> int:
-    stg = stages * (bm + bn) * BKU
+def smem_bytes(spec: ConvSpec, bn: int, stages: int, ring: bool = False) -> int:
+    stg = stages * (BMC + bn) * BKU
     return stg + ((stages - 1) * bn * BKU // 2 if spec.x_bits == 4 and ring else 0)
 
 
@@ -137,11 +136,7 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
                          "gif chunks ahead)")
     X4 = spec.x_bits == 4
     RG = X4 and not kn.ring  # 4-bit activations through registers
-    BM = kn.bm
-    if BM not in (128, 256) or spec.K % BM:
-        raise ValueError(f"implicit_gemm_t: {BM} channels per block (128 or 256, dividing K = {spec.K})")
-    THREADS = 2 * BM  # (a warpgroup per 64 channels)
-    SMEM = smem_bytes(spec, BN, STG, X4 and bool(kn.ring), BM)
+    SMEM = smem_bytes(spec, BN, STG, X4 and bool(kn.ring))
     if SMEM > arch_info(arch).smem_per_block:
         raise ValueError(f"implicit_gemm_t: {SMEM // 1024} KiB of shared tiles (bn {BN}, {STG} stages) exceed the "
                          f"{arch_info(arch).smem_per_block // 1024} KiB per block of {arch}")
@@ -156,12 +151,12 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
     NK = R * S * CPT
     RSC = R * S * C  # weight bytes per output channel (4-bit: expanded)
     MT = N * P * Q
-    KT = K // BM
+    KT = K // BMC
     MTILES = -(-MT // BN)
     GRID = KT * MTILES
     GIF = kn.gif  # MMA groups (chunks) in flight
     L = STG - 1 - GIF  # chunks the loads run ahead (their stage is that of chunk kc - 1 - GIF: retired)
-    SA, SB = BM * BKU, BN * BKU
+    SA, SB = BMC * BKU, BN * BKU
     STAGE = SA + SB
     P_OFF = STG * STAGE  # X4: the packed ring
     PR = L + 1  # X4: its slots (B runs one chunk ahead of A: chunk kc + 1's is unpacked while chunk kc's MMAs run)
@@ -174,7 +169,7 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
     O_BO, O_BM, O_BS, O_BU = 2 * A_IT, 2 * A_IT + B_IT, 2 * A_IT + 2 * B_IT, 2 * A_IT + 3 * B_IT  # per B vector
     NOFS = 2 * A_IT + 4 * B_IT
     OB = spec.out_bits
-    RB = BM * OB // 8  # output bytes per pixel of a block
+    RB = BMC * OB // 8  # output bytes per pixel of a block
     KP = RB + 16  # staging pitch (bytes)
     CPX = RB // 16
     ST_IT = -(-BN * CPX // THREADS)
@@ -326,7 +321,7 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
         sb = T.alloc_buffer((4 * ST_IT,), "uint32", scope="local")
         d0 = T.alloc_buffer((1,), "uint64", scope="local")
         m0 = bid // KT * BN
-        n0c = bid % KT * BM
+        n0c = bid % KT * BMC
         wg = tid // 128
         warp = tid // 32 % 4
         lane = tid % 32

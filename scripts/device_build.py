@@ -438,21 +438,6 @@ def make_cases(quick=False, bench=True):
         sp = ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, **eps[i])
         add("check", f"kt_odd{i}_{sp.x_dtype}_w{sp.w_bits}_{sp.out_dtype}", sp, "implicit_gemm_t",
             knobs=dict(bn=(80, 80, 64, 96)[i], stages=(4, 6, 5, 4)[i], ring=int(i == 3)) if i % 2 else None)
-    # 256 channels per block (KtKnobs.bm: four MMA warpgroups, 512 threads): the shapes with K a multiple of 256,
-    # pixel tiles 48-96, both 4-bit paths
-    wi = 0
-    for (name, C, H, K, R, st, pd) in distinct(RESNET50):
-        for N in (8, 64):
-            sp = ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, **eps[(wi + 1) % len(eps)])
-            if kt_constraints(sp, "sm_90") or K % 256 or (N == 64 and "_l4_" not in name):
-                continue
-            bn, stg = [(48, 4), (64, 5), (96, 4), (80, 6)][wi % 4]
-            ring = wi % 3 == 2 and sp.x_bits == 4
-            while smem_bytes(sp, bn, stg, ring, 256) > 227 * 1024:
-                stg -= 1
-            add("check", f"kt256_{name}_b{N}_{sp.x_dtype}_w{sp.w_bits}_{sp.out_dtype}", sp, "implicit_gemm_t",
-                knobs=dict(bn=bn, stages=stg, ring=int(ring), gif=1, bm=256))
-            wi += 1
     if bench and not quick:
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for N in (8, 64, 256):
