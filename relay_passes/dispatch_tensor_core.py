@@ -354,8 +354,7 @@ class _Dispatcher(PyExprMutator):
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
         from qcompile.schedules import ConvSpec, conv2d_int_plan, select_strategy
         from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
-        from qcompile.schedules.igemm_t import kt_afrag_weights
-        from qcompile.schedules.reference import expand_w4, kt_afrag, permute_k8
+        from qcompile.schedules.reference import expand_w4, permute_k8
         from qcompile.schedules.spec import operand_plan, space_to_depth, space_to_depth_weights
 
         x_dtype = _x_dtype(g.x, self.var2val)
@@ -430,9 +429,7 @@ class _Dispatcher(PyExprMutator):
         if g.dense:
             x = self.builder_.emit(relax.op.reshape(x, (N, 1, 1, int(x.ty.shape[-1]))), var.name + "_x4d")
         wq = w.astype(np.int8)
-        if kt_afrag_weights(funcs[0]):  # implicit_gemm_t with the weights in its fragment registers (4-bit: packed)
-            wq = kt_afrag(w, w_bits)
-        elif w_bits == 4 and w8_weights(funcs[0]):  # 4-bit weights expanded (GemmKnobs.w8; agl: k-permuted too)
+        if w_bits == 4 and w8_weights(funcs[0]):  # 4-bit weights expanded (GemmKnobs.w8; agl: k-permuted too)
             wq = expand_w4(w, w8_kperm(funcs[0]))
         elif w_bits == 4:
             wq = pack_int4_np(wq, 3).view(np.int8)

@@ -49,9 +49,6 @@ class KtKnobs:
     ring: int = -1  # 4-bit activations: 1 copied packed into a shared ring and read back, 0 loaded into registers
     #                 (two sets, three chunks ahead); -1: 0
     gif: int = 1  # MMA groups (K-chunks) in flight: 1 or 2
-    ar: int = 0  # 1: the weights (A) straight from global memory into each thread's wgmma fragment registers (laid
-    #              out per thread at compile time: ``reference.kt_afrag``; 4-bit ones packed, unpacked in registers),
-    #              no A tile in shared memory
 
 
 def auto_bn(spec: ConvSpec, arch: str) -> int:
@@ -114,18 +111,12 @@ def resolve_knobs(spec: ConvSpec, arch: str, kn: KtKnobs) -> KtKnobs:
     if not stages:
         stages = 3 + kn.gif  # (measured: the shallowest ring the loop takes; 4-7% over 5-6 on the 3x3 layers at
         #                      batch 64, geomean 0.98 for 5 stages over the 1x1 convs at 8-128)
-    return KtKnobs(bn=bn, stages=stages, ring=max(kn.ring, 0), gif=kn.gif, ar=kn.ar)
+    return KtKnobs(bn=bn, stages=stages, ring=max(kn.ring, 0), gif=kn.gif)
 
 
-def smem_bytes(spec: ConvSpec, bn: int, stages: int, ring: bool = False, ar: bool = False) -> int:
-    stg = stages * ((0 if ar else BMC) + bn) * BKU
-    return stg + ((stages - 1) * bn * BKU // 2 if spec.x_bits == 4 and ring else 0) + (4 * THREADS if ar else 0)
-
-
-def kt_afrag_weights(func) -> int:
-    """The weight width (8 or 4) whose ``reference.kt_afrag`` layout kernel ``func`` takes (``KtKnobs.ar``), else 0."""
-    a = func.attrs
-    return int(a["qcompile.kt_afrag"]) if a is not None and "qcompile.kt_afrag" in a else 0
+def smem_bytes(spec: ConvSpec, bn: int, stages: int, ring: bool = False) -> int:
+    stg = stages * (BMC + bn) * BKU
+    return stg + ((stages - 1) * bn * BKU // 2 if spec.x_bits == 4 and ring else 0)
 
 
 def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = None):
@@ -145,12 +136,7 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
                          "gif chunks ahead)")
     X4 = spec.x_bits == 4
     RG = X4 and not kn.ring  # 4-bit activations through registers
-    AR = bool(kn.ar)
-    NSA = 4  # AR: fragment register sets (chunk kc's, in flight until the end of step kc + 1; kc + 2's loading)
-    SMEM = smem_bytes(spec, BN, STG, X4 and bool(kn.ring), AR)
-    KEEP_OFF = SMEM - 4 * THREADS  # AR: a word per thread (the fragment sets' last reads, see KEEP below)
-    if AR and X4 and kn.ring:
-        raise ValueError("implicit_gemm_t: register-A (ar) takes 4-bit activations through registers (ring 0)")
+    SMEM = smem_bytes(spec, BN, STG, X4 and bool(kn.ring))
     if SMEM > arch_info(arch).smem_per_block:
         raise ValueError(f"implicit_gemm_t: {SMEM // 1024} KiB of shared tiles (bn {BN}, {STG} stages) exceed the "
                          f"{arch_info(arch).smem_per_block // 1024} KiB per block of {arch}")
@@ -171,8 +157,7 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
     GIF = kn.gif  # MMA groups (chunks) in flight
     L = STG - 1 - GIF  # chunks the loads run ahead (their stage is that of chunk kc - 1 - GIF: retired)
     SA, SB = BMC * BKU, BN * BKU
-    BOFF = 0 if AR else SA  # the B tile's offset in a stage (AR: no A tile)
-    STAGE = BOFF + SB
+    STAGE = SA + SB
     P_OFF = STG * STAGE  # X4: the packed ring
     PR = L + 1  # X4: its slots (B runs one chunk ahead of A: chunk kc + 1's is unpacked while chunk kc's MMAs run)
     PSLOT = BN * BKX
@@ -192,10 +177,7 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
     SHIFT = 8 if X4 else 0  # 4-bit: both operands come x16
     x_st, o_st = ConvSpec.storage(spec.x_dtype), ConvSpec.storage(spec.out_dtype)
     xs, ws, os_ = spec.shapes()
-    if not AR:
-        ws = ws[:-1] + (C,)  # (4-bit weights come expanded; AR: packed, in kt_afrag's order)
-    WBYTES = K * RSC // (2 if X4 and AR else 1)
-    AFW = (8 if X4 else 16)  # AR: fragment words loaded per thread and chunk
+    ws = ws[:-1] + (C,)  # (4-bit weights come expanded)
     zo, lo, hi = spec.zo, spec.lo, spec.hi
     omask = 15 if OB == 4 else 255
     b_t = "s8" if spec.x_signed else "u8"
@@ -300,7 +282,7 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
         for ks in T.unroll(BKU // 32):
             T.evaluate(mma(*[acc[e] for e in range(NACC)],
                            d0[0] + T.Cast("uint64", T.shift_right(kc % STG * STAGE + wg * 64 * BKU + ks * 32, 4)),
-                           d0[0] + T.Cast("uint64", T.shift_right(kc % STG * STAGE + BOFF + ks * 32, 4)),
+                           d0[0] + T.Cast("uint64", T.shift_right(kc % STG * STAGE + SA + ks * 32, 4)),
                            T.ptx.pred(scale_d(kc, ks))))
         T.ptx.wgmma.commit_group.sync.aligned()
         if kc + L < NK:
@@ -321,54 +303,6 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
             T.ptx.fence.proxy.async_.shared__cta()
         T.ptx.wgmma.wait_group.sync.aligned(GIF)
 
-    @T.macro
-    def load_afrag(wv, pk, kc, st, tid, bk):
-        """AR: this thread's fragment words of K-chunk kc (kt_afrag: 64 contiguous bytes, 4-bit 32 packed) into set
-        ``st`` of pk."""
-        for v in T.unroll(AFW // 4):
-            T.evaluate(T.ptx.ld.global_.nc.v4.b32(
-                pk[st * AFW + 4 * v], pk[st * AFW + 4 * v + 1], pk[st * AFW + 4 * v + 2], pk[st * AFW + 4 * v + 3],
-                T.address_of(wv[((bk * NK + kc) * THREADS + tid) * AFW * 4 + 16 * v])))
-
-    @T.macro
-    def chunk_step_ar(xw, wv, Sm, uv, ofs, acc, d0, af, pk, kal, kc, st, wg, tid, bk):
-        """AR: chunk_step with the A fragments from registers: set st (kc % NSA; 4-bit: unpacked from its packed words
-        here), chunk kc + 2's loaded into set (kc + 2) % NSA (chunk kc - 2's, retired)."""
-        T.ptx.cp.async_.wait_group(L - 1)
-        T.ptx.fence.proxy.async_.shared__cta()
-        T.tvm_storage_sync("shared")
-        if X4:
-            for ks in T.unroll(4):
-                for h2 in T.unroll(2):
-                    af[st * 16 + ks * 4 + h2] = nib_lo(pk[st * 8 + ks * 2 + h2])
-                    af[st * 16 + ks * 4 + 2 + h2] = nib_hi(pk[st * 8 + ks * 2 + h2])
-        T.ptx.wgmma.fence.sync.aligned()
-        for ks in T.unroll(BKU // 32):
-            T.evaluate(mma(*[acc[e] for e in range(NACC)],
-                           *[(af if X4 else pk)[st * 16 + ks * 4 + r] for r in range(4)],
-                           d0[0] + T.Cast("uint64", T.shift_right(kc % STG * STAGE + BOFF + ks * 32, 4)),
-                           T.ptx.pred(scale_d(kc, ks))))
-        T.ptx.wgmma.commit_group.sync.aligned()
-        if RG:
-            pass
-        elif not X4:
-            if kc + L < NK:
-                load_b(xw, Sm, ofs, kc + L, tid)
-        T.ptx.cp.async_.commit_group()
-        if X4:
-            if kc + 1 < NK:
-                unpack_chunk(Sm, uv, ofs, kc + 1, (st + 1) % 2, tid)
-            if kc + 3 < NK:
-                load_b_regs(xw, uv, ofs, kc + 3, (st + 1) % 2, tid)
-            T.ptx.fence.proxy.async_.shared__cta()
-        if kc + 2 < NK:
-            load_afrag(wv, pk, kc + 2, (st + 2) % NSA, tid, bk)
-        T.ptx.wgmma.wait_group.sync.aligned(GIF)
-        # KEEP: chunk kc - GIF's fragment set read once more now that its MMAs are retired, so that ptxas keeps every
-        # set live (and distinct) across its MMAs (schedules/igemm.py, KEEP)
-        for r in T.unroll(16):
-            kal[0] = T.bitwise_xor(kal[0], (af if X4 else pk)[(st + NSA - GIF) % NSA * 16 + r])
-
     @T.prim_func
     def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, "int8"), bias: T.Buffer((K,), "int32"),
              Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), out: T.Buffer(os_, o_st)):
@@ -377,7 +311,7 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
         tid = T.launch_thread("threadIdx.x", THREADS)
         T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1)
         xw = T.decl_buffer((N * H * W * CXB,), x_st, data=x.data)
-        wv = T.decl_buffer((WBYTES,), "int8", data=w.data)
+        wv = T.decl_buffer((K * RSC,), "int8", data=w.data)
         ow = T.decl_buffer((MT * RBK // 4,), "uint32", data=out.data)
         Sm = T.alloc_buffer((SMEM,), "uint8", scope="shared.dyn")
         acc = T.alloc_buffer((NACC,), "uint32", scope="local")
@@ -386,9 +320,6 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
         uv = T.alloc_buffer(((2 if RG else 1) * 4 * B_IT,), "uint32", scope="local")  # X4: packed vectors (RG: 2 sets)
         sb = T.alloc_buffer((4 * ST_IT,), "uint32", scope="local")
         d0 = T.alloc_buffer((1,), "uint64", scope="local")
-        pk = T.alloc_buffer((NSA * AFW if AR else 1,), "uint32", scope="local")  # AR: fragment words (4-bit: packed)
-        af = T.alloc_buffer((NSA * 16 if AR and X4 else 1,), "uint32", scope="local")  # AR, 4-bit: unpacked fragments
-        kal = T.alloc_buffer((1,), "uint32", scope="local")  # AR: KEEP's reads
         m0 = bid // KT * BN
         n0c = bid % KT * BMC
         wg = tid // 128
@@ -411,9 +342,9 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
             iw0 = T.truncmod(pq, Q) * sw - pl
             ofs[O_BO + i] = ((T.truncdiv(mc, P * Q) * H + ih0) * W + iw0) * CXB + tid % VPR * 16
             ofs[O_BM + i] = T.Cast("int32", tap_mask(m < MT, ih0, iw0))
-            ofs[O_BS + i] = (row * BKX + tid % VPR * 16) if X4 else (BOFF + swz(row, tid % VPR))
+            ofs[O_BS + i] = (row * BKX + tid % VPR * 16) if X4 else (SA + swz(row, tid % VPR))
             if X4:
-                ofs[O_BU + i] = BOFF + swz(row, 2 * (tid % VPR))
+                ofs[O_BU + i] = SA + swz(row, 2 * (tid % VPR))
         for e2 in T.unroll(2):
             prm[e2 * 3] = bias[n0c + c0 + e2]
             prm[e2 * 3 + 1] = Mq[n0c + c0 + e2]
@@ -423,13 +354,8 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
         # 2. the first L chunks in flight, one cp.async group each (ring: the activations one chunk further ahead,
         #    the first group with chunks 0 and 1 of them; RG: chunks 0 and 1 of them in registers, then chunk 2);
         #    X4: chunk 0's activations unpacked
-        if AR:  # (the fragments of chunks 0 and 1 into sets 0 and 1)
-            kal[0] = T.uint32(0)
-            for kc in T.unroll(2):
-                if kc < NK:
-                    load_afrag(wv, pk, kc, kc, tid, bid % KT)
         for kc in T.unroll(L):
-            if kc < NK and not AR:
+            if kc < NK:
                 load_a(wv, Sm, ofs, kc)
             if RG:
                 if kc < 2 and kc < NK:
@@ -453,24 +379,13 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
         # 3. per chunk: its tiles visible to every thread, its MMAs issued (X4: then chunk kc + 1's activations
         #    unpacked), the copies of chunk kc + L (ring: the activations of kc + L + 1; RG: kc + 3's into the
         #    register set just unpacked), one MMA group in flight
-        if AR:
-            for k4 in T.serial((NK + NSA - 1) // NSA):
-                for u in T.unroll(NSA):
-                    if k4 * NSA + u < NK:
-                        chunk_step_ar(xw, wv, Sm, uv, ofs, acc, d0, af, pk, kal, k4 * NSA + u, u, wg, tid,
-                                      bid % KT)
-        else:
-            for k2 in T.serial((NK + 1) // 2 if RG else NK):
-                for u in T.unroll(2 if RG else 1):
-                    kc = T.meta_var(k2 * 2 + u if RG else k2)
-                    if not RG or kc < NK:
-                        chunk_step(xw, wv, Sm, uv, ofs, acc, d0, kc, (u + 1) % 2, wg, tid)
+        for k2 in T.serial((NK + 1) // 2 if RG else NK):
+            for u in T.unroll(2 if RG else 1):
+                kc = T.meta_var(k2 * 2 + u if RG else k2)
+                if not RG or kc < NK:
+                    chunk_step(xw, wv, Sm, uv, ofs, acc, d0, kc, (u + 1) % 2, wg, tid)
         T.ptx.wgmma.wait_group.sync.aligned(0)
         T.ptx.cp.async_.wait_group(0)
-        if AR:  # KEEP: the last sets' reads, and one store so that none of them is dead code
-            for r in T.unroll(NSA * 16):
-                kal[0] = T.bitwise_xor(kal[0], (af if X4 else pk)[r])
-            T.evaluate(T.ptx.st.shared.b32(T.address_of(Sm[KEEP_OFF + 4 * tid]), kal[0]))
         T.tvm_storage_sync("shared")
         # 4. stage 1 on the accumulators: channels c0, c0 + 1 of pixels 8j + 2q + e, one staged store per pair (8-bit:
         #    two bytes; 4-bit: one packed byte, the even channel in the low nibble)
@@ -501,6 +416,4 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
                     ow[((m0 + px) * RBK + n0c * OB // 8 + T.truncmod(Lx, CPX) * 16) // 4 + e] = sb[it * 4 + e]
 
     conv = conv.with_attr("qcompile.knobs", str(kn)).with_attr("qcompile.strategy", "implicit_gemm_t")
-    if AR:
-        return conv.with_attr("qcompile.kt_afrag", spec.w_bits)
     return conv.with_attr("qcompile.w8", 1) if spec.w_bits == 4 else conv

@@ -63,43 +63,6 @@ def expand_w4(w: np.ndarray, kperm: int = 0) -> np.ndarray:
     return (16 * g).reshape(w.shape).astype(np.int8)
 
 
-def kt_afrag(w: np.ndarray, bits: int) -> np.ndarray:
-    """Weights (logical values, int [K, R, S, C]) -> the int8 buffer an ``implicit_gemm_t`` kernel with ``KtKnobs.ar``
-    takes: for each block b of 128 output channels, K-chunk kc of 128 reduction values (r, s, c) and thread t (of 256:
-    warpgroup t // 128, warp t // 32 % 4, g = t % 32 // 4, q = t % 4) the words of its wgmma A fragments, contiguous.
-    Fragment row h of the warp's 16 (h = g, g + 8) is channel ``b * 128 + wrow(64 wg + 16 warp + h)`` (igemm_t's row
-    permutation). 8-bit: 16 words, word 4 ks + 2 j + i = the values at k = 32 ks + 16 j + 4q .. + 3 of row g + 8i.
-    4-bit: 8 words, word 2 ks + i = the packed bytes (two channels each, even in the low nibble) of channels
-    32 ks + 8q .. + 7 of row g + 8i -- unpacked in the kernel to the x16 evens then odds of ``expand_w4``, the order
-    its 4-bit activations take."""
-    w = np.asarray(w).astype(np.int64)
-    K = w.shape[0]
-    red = int(np.prod(w.shape[1:]))
-    if K % 128 or red % 128:
-        raise ValueError(f"kt_afrag: {K} channels x {red} reduction values are not whole 128 x 128 tiles")
-    t = np.arange(256)
-    wg, warp, g, q = t // 128, t // 32 % 4, t % 32 // 4, t % 4
-    r = np.arange(128)
-    rr = r % 64
-    wrow = r - rr + rr // 16 * 16 + rr % 8 * 2 + rr % 16 // 8
-    if bits == 8:
-        W = (w.reshape(K // 128, 128, red // 128, 128) & 255).astype(np.uint8)  # [b, ch, kc, k]
-        ks, j, i, e = np.meshgrid(np.arange(4), np.arange(2), np.arange(2), np.arange(4), indexing="ij")
-        ks, j, i, e = (a.reshape(-1) for a in (ks, j, i, e))  # word 4 ks + 2 j + i, byte e
-        row = (64 * wg + 16 * warp + g)[:, None] + 8 * i[None, :]  # [t, 64 bytes]
-        k = 32 * ks + 16 * j + 4 * q[:, None] + e[None, :]
-        return W.transpose(0, 2, 1, 3)[:, :, wrow[row], k].view(np.int8).reshape(w.shape)
-    if bits == 4:
-        P = pack4(w.reshape(K, red)).reshape(K // 128, 128, red // 128, 64)  # [b, ch, kc, packed byte]
-        ks, i, e = np.meshgrid(np.arange(4), np.arange(2), np.arange(4), indexing="ij")
-        ks, i, e = (a.reshape(-1) for a in (ks, i, e))
-        row = (64 * wg + 16 * warp + g)[:, None] + 8 * i[None, :]  # [t, 32 bytes]
-        byte = 16 * ks + 4 * q[:, None] + e[None, :]
-        out = P.transpose(0, 2, 1, 3)[:, :, wrow[row], byte]
-        return out.view(np.int8).reshape(w.shape[:-1] + (w.shape[-1] // 2,))
-    raise ValueError(f"kt_afrag: {bits}-bit weights")
-
-
 def permute_k8(w: np.ndarray, kperm: int) -> np.ndarray:
     """8-bit weights (logical values, w [K, R, S, C]) -> the int8 buffer a ``GemmKnobs.agl`` kernel on 8-bit operands
     takes: the reduction (r, s, c), flattened, permuted in 4-byte words within each K-chunk of ``kperm`` bytes, and

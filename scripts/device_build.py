@@ -438,26 +438,6 @@ def make_cases(quick=False, bench=True):
         sp = ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, **eps[i])
         add("check", f"kt_odd{i}_{sp.x_dtype}_w{sp.w_bits}_{sp.out_dtype}", sp, "implicit_gemm_t",
             knobs=dict(bn=(80, 80, 64, 96)[i], stages=(4, 6, 5, 4)[i], ring=int(i == 3)) if i % 2 else None)
-    # its register-A form (KtKnobs.ar: each thread's weight fragments straight from global memory, 4-bit ones packed):
-    # the same shapes with other epilogue forms, pixel tiles 64-224, 4-6 stages, one or two groups in flight
-    wi = 0
-    for (name, C, H, K, R, st, pd) in distinct(RESNET50):
-        for N in (8, 64):
-            sp = ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, **eps[(wi + 1) % len(eps)])
-            if kt_constraints(sp, "sm_90") or (N == 64 and "_l4_" not in name):
-                continue
-            bn, stg, gif = [(96, 4, 1), (192, 5, 1), (64, 6, 2), (128, 4, 1), (224, 5, 2), (112, 4, 1)][wi % 6]
-            while smem_bytes(sp, bn, stg, ar=True) > 227 * 1024:
-                stg -= 1
-            gif = min(gif, stg - 3)
-            add("check", f"ktar_{name}_b{N}_{sp.x_dtype}_w{sp.w_bits}_{sp.out_dtype}", sp, "implicit_gemm_t",
-                knobs=dict(bn=bn, stages=stg, gif=gif, ar=1))
-            wi += 1
-    for i, (N, C, H, K, R, st, pd) in enumerate(((3, 128, 15, 256, 3, 2, 1), (3, 256, 9, 128, 3, 1, 1),
-                                                 (2, 128, 13, 128, 1, 2, 0), (1, 384, 11, 256, 3, 1, 1))):
-        sp = ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, **eps[3 - i])
-        add("check", f"ktar_odd{i}_{sp.x_dtype}_w{sp.w_bits}_{sp.out_dtype}", sp, "implicit_gemm_t",
-            knobs=dict(bn=(80, 48, 64, 96)[i], stages=(4, 6, 5, 4)[i], ar=1))
     if bench and not quick:
         for (name, C, H, K, R, st, pd) in distinct(RESNET50):
             for N in (8, 64, 256):
@@ -473,7 +453,6 @@ def build_group(args):
     from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options, cuda_target
     from qcompile.cuda_tools import wgmma_a_hazards_by_kernel
     from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
-    from qcompile.schedules.igemm_t import kt_afrag_weights
 
     ensure_stub_libcuda()
     arch, mode = group[0]["arch"], group[0]["mode"]
@@ -501,7 +480,6 @@ def build_group(args):
         c["funcs"] = [c["func"] + ("_e" if i else "") for i in range(len(fs))]
         c["sk"] = streamk_args(f)
         c["w8"] = w8_weights(f)
-        c["afrag"] = kt_afrag_weights(f)
         c["w8_kperm"] = w8_kperm(f)
         for fn, f in zip(c["funcs"], fs):
             funcs[fn] = f.with_attr("global_symbol", fn)

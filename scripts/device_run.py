@@ -72,19 +72,14 @@ def get_func(rec):
 def w8_wrap(rec, f):
     """``f`` (a kernel of ``rec``) taking the packed 4-bit (or plain 8-bit) weights: expanded for a ``w8`` record
     (k-permuted for agl), k-permuted for an 8-bit agl one."""
-    if not rec.get("w8") and not rec.get("w8_kperm") and not rec.get("afrag"):
+    if not rec.get("w8") and not rec.get("w8_kperm"):
         return f
     held = {}
 
     def run_w8(x, w, *rest):
         if id(w) not in held:
             held.clear()
-            if rec.get("afrag"):  # (implicit_gemm_t with KtKnobs.ar: each thread's fragment words, laid out at compile time)
-                wl = np.asarray(w.numpy())
-                if rec["afrag"] == 4:
-                    wl = R.unpack4(wl.view(np.uint8), True)
-                wk = R.kt_afrag(wl, rec["afrag"])
-            elif rec.get("w8"):
+            if rec.get("w8"):
                 wl = R.unpack4(np.asarray(w.numpy()).view(np.uint8), True)
                 wk = R.expand_w4(wl, rec.get("w8_kperm", 0))
             else:
