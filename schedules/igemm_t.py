@@ -330,6 +330,10 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
                            d0[0] + T.Cast("uint64", T.shift_right(kc % STG * STAGE + SA + ks * 32, 4)),
                            T.ptx.pred(scale_d(kc, ks))))
         T.ptx.wgmma.commit_group.sync.aligned()
+        if X4 and BU > 1:  # a burst: chunks kc + 1 .. kc + BU unpacked and fenced before this chunk's copies are
+            if u == 0:     # issued (the fence waits for the thread's memory operations in flight, copies included)
+                unpack_burst(Sm, uv, ofs, kc + 1)
+                T.ptx.fence.proxy.async_.shared__cta()
         if kc + L < NK:
             load_a(wv, Sm, ofs, kc + L)
         if X4 and not RG:
@@ -339,10 +343,8 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
             if kc + L < NK:
                 load_b(xw, Sm, ofs, kc + L, tid)
         T.ptx.cp.async_.commit_group()
-        if X4 and BU > 1:  # a burst: chunks kc + 1 .. kc + BU unpacked, then kc + BU + 1 .. kc + 2 BU loaded
+        if X4 and BU > 1:  # then chunks kc + BU + 1 .. kc + 2 BU loaded into the registers just unpacked
             if u == 0:
-                unpack_burst(Sm, uv, ofs, kc + 1)
-                T.ptx.fence.proxy.async_.shared__cta()  # (also keeps ptxas from hoisting the loads above an unpack)
                 load_burst(xw, uv, ofs, kc + BU + 1)
         elif X4:  # chunk kc + 1's activations unpacked and fenced while chunk kc's MMAs run (off the barrier's path)
             if kc + 1 < NK:
