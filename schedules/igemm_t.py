@@ -49,9 +49,6 @@ class KtKnobs:
     ring: int = -1  # 4-bit activations: 1 copied packed into a shared ring and read back, 0 loaded into registers
     #                 (two sets, three chunks ahead); -1: 0
     gif: int = 1  # MMA groups (K-chunks) in flight: 1 or 2
-    burst: int = 0  # 4-bit activations through registers: chunks unpacked together every ``burst`` chunks (their
-    #                 loads issued together right after: ptxas gives every such load one scoreboard, so an unpack
-    #                 waits for all loads in flight, and only a burst keeps them ``burst`` chunks ahead); 0: 1
 
 
 def auto_bn(spec: ConvSpec, arch: str) -> int:
@@ -114,7 +111,7 @@ def resolve_knobs(spec: ConvSpec, arch: str, kn: KtKnobs) -> KtKnobs:
     if not stages:
         stages = 3 + kn.gif  # (measured: the shallowest ring the loop takes; 4-7% over 5-6 on the 3x3 layers at
         #                      batch 64, geomean 0.98 for 5 stages over the 1x1 convs at 8-128)
-    return KtKnobs(bn=bn, stages=stages, ring=max(kn.ring, 0), gif=kn.gif, burst=kn.burst or 1)
+    return KtKnobs(bn=bn, stages=stages, ring=max(kn.ring, 0), gif=kn.gif)
 
 
 def smem_bytes(spec: ConvSpec, bn: int, stages: int, ring: bool = False) -> int:
@@ -139,13 +136,6 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
                          "gif chunks ahead)")
     X4 = spec.x_bits == 4
     RG = X4 and not kn.ring  # 4-bit activations through registers
-    BU = kn.burst if RG else 1  # RG: chunks unpacked per burst (1: one per chunk, two register sets, loads 2 ahead)
-    UN = max(BU, 2) if RG else 1  # chunk steps per loop iteration (static register sets)
-    if BU > 1 and STG < BU + 1 + kn.gif:
-        raise ValueError(f"implicit_gemm_t: a burst of {BU} chunks unpacked ahead needs stages >= {BU + 1 + kn.gif}")
-    if BU > 1 and BU * BN * (BKU // 32) % THREADS:
-        raise ValueError(f"implicit_gemm_t: a burst of {BU} chunks of {BN} pixels is no whole number of 16-byte "
-                         f"vectors per thread")
     SMEM = smem_bytes(spec, BN, STG, X4 and bool(kn.ring))
     if SMEM > arch_info(arch).smem_per_block:
         raise ValueError(f"implicit_gemm_t: {SMEM // 1024} KiB of shared tiles (bn {BN}, {STG} stages) exceed the "
@@ -178,10 +168,6 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
     O_AW, O_AS = 0, A_IT  # per-thread offsets: weight elements, A stage bytes (per A vector)
     O_BO, O_BM, O_BS, O_BU = 2 * A_IT, 2 * A_IT + B_IT, 2 * A_IT + 2 * B_IT, 2 * A_IT + 3 * B_IT  # per B vector
     NOFS = 2 * A_IT + 4 * B_IT
-    FV = BU * BN * VPR // THREADS if BU > 1 else 0  # a burst's vectors per thread: flat index k * THREADS + tid over
-    #                                                 (chunk j of the burst, pixel row, 16-byte column)
-    F_BO, F_BM, F_BU, F_BJ = NOFS, NOFS + FV, NOFS + 2 * FV, NOFS + 3 * FV  # per burst vector (after the O_*
-    #                                                                        offsets): as O_BO / O_BM / O_BU; chunk j
     OB = spec.out_bits
     RB = BMC * OB // 8  # output bytes per pixel of a block
     KP = RB + 16  # staging pitch (bytes)
@@ -284,39 +270,8 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
                 T.evaluate(T.ptx.st.shared.v4.b32(T.address_of(Sm[T.bitwise_xor(dlo, 16)]),
                                                   *[nib_hi(uv[b + e]) for e in range(4)]))
 
-    def toff_of(c):  # element offset of chunk c's tap and channel block from tap (0, 0)
-        tap = T.truncdiv(c, CPT)
-        return (T.truncdiv(tap, S) * (dh * W) + T.truncmod(tap, S) * dw) * CXB + T.truncmod(c, CPT) * BKX
-
     @T.macro
-    def load_burst(xw, uv, fo, cb):
-        """A burst: chunks cb .. cb + BU - 1 of the pixels' packed im2col rows into the thread's FV vectors (past
-        the last chunk: the last one again, never used; where the tap falls outside, nothing -- ``unpack_burst``
-        masks). No branch: every vector is every thread's, so ptxas sees each one loaded and unpacked on every path
-        (a load it cannot prove consumed makes the next load into those registers wait for all loads in flight)."""
-        for k in T.unroll(FV):
-            c = T.meta_var(T.min(cb + fo[F_BJ + k], NK - 1))
-            if T.bitwise_and(T.shift_right(T.Cast("uint32", fo[F_BM + k]), T.Cast("uint32", T.truncdiv(c, CPT))),
-                             T.uint32(1)) != T.uint32(0):
-                T.evaluate(T.ptx.ld.global_.cg.v4.b32(uv[4 * k], uv[4 * k + 1], uv[4 * k + 2], uv[4 * k + 3],
-                                                      T.address_of(xw[fo[F_BO + k] + toff_of(c)])))
-
-    @T.macro
-    def unpack_burst(Sm, uv, fo, cb):
-        """A burst's vectors -> the B tiles of chunks cb .. cb + BU - 1 (as ``unpack_chunk``; zeros where the tap
-        falls outside). Chunks past the last are written too, into their stages, which no MMA reads any more."""
-        for k in T.unroll(FV):
-            c = T.meta_var(cb + fo[F_BJ + k])
-            mk = T.meta_var(T.bitwise_and(T.uint32(0) - T.bitwise_and(T.shift_right(
-                T.Cast("uint32", fo[F_BM + k]), T.Cast("uint32", T.truncdiv(c, CPT))), T.uint32(1)), T.uint32(MASK)))
-            dlo = T.meta_var(T.truncmod(c, STG) * STAGE + fo[F_BU + k])
-            T.evaluate(T.ptx.st.shared.v4.b32(T.address_of(Sm[dlo]), *[
-                T.bitwise_and(T.shift_left(uv[4 * k + e], T.uint32(4)), mk) for e in range(4)]))
-            T.evaluate(T.ptx.st.shared.v4.b32(T.address_of(Sm[T.bitwise_xor(dlo, 16)]),
-                                              *[T.bitwise_and(uv[4 * k + e], mk) for e in range(4)]))
-
-    @T.macro
-    def chunk_step(xw, wv, Sm, uv, ofs, acc, d0, kc, st, wg, tid, u):
+    def chunk_step(xw, wv, Sm, uv, ofs, acc, d0, kc, st, wg, tid):
         T.ptx.cp.async_.wait_group(L - 1)
         T.ptx.fence.proxy.async_.shared__cta()
         if X4 and not RG:  # (after the fence, which would wait for the reads)
@@ -330,10 +285,6 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
                            d0[0] + T.Cast("uint64", T.shift_right(kc % STG * STAGE + SA + ks * 32, 4)),
                            T.ptx.pred(scale_d(kc, ks))))
         T.ptx.wgmma.commit_group.sync.aligned()
-        if X4 and BU > 1:  # a burst: chunks kc + 1 .. kc + BU unpacked and fenced before this chunk's copies are
-            if u == 0:     # issued (the fence waits for the thread's memory operations in flight, copies included)
-                unpack_burst(Sm, uv, ofs, kc + 1)
-                T.ptx.fence.proxy.async_.shared__cta()
         if kc + L < NK:
             load_a(wv, Sm, ofs, kc + L)
         if X4 and not RG:
@@ -343,10 +294,7 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
             if kc + L < NK:
                 load_b(xw, Sm, ofs, kc + L, tid)
         T.ptx.cp.async_.commit_group()
-        if X4 and BU > 1:  # then chunks kc + BU + 1 .. kc + 2 BU loaded into the registers just unpacked
-            if u == 0:
-                load_burst(xw, uv, ofs, kc + BU + 1)
-        elif X4:  # chunk kc + 1's activations unpacked and fenced while chunk kc's MMAs run (off the barrier's path)
+        if X4:  # chunk kc + 1's activations unpacked and fenced while chunk kc's MMAs run (off the barrier's path)
             if kc + 1 < NK:
                 unpack_chunk(Sm, uv, ofs, kc + 1, st if RG else 0, tid)
             if RG:
@@ -367,10 +315,9 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
         ow = T.decl_buffer((MT * RBK // 4,), "uint32", data=out.data)
         Sm = T.alloc_buffer((SMEM,), "uint8", scope="shared.dyn")
         acc = T.alloc_buffer((NACC,), "uint32", scope="local")
-        ofs = T.alloc_buffer((NOFS + 4 * FV,), "int32", scope="local")  # the thread's copy offsets (O_* below), set once
+        ofs = T.alloc_buffer((NOFS,), "int32", scope="local")  # the thread's copy offsets (O_* below), set once
         prm = T.alloc_buffer((6,), "int32", scope="local")  # bias, M, S of channels c0 and c0 + 1
-        uv = T.alloc_buffer((max((2 if RG else 1) * 4 * B_IT, 4 * FV),), "uint32", scope="local")  # X4: packed
-        #                                                       vectors (RG: 2 sets; a burst: FV after the first chunk)
+        uv = T.alloc_buffer(((2 if RG else 1) * 4 * B_IT,), "uint32", scope="local")  # X4: packed vectors (RG: 2 sets)
         sb = T.alloc_buffer((4 * ST_IT,), "uint32", scope="local")
         d0 = T.alloc_buffer((1,), "uint64", scope="local")
         m0 = bid // KT * BN
@@ -398,20 +345,6 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
             ofs[O_BS + i] = (row * BKX + tid % VPR * 16) if X4 else (SA + swz(row, tid % VPR))
             if X4:
                 ofs[O_BU + i] = SA + swz(row, 2 * (tid % VPR))
-        if FV > 0:  # a burst's vectors: flat index k * THREADS + tid over (chunk, pixel row, 16-byte column)
-            for k in T.unroll(FV):
-                fl = k * THREADS + tid
-                row = T.truncmod(fl, BN * VPR) // VPR
-                vc = T.truncmod(fl, VPR)
-                m = m0 + row
-                mc = T.min(m, MT - 1)
-                pq = T.truncmod(mc, P * Q)
-                ih0 = T.truncdiv(pq, Q) * sh - pt
-                iw0 = T.truncmod(pq, Q) * sw - pl
-                ofs[F_BO + k] = ((T.truncdiv(mc, P * Q) * H + ih0) * W + iw0) * CXB + vc * 16
-                ofs[F_BM + k] = T.Cast("int32", tap_mask(m < MT, ih0, iw0))
-                ofs[F_BU + k] = SA + swz(row, 2 * vc)
-                ofs[F_BJ + k] = T.truncdiv(fl, BN * VPR)
         for e2 in T.unroll(2):
             prm[e2 * 3] = bias[n0c + c0 + e2]
             prm[e2 * 3 + 1] = Mq[n0c + c0 + e2]
@@ -425,7 +358,7 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
             if kc < NK:
                 load_a(wv, Sm, ofs, kc)
             if RG:
-                if kc < (1 if BU > 1 else 2) and kc < NK:
+                if kc < 2 and kc < NK:
                     load_b_regs(xw, uv, ofs, kc, kc, tid)
             elif X4:
                 if kc == 0:
@@ -435,10 +368,7 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
             elif kc < NK:
                 load_b(xw, Sm, ofs, kc, tid)
             T.ptx.cp.async_.commit_group()
-        if RG and BU > 1:  # chunk 0 unpacked, chunks 1 .. BU loaded (step 0 unpacks them)
-            unpack_chunk(Sm, uv, ofs, 0, 0, tid)
-            load_burst(xw, uv, ofs, 1)
-        elif RG:
+        if RG:
             unpack_chunk(Sm, uv, ofs, 0, 0, tid)
             if 2 < NK:
                 load_b_regs(xw, uv, ofs, 2, 0, tid)
@@ -449,11 +379,11 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
         # 3. per chunk: its tiles visible to every thread, its MMAs issued (X4: then chunk kc + 1's activations
         #    unpacked), the copies of chunk kc + L (ring: the activations of kc + L + 1; RG: kc + 3's into the
         #    register set just unpacked), one MMA group in flight
-        for k2 in T.serial(-(-NK // UN)):
-            for u in T.unroll(UN):
-                kc = T.meta_var(k2 * UN + u if UN > 1 else k2)
-                if UN == 1 or kc < NK:
-                    chunk_step(xw, wv, Sm, uv, ofs, acc, d0, kc, (u + 1) % 2, wg, tid, u % BU)
+        for k2 in T.serial((NK + 1) // 2 if RG else NK):
+            for u in T.unroll(2 if RG else 1):
+                kc = T.meta_var(k2 * 2 + u if RG else k2)
+                if not RG or kc < NK:
+                    chunk_step(xw, wv, Sm, uv, ofs, acc, d0, kc, (u + 1) % 2, wg, tid)
         T.ptx.wgmma.wait_group.sync.aligned(0)
         T.ptx.cp.async_.wait_group(0)
         T.tvm_storage_sync("shared")

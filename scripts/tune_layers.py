@@ -574,14 +574,13 @@ def make_cases_halo(batches, ths=(1, 2, 4, 8), minbs=(2, 3, 4), pipes=(0, 1)):
     return cases + extra
 
 
-def make_cases_kt(batches, layers=None, bns=(64, 96, 192), stages=(4, 5, 6), gifs=(1, 2), bursts=(1,)):
+def make_cases_kt(batches, layers=None, bns=(64, 96, 192), stages=(4, 5, 6), gifs=(1, 2)):
     """ResNet-50 layers (``layers``, else every one the transposed implicit GEMM takes whose grid it fills better --
     ``igemm_t.fill_gain`` > 1 -- with at least 3/4 of the SMs' blocks, ``kt_preferred``'s rule) as compiled now ("default",
     the implicit GEMM with its record) against ``implicit_gemm_t`` (schedules/igemm_t.py: output channels as the
     MMA's M, pixels as N): its defaults ("kt_default": ``auto_bn``'s pixel tile, the deepest ring that fits) and each
     pixel tile ``bns`` (0: ``auto_bn``'s) x ring depth ``stages`` that fits as tuning variants (4-bit: with the
-    activations through registers and through a shared packed ring, and through registers in each burst of
-    ``bursts`` over 1)."""
+    activations through registers and through a shared packed ring)."""
     from qcompile.schedules.igemm_t import KtKnobs, auto_bn, fill_gain, kt_constraints, kt_grid, smem_bytes
     from qcompile.schedules.spec import arch_info
 
@@ -596,15 +595,11 @@ def make_cases_kt(batches, layers=None, bns=(64, 96, 192), stages=(4, 5, 6), gif
                  variant="default", is_default=True)
         cases.append(c)
         extra.append(dict(c, strategy="implicit_gemm_t", knobs=None, variant="kt_default", is_default=False))
-        forms = [(0, 1), (1, 1)] + [(0, b) for b in bursts if b > 1] if spec.x_bits == 4 else [(0, 1)]
-        for bn, stg, gif, (ring, bu) in itertools.product(bns, stages, gifs, forms):
+        for bn, stg, gif, ring in itertools.product(bns, stages, gifs, (0, 1) if spec.x_bits == 4 else (0,)):
             smem = smem_bytes(spec, bn or auto_bn(spec, ARCH), stg, bool(ring))
-            whole = bu == 1 or bu * (bn or auto_bn(spec, ARCH)) * 4 % 256 == 0  # (16-byte vectors per thread)
-            if stg >= max(3, bu + 1) + gif and smem <= arch_info(ARCH).smem_per_block and whole:
-                extra.append(dict(c, strategy="implicit_gemm_t", is_default=False,
-                                  knobs=KtKnobs(bn=bn, stages=stg, ring=ring, gif=gif, burst=bu if bu > 1 else 0),
-                                  variant=f"kt_n{bn}_s{stg}_g{gif}" + ("_ring" if ring else "")
-                                  + (f"_b{bu}" if bu > 1 else "")))
+            if stg >= 3 + gif and smem <= arch_info(ARCH).smem_per_block:
+                extra.append(dict(c, strategy="implicit_gemm_t", knobs=KtKnobs(bn=bn, stages=stg, ring=ring, gif=gif),
+                                  variant=f"kt_n{bn}_s{stg}_g{gif}" + ("_ring" if ring else ""), is_default=False))
     return cases + extra
 
 
@@ -1014,8 +1009,7 @@ def cmd_build(a):
     elif a.halo:
         cases = make_cases_halo(a.batches)
     elif a.kt:
-        cases = make_cases_kt(a.batches, a.only_layers, tuple(a.kt_bns), tuple(a.kt_stages), tuple(a.kt_gifs),
-                              tuple(a.kt_bursts))
+        cases = make_cases_kt(a.batches, a.only_layers, tuple(a.kt_bns), tuple(a.kt_stages), tuple(a.kt_gifs))
     elif a.occ1wg:
         cases = make_cases_occ1wg(a.batches, a.only_layers, tuple(a.minb or (0, 3, 4)),
                                   (False, True) if not a.no_erq else (False,))
@@ -1656,8 +1650,6 @@ def main():
     b.add_argument("--kt-bns", type=int, nargs="+", default=[64, 96, 192], help="with --kt: pixel tiles")
     b.add_argument("--kt-stages", type=int, nargs="+", default=[4, 5, 6], help="with --kt: ring depths")
     b.add_argument("--kt-gifs", type=int, nargs="+", default=[1, 2], help="with --kt: MMA groups in flight")
-    b.add_argument("--kt-bursts", type=int, nargs="+", default=[1],
-                   help="with --kt: 4-bit register bursts (KtKnobs.burst) tried besides 1")
     b.add_argument("--stem", action="store_true",
                    help="the stem as compiled (its space-to-depth form) with every CAND tile (--cands), with and "
                         "without erq, INT8 and INT4")

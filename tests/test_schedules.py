@@ -218,7 +218,7 @@ def test_cuda_implicit_gemm_t():
     assert "ld_vec_global_nc_v4_b32" in b4 and "st_vec_shared_v4_b32" in b4  # (packed into registers, unpacked)
     assert b4.count("tvm_builtin_ptx_st_shared_b8_u32(") == 192 // 8 * 2  # (4-bit output: one packed byte per pair)
     f = conv2d_int_kernel(l3, "sm_90")
-    assert "qcompile.w8" in f.attrs and str(f.attrs["qcompile.knobs"]) == "KtKnobs(bn=192, stages=4, ring=0, gif=1, burst=1)"
+    assert "qcompile.w8" in f.attrs and str(f.attrs["qcompile.knobs"]) == "KtKnobs(bn=192, stages=4, ring=0, gif=1)"
     b4r = _src(l3, "sm_90", knobs=KtKnobs(bn=96, ring=1, stages=5, gif=2)).split("main_kernel(")[-1]
     assert "ld_vec_global_nc" not in b4r and "ld_vec_shared_v4_b32" in b4r  # (packed ring read back)
     # what it cannot take, said plainly
