@@ -1,9 +1,7 @@
 """The interface function behind the ``qcompile`` command: model file in, deployable ``.so`` out."""
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -11,12 +9,9 @@ from typing import Callable, Optional
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.ir.expr import Constant
 
 from .errors import QCompileError
 from .registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, LAYOUTS, TARGETS, format_of
-
-META_FUNC = "qcompile_meta"
 
 
 @dataclass
@@ -54,7 +49,6 @@ WEIGHTS_SUFFIX = ".weights.npz"
 
 def weights_path(so_path: str) -> str:
     return (so_path[:-3] if so_path.endswith(".so") else so_path) + WEIGHTS_SUFFIX
-
 
 
 @dataclass
@@ -178,16 +172,10 @@ def format_summary(layers: list) -> str:
     return "\n".join(lines)
 
 
-def _add_meta(mod: tvm.IRModule, meta: dict) -> tvm.IRModule:
-    bb = relax.BlockBuilder(mod)
-    with bb.function(META_FUNC, []):
-        bb.emit_func_output(relax.const(np.frombuffer(json.dumps(meta).encode(), np.uint8).copy(), "uint8"))
-    return bb.get()
-
-
 def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callable = print) -> CompileResult:
-    """Import, lower to integer, pack, build. ``log`` receives progress lines."""
-    from .pipeline import build, lower_to_integer
+    """Import the model (a frontend), then compile it with the qcompile pipeline (``qcompile.pipeline``: lowering,
+    kernels, packing, backend) inside ``tvm.compile``. ``log`` receives progress lines."""
+    from .pipeline import PipelineRecord, build, qcompile_pipeline
 
     opts = opts or CompileOptions()
     if opts.target not in TARGETS:
@@ -213,38 +201,12 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
                             f"(omit --bits for an already-quantized model)")
     prog.done(f"{info['format']}, input {info['input_name']} {'x'.join(map(str, info['input_shape']))}, bits {found}")
 
-    prog.step(f"lowering to integer compute ({layout})")
-    mod_int = lower_to_integer(mod_qdq, layout, pack_int4=False, dump_dir=opts.dump_ir)
-    layers = _layers(mod_int, layout)
-    mod_ref = mod_int  # the integer graph the NumPy reference runs
-    kernels = {}
-    if opts.target == "cuda":
-        mod_int, kernels = _dispatch_tensor_cores(mod_int, layout, opts.arch, log, not opts.packed_int4_weights)
-        for l in layers:
-            l.kernel = kernels.get(l.name, "generic")
-    from .errors import run_pass
-
-    if opts.pack_int4:
-        from qcompile.relay_passes import PackInt4
-
-        # with tensor-core kernels the dispatcher already packs what they read; glue reads bytes
-        mod_int = run_pass(PackInt4(activations=not kernels), mod_int)
-    weights = []
-    if opts.weights_beside:
-        from qcompile.relay_passes.lift_weights import LiftWeights
-
-        lift = LiftWeights()
-        mod_int = run_pass(lift, mod_int)
-        weights = lift.values
-    prog.done(f"{len(layers)} conv/dense layers")
-
-    out_ty = mod_int["main"].ret_ty if hasattr(mod_int["main"], "ret_ty") else None
-    meta = {
+    meta = {  # (output_shape and the weights' fields: filled in by the pipeline's metadata phase)
         "qcompile": __import__("qcompile").__version__,
         "input_name": info["input_name"],
         "input_shape": list(info["input_shape"]),
         "input_dtype": "float32",
-        "output_shape": [int(s) for s in out_ty.shape] if out_ty is not None and hasattr(out_ty, "shape") else None,
+        "output_shape": None,
         "layout": layout,
         "bits": found,
         "target": opts.target,
@@ -252,60 +214,57 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
         "source": os.path.basename(path),
         "format": info["format"],
         "weights": "beside" if opts.weights_beside else "embedded",
-        "num_weights": len(weights),
+        "num_weights": 0,
     }
-    if opts.weights_beside:
-        from .runtime import weights_digest
+    record = PipelineRecord()
+    layers: list = []
 
-        meta["weights_sha256"] = weights_digest(weights)
-    prog.step(f"building for {opts.target}{(' ' + opts.arch) if opts.arch else ''}")
+    def on_phase(name, mod):  # progress lines and notes between the pipeline's phases
+        if name == "2_integer":
+            layers.extend(_layers(mod, layout))
+            if opts.target == "cuda" and layout == "NCHW":
+                log("note: NCHW has no tensor-core convolution; use --layout NHWC or HWNC (convs stay on generic "
+                    "kernels)")
+        elif name == "3_dispatched":
+            _log_kernel_notes(record, opts.arch, log)
+        elif name == "4_deploy":  # (the last phase before TVM's backend)
+            if opts.target == "cuda":
+                for l in layers:
+                    l.kernel = record.kernels.get(l.name, "generic")
+            prog.done(f"{len(layers)} conv/dense layers")
+            prog.step(f"building for {opts.target}{(' ' + opts.arch) if opts.arch else ''}")
+
     target = {"kind": "llvm"} if opts.target == "llvm" else {"kind": "cuda", "arch": opts.arch}
+    pipeline = qcompile_pipeline(target, layout, pack_int4=opts.pack_int4, expand_w4=not opts.packed_int4_weights,
+                                 weights_beside=opts.weights_beside, meta=meta, dump_dir=opts.dump_ir, record=record,
+                                 on_phase=on_phase)
+    prog.step(f"lowering to integer compute ({layout})")
     if opts.target == "cuda":
         from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options
 
         ensure_stub_libcuda()  # so that TVM embeds compiled GPU code (fatbin), not CUDA source, on a GPU-less host
         with nvcc_options(opts.arch, mode="both"):  # SASS for the arch + its PTX (newer GPUs JIT it)
-            ex = build(_add_meta(mod_int, meta), target, cuda_graph=opts.cuda_graph)
+            ex = build(mod_qdq, target, cuda_graph=opts.cuda_graph, pipeline=pipeline)
     else:
-        ex = build(_add_meta(mod_int, meta), target)
+        ex = build(mod_qdq, target, pipeline=pipeline)
     prog.done()
     prog.step("summary")
     log(format_summary(layers))
     prog.done()
-    return CompileResult(ex, mod_ref, meta, layers, weights)
+    return CompileResult(ex, record.integer_mod, meta, layers, record.weights)
 
 
-def _dispatch_tensor_cores(mod_int, layout: str, arch: str, log, expand_w4: bool = True):
-    """Put each requantized conv/dense on a tensor-core kernel (``DispatchTensorCore``), and 8-bit NHWC max pools on
-    qcompile's pool kernel (``DispatchPools``)."""
-    from .errors import run_pass
-    from qcompile.relay_passes import DispatchPools, DispatchTensorCore
-
-    if layout == "NCHW":
-        log("note: NCHW has no tensor-core convolution; use --layout NHWC or HWNC (convs stay on generic kernels)")
-        return mod_int, {}
-    p = DispatchTensorCore(arch, expand_w4=expand_w4)
-    mod = run_pass(DispatchPools(), run_pass(p, mod_int))
-    # layer names in the summary are the conv/dense bindings; the dispatcher reports requantize outputs
-    convs = {}
-    func = mod_int["main"]
-    var2val = relax.analysis.get_var2val(func)
-    chosen = dict(p.chosen)
-    from qcompile.relay_passes.dispatch_tensor_core import find_groups
-
-    for out, g in find_groups(func).items():
-        name = [b.var.name for blk in func.body.blocks for b in blk.bindings if b.value.same_as(g.acc_call)]
-        if name and out.name in chosen:
-            convs[name[0]] = chosen[out.name]
-    src = [s for _, s in p.sources]
+def _log_kernel_notes(record, arch: str, log):
+    """The notes after the tensor-core dispatch: layers without a tuning record for their shape, layers on the
+    generic kernel."""
+    src = record.knob_sources
     if src and src.count("tuned") < len(src):  # (compiled models take tuned knobs wherever the log has the shape)
         log(f"note: {len(src) - src.count('tuned')} of {len(src)} tensor-core layers have no tuning record for their "
             f"shape on {arch} ({src.count('nearest')} take the layer's record at the nearest batch size, "
             f"{src.count('default')} the {arch} defaults); scripts/tune_layers.py measures records")
-    fb = [n for n, s in convs.items() if s == "fallback"]
+    fb = [n for n, s in record.kernels.items() if s == "fallback"]
     if fb:
         log(f"note: {len(fb)} layer(s) do not fit the tensor-core tiles and use the generic kernel: {', '.join(fb)}")
-    return mod, convs
 
 
 def emit_cuda(res: CompileResult, out_dir: str, log=print) -> list:

@@ -1,4 +1,6 @@
 """User-facing errors: one clear message that names the node, op, dtype or file."""
+import functools
+import threading
 
 
 class QCompileError(Exception):
@@ -19,9 +21,6 @@ class UnsupportedOpError(QCompileError):
 
 # A QCompileError raised inside a TVM pass comes back through TVM's FFI as a RuntimeError; passes
 # decorated with ``keeps_user_errors`` stash it so that ``run_pass`` can raise the original.
-import functools
-import threading
-
 _pending = threading.local()
 
 
@@ -38,7 +37,8 @@ def keeps_user_errors(transform_module):
 
 
 def run_pass(p, mod):
-    """Apply pass ``p`` to ``mod``; a QCompileError inside it is re-raised as itself."""
+    """Apply pass ``p`` (or any callable on a module, e.g. a ``tvm.compile``) to ``mod``; a QCompileError inside it is
+    re-raised as itself."""
     _pending.err = None
     try:
         return p(mod)

@@ -1,73 +1,152 @@
-"""The compilation pipeline: QDQ form -> integer Relax -> packed INT4 -> TVM executable.
+"""The compilation pipeline: every pass from the QDQ form to the module TVM's code generators take, in order.
 
-    phase 1  frontend            ONNX QDQ / PT2E / HAWQ  ->  float NCHW graph with quantize/dequantize
-    phase 2  integer lowering    LowerQDQToInteger(layout): int8/int4 conv/dense with int32 accumulation,
-                                 fixed-point requantize, BN/bias/ReLU/residual folded, layout applied
-    phase 3  bit packing         PackInt4: 4-bit weights and activations stored two per byte
-    phase 4  backend             TVM's Relax pipeline for the target (legalize, fuse, schedule, codegen)
+It is registered with TVM as the Relax pipeline ``"qcompile"`` (``relax.get_pipeline("qcompile", ...)``, as mlc-llm
+registers its own) and runs inside ``tvm.compile``, which then generates the VM code and the kernels::
 
-``QCOMPILE_DUMP_IR=dir`` (or ``dump_dir=``) writes the module after each phase.
+    phase                              passes                                                IR dump (--dump-ir DIR)
+    1  frontend (before the pipeline)  ONNX QDQ / PT2E / HAWQ -> QDQ-form Relax              1_qdq.py (its input)
+    2  integer lowering                LowerQDQToInteger(layout): int8/int4 conv/dense with  2_integer.py
+                                       int32 accumulation, fixed-point requantize, BN/bias/
+                                       ReLU/residual folded, layout applied
+    3  kernels and 4-bit packing       cuda with NHWC or HWNC: DispatchTensorCore(arch),     3_dispatched.py
+                                       DispatchPools (each conv/dense on a tensor-core kernel)
+                                       PackInt4: 4-bit weights (and, without tensor-core     3_packed.py
+                                       kernels, activations) two per byte
+    4  deployment form                 LiftWeights (--weights-beside); AttachMetadata: the   4_deploy.py
+                                       ``qcompile_meta`` function
+    5  backend                         TVM's Relax lowering for the target (legalize, fuse,  5_lowered.py
+                                       schedule; cuda: qcompile's glue schedules before
+                                       dlight's rules, one CUDA graph)
+
+``dump_dir`` (``--dump-ir DIR``, or the environment variable ``QCOMPILE_DUMP_IR``) writes the module after each
+phase (``show_meta=False``: constants are not printed). ``record`` (a :class:`PipelineRecord`) receives what the
+driver reports: the integer module, the kernel of each layer, the lifted weights.
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
+import numpy as np
 import tvm
 from tvm import relax
 
 from qcompile.errors import run_pass
-from qcompile.relay_passes import LowerQDQToInteger, PackInt4
+from qcompile.relay_passes import DispatchPools, DispatchTensorCore, LowerQDQToInteger, PackInt4
+from qcompile.relay_passes.lift_weights import LiftWeights
+from qcompile.runtime import META_FUNC, weights_digest
 
 
-def _dump(mod, dump_dir, name):
-    if dump_dir:
-        os.makedirs(dump_dir, exist_ok=True)
-        with open(os.path.join(dump_dir, f"{name}.py"), "w") as f:
-            f.write(mod.script(show_meta=False))
+@dataclass
+class PipelineRecord:
+    """What a pipeline run leaves for its caller."""
+    integer_mod: Optional[tvm.IRModule] = None  # after phase 2 (what qcompile.reference.Reference interprets)
+    kernels: dict = field(default_factory=dict)  # conv/dense binding name -> tensor-core strategy (or "fallback")
+    knob_sources: list = field(default_factory=list)  # per tensor-core layer: tuned / nearest / default / user
+    weights: list = field(default_factory=list)  # values of main's lifted weight parameters (weights_beside)
 
 
-def integer_pipeline(layout: str = "NCHW", pack_int4: bool = True) -> tvm.transform.Pass:
-    """Phases 2-3 as one Sequential."""
-    passes = [
-        # phase 2: QDQ -> integer compute, emitted in the target layout
-        LowerQDQToInteger(layout),
-    ]
-    if pack_int4:
-        # phase 3: 4-bit tensors two per byte, unpacked where consumed
-        passes.append(PackInt4())
-    return tvm.transform.Sequential(passes, name="qcompile.integer")
+def _target(target) -> tvm.target.Target:
+    if isinstance(target, tvm.target.Target):
+        return target
+    return tvm.target.Target({"kind": target} if isinstance(target, str) else target)
 
 
-def lower_to_integer(mod_qdq: tvm.IRModule, layout: str = "NCHW", pack_int4: bool = True,
-                     dump_dir: Optional[str] = None) -> tvm.IRModule:
-    dump_dir = dump_dir or os.environ.get("QCOMPILE_DUMP_IR")
-    _dump(mod_qdq, dump_dir, "1_qdq")
-    with tvm.transform.PassContext(opt_level=3):
-        mod = run_pass(LowerQDQToInteger(layout), mod_qdq)
-        _dump(mod, dump_dir, "2_integer")
-        if pack_int4:
-            mod = run_pass(PackInt4(), mod)
-            _dump(mod, dump_dir, "3_packed")
-    return mod
+def _phase_end(name: str, dump_dir: Optional[str], on_phase: Optional[Callable]) -> tvm.transform.Pass:
+    """After a phase: write the module to ``dump_dir/name.py`` and call ``on_phase(name, mod)``."""
+
+    @tvm.transform.module_pass(opt_level=0, name=f"qcompile.after_{name}")
+    def _after(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        if dump_dir:
+            os.makedirs(dump_dir, exist_ok=True)
+            with open(os.path.join(dump_dir, f"{name}.py"), "w") as f:
+                f.write(mod.script(show_meta=False))
+        if on_phase is not None:
+            on_phase(name, mod)
+        return mod
+
+    return _after
 
 
-def build(mod_int: tvm.IRModule, target="llvm", cuda_graph: bool = True):
-    """Phase 4: TVM's Relax pipeline for ``target`` (a JSON-dict target); returns a VM executable.
+def _record_integer(record: PipelineRecord) -> tvm.transform.Pass:
+    @tvm.transform.module_pass(opt_level=0, name="qcompile.record_integer")
+    def _rec(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        record.integer_mod = mod
+        return mod
 
-    On CUDA the whole forward pass is captured once and replayed as a CUDA graph
-    (``relax.backend.use_cuda_graph``), so batch-1 latency is not dominated by kernel launches.
-    """
-    tgt = tvm.target.Target(target if not isinstance(target, str) else {"kind": target})
-    if tgt.kind.name != "cuda":
-        with tvm.transform.PassContext(opt_level=3):
-            return tvm.compile(mod_int, target=tgt)
-    with tvm.transform.PassContext(opt_level=3, config={"relax.backend.use_cuda_graph": cuda_graph}):
-        return tvm.compile(mod_int, target=tgt, relax_pipeline=cuda_pipeline(tgt))
+    return _rec
+
+
+def _tensor_cores(arch: str, expand_w4: bool, record: PipelineRecord) -> tvm.transform.Pass:
+    """Phase 3: each requantized conv/dense on a tensor-core kernel (``DispatchTensorCore``), 8-bit NHWC max pools on
+    qcompile's pool kernel (``DispatchPools``); ``record.kernels`` names each layer's kernel by its conv/dense binding
+    (the dispatcher reports requantize outputs)."""
+    from qcompile.relay_passes.dispatch_tensor_core import find_groups
+
+    @tvm.transform.module_pass(opt_level=0, name="qcompile.tensor_cores")
+    def _dispatch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        p = DispatchTensorCore(arch, expand_w4=expand_w4)
+        out = DispatchPools()(p(mod))
+        func = mod["main"]
+        chosen = dict(p.chosen)
+        for acc_out, g in find_groups(func).items():
+            name = [b.var.name for blk in func.body.blocks for b in blk.bindings if b.value.same_as(g.acc_call)]
+            if name and acc_out.name in chosen:
+                record.kernels[name[0]] = chosen[acc_out.name]
+        record.knob_sources = [s for _, s in p.sources]
+        return out
+
+    return _dispatch
+
+
+def _pack_int4(record: PipelineRecord) -> tvm.transform.Pass:
+    """Phase 3, packing: weights only where tensor-core kernels run (the dispatcher already packs what they read, and
+    glue reads bytes); otherwise weights and activations."""
+
+    @tvm.transform.module_pass(opt_level=0, name="qcompile.pack_int4")
+    def _pack(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        return PackInt4(activations=not record.kernels)(mod)
+
+    return _pack
+
+
+def _lift_weights(record: PipelineRecord) -> tvm.transform.Pass:
+    @tvm.transform.module_pass(opt_level=0, name="qcompile.lift_weights")
+    def _lift(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        lift = LiftWeights()
+        out = lift(mod)
+        record.weights = lift.values
+        return out
+
+    return _lift
+
+
+def _attach_metadata(meta: dict, record: PipelineRecord) -> tvm.transform.Pass:
+    """Add the ``qcompile_meta`` function (``qcompile.runtime.META_FUNC``): it returns ``meta`` as JSON bytes, with
+    ``output_shape`` (of ``main`` at this point) and, for weights beside the .so, ``num_weights`` and
+    ``weights_sha256`` filled in (``meta`` is updated in place)."""
+
+    @tvm.transform.module_pass(opt_level=0, name="qcompile.attach_metadata")
+    def _attach(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        out_ty = mod["main"].ret_ty if hasattr(mod["main"], "ret_ty") else None
+        meta["output_shape"] = ([int(s) for s in out_ty.shape] if out_ty is not None and hasattr(out_ty, "shape")
+                                else None)
+        meta["num_weights"] = len(record.weights)
+        if meta.get("weights") == "beside":
+            meta["weights_sha256"] = weights_digest(record.weights)
+        bb = relax.BlockBuilder(mod)
+        with bb.function(META_FUNC, []):
+            bb.emit_func_output(relax.const(np.frombuffer(json.dumps(meta).encode(), np.uint8).copy(), "uint8"))
+        return bb.get()
+
+    return _attach
 
 
 def cuda_pipeline(target) -> tvm.transform.Pass:
-    """TVM's CUDA Relax pipeline with qcompile's glue schedules tried before dlight's generic rules."""
+    """Phase 5 on CUDA: TVM's CUDA Relax lowering with qcompile's glue schedules tried before dlight's generic
+    rules."""
     from tvm.relax.backend.cuda import pipeline as cp
     from tvm.s_tir import dlight as dl
 
@@ -87,3 +166,60 @@ def cuda_pipeline(target) -> tvm.transform.Pass:
             return seq(mod)
 
     return _pipeline
+
+
+@relax.register_pipeline("qcompile")
+def qcompile_pipeline(target="llvm", layout: str = "NCHW", *, pack_int4: bool = True, expand_w4: bool = True,
+                      weights_beside: bool = False, meta: Optional[dict] = None, integer: bool = True,
+                      backend: bool = True, dump_dir: Optional[str] = None, record: Optional[PipelineRecord] = None,
+                      on_phase: Optional[Callable] = None) -> tvm.transform.Pass:
+    """The whole pass order (see the module docstring) as one pass over a QDQ-form module.
+
+    ``target``: a kind ("llvm", "cuda"), a JSON-dict target or a ``tvm.target.Target`` (cuda: its ``arch`` picks the
+    kernels). ``expand_w4``: 4-bit weights of the layers whose tuning record says so expanded to 8 bits (tensor-core
+    kernels). ``meta``: the metadata the ``.so`` carries (phase 4; None: no metadata function). ``integer=False``:
+    the module is already in integer form, run the backend only; ``backend=False``: stop before it (the result is
+    integer Relax). ``on_phase(name, mod)`` is called after each phase, with its dump's name."""
+    tgt = _target(target)
+    dump_dir = dump_dir or os.environ.get("QCOMPILE_DUMP_IR")
+    record = record if record is not None else PipelineRecord()
+    after = lambda name: _phase_end(name, dump_dir, on_phase)
+    passes = []
+    if integer:
+        passes += [after("1_qdq"),
+                   LowerQDQToInteger(layout), _record_integer(record), after("2_integer")]
+        if tgt.kind.name == "cuda" and layout != "NCHW":
+            passes += [_tensor_cores(str(tgt.attrs["arch"]), expand_w4, record), after("3_dispatched")]
+        if pack_int4:
+            passes += [_pack_int4(record), after("3_packed")]
+        deploy = [_lift_weights(record)] if weights_beside else []
+        deploy += [_attach_metadata(meta, record)] if meta else []
+        if deploy:
+            passes += deploy + [after("4_deploy")]
+    if backend:
+        passes += [cuda_pipeline(tgt) if tgt.kind.name == "cuda" else relax.get_pipeline("default_build"),
+                   after("5_lowered")]
+    return tvm.transform.Sequential(passes, name="qcompile")
+
+
+def lower_to_integer(mod_qdq: tvm.IRModule, layout: str = "NCHW", pack_int4: bool = True,
+                     dump_dir: Optional[str] = None) -> tvm.IRModule:
+    """The pipeline's integer phases for the CPU -- lowering and, with ``pack_int4``, 4-bit packing: QDQ form ->
+    integer Relax (what tests and ``qcompile.reference.Reference`` take)."""
+    with tvm.transform.PassContext(opt_level=3):
+        return run_pass(qcompile_pipeline("llvm", layout, pack_int4=pack_int4, backend=False, dump_dir=dump_dir),
+                        mod_qdq)
+
+
+def build(mod: tvm.IRModule, target="llvm", cuda_graph: bool = True, pipeline: Optional[tvm.transform.Pass] = None):
+    """``tvm.compile`` with the qcompile pipeline for ``target`` (a kind or a JSON-dict target); returns a VM
+    executable. ``pipeline``: a configured :func:`qcompile_pipeline`; by default the backend phase alone, for a module
+    already in integer form.
+
+    On CUDA the whole forward pass is captured once and replayed as a CUDA graph
+    (``relax.backend.use_cuda_graph``), so batch-1 latency is not dominated by kernel launches."""
+    tgt = _target(target)
+    pipeline = pipeline or qcompile_pipeline(tgt, integer=False)
+    config = {"relax.backend.use_cuda_graph": cuda_graph} if tgt.kind.name == "cuda" else {}
+    with tvm.transform.PassContext(opt_level=3, config=config):
+        return run_pass(lambda m: tvm.compile(m, target=tgt, relax_pipeline=pipeline), mod)

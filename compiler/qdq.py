@@ -107,14 +107,6 @@ def qtype_of(q: relax.Expr, var2val, what: str = "tensor") -> QType:
     return QTYPES[dtype]
 
 
-def strip_clip(q: relax.Expr, var2val) -> relax.Expr:
-    """``clip(v, lo, hi)`` -> ``v`` (the value under a 4-bit range clip), else ``q``."""
-    val = var2val.get(q, q) if isinstance(q, relax.Var) else q
-    if isinstance(val, relax.Call) and val.op.name == "relax.clip":
-        return val.args[0]
-    return q
-
-
 # ----------------------------------------------------------------------------------------------
 # Builder
 # ----------------------------------------------------------------------------------------------

@@ -61,10 +61,6 @@ def _max_pool_nchw(x, pool, stride, pad, dilation, ceil_mode):
     return out
 
 
-def _binary(fn):
-    return lambda args, attrs, ty: fn(args[0], args[1]).astype(ty)
-
-
 class Reference:
     """Run the integer graph ``mod["main"]`` on NumPy inputs."""
 

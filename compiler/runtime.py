@@ -12,6 +12,8 @@ import sys
 
 import numpy as np
 
+# The function every qcompile .so carries: it returns the module's metadata (input name and shape, layout, bits,
+# target, weights) as JSON bytes. The compiler adds it (qcompile.pipeline); Module reads it.
 META_FUNC = "qcompile_meta"
 
 
@@ -19,22 +21,29 @@ class RunError(Exception):
     pass
 
 
-def _load_cuda_loader():
-    """Register the CUDA module loader in runtime-only mode (it is not loaded by default)."""
+def load_cuda_runtime(required: bool = False) -> bool:
+    """Load TVM's CUDA runtime library (``libtvm_runtime_cuda.so``, beside ``libtvm_runtime.so``) into this process.
+
+    It registers the CUDA module loader and device API. The full TVM loads it when it registers its CUDA backend and
+    skips it silently where ``libcuda.so.1`` does not load at that moment; runtime-only TVM
+    (``TVM_USE_RUNTIME_LIB=1``) does not load it. Without it a ``.so``'s CUDA kernels do not load, and a CUDA build
+    gets a source-only module. Returns whether the library is loaded; ``required``: raise instead of returning False
+    (no TVM runtime library, no CUDA runtime beside it, or no CUDA driver on this host)."""
     import ctypes
     import pathlib
 
-    from tvm.base import _LOADED_LIBS  # noqa: the runtime library handle
+    from tvm.base import _LOADED_LIBS  # the handles of the TVM libraries loaded so far
 
-    lib = _LOADED_LIBS.get("tvm_runtime")
-    if lib is None or "tvm_runtime_cuda" in _LOADED_LIBS:
-        return
-    p = pathlib.Path(lib._name).resolve().parent / "libtvm_runtime_cuda.so"
-    if p.exists():
-        try:
-            _LOADED_LIBS["tvm_runtime_cuda"] = ctypes.CDLL(str(p), mode=ctypes.RTLD_LOCAL)
-        except OSError:  # no CUDA driver on this host: CPU modules still load
-            pass
+    if "tvm_runtime_cuda" in _LOADED_LIBS:
+        return True
+    try:
+        lib = pathlib.Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent / "libtvm_runtime_cuda.so"
+        _LOADED_LIBS["tvm_runtime_cuda"] = ctypes.CDLL(str(lib), mode=ctypes.RTLD_LOCAL)
+    except (KeyError, OSError):
+        if required:
+            raise
+        return False
+    return True
 
 
 def weights_digest(weights) -> str:
@@ -63,7 +72,7 @@ class Module:
         try:
             lib = tvm.runtime.load_module(path)
         except Exception:
-            _load_cuda_loader()  # runtime-only TVM does not register the CUDA module loader by itself
+            load_cuda_runtime()  # (a CUDA module: TVM may not have loaded its CUDA runtime)
             try:
                 lib = tvm.runtime.load_module(path)
             except Exception as e:

@@ -26,41 +26,24 @@ Summary of names (torchvision -> HAWQ, ``S = I``, ``U = J + 1``)::
 ``packed_int4=True``: the ``weight_integer`` of every 4-bit layer is stored packed,
 two values per byte along axis 1 (input channels; HAWQ's TVM side packs the ``I`` axis),
 FIRST element in the TOP nibble: ``byte = (q[2k] & 0xF) << 4 | (q[2k+1] & 0xF)``
-(an odd channel count is zero-padded).  See :func:`pack_int4` / :func:`unpack_int4`.
+(an odd channel count is zero-padded): ``qcompile.int4.pack(q, 1, first="high", pad_odd=True)``;
+:func:`load_hawq` unpacks them.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+
 import numpy as np
 import torch
 
+from qcompile import int4
+
 from .quantize import ActQuant, QLayer, QuantizedModel
 
-__all__ = ["hawq_names", "to_hawq", "export_hawq", "load_hawq", "pack_int4", "unpack_int4", "HAWQ_KEYS"]
+__all__ = ["hawq_names", "to_hawq", "export_hawq", "load_hawq", "HAWQ_KEYS"]
 
 HAWQ_KEYS = ("weight_integer", "bias_integer", "act_scaling_factor", "convbn_scaling_factor", "fc_scaling_factor")
 PREFIX = "module."
-
-
-def pack_int4(q: np.ndarray, axis: int = 1) -> np.ndarray:
-    """Pack signed 4-bit values two per byte along ``axis``, first element in the top nibble (uint8)."""
-    q = np.moveaxis(np.asarray(q).astype(np.int16), axis, -1)
-    if q.min(initial=0) < -8 or q.max(initial=0) > 7:
-        raise ValueError("values outside the int4 range [-8, 7]")
-    if q.shape[-1] % 2:
-        q = np.concatenate([q, np.zeros(q.shape[:-1] + (1,), q.dtype)], axis=-1)
-    nib = (q & 0xF).astype(np.uint8)
-    packed = (nib[..., 0::2] << 4) | nib[..., 1::2]
-    return np.ascontiguousarray(np.moveaxis(packed, -1, axis))
-
-
-def unpack_int4(p: np.ndarray, n: int, axis: int = 1) -> np.ndarray:
-    """Inverse of :func:`pack_int4`: ``n`` sign-extended int8 values along ``axis``."""
-    p = np.moveaxis(np.asarray(p, np.uint8), axis, -1)
-    hi, lo = (p >> 4).astype(np.int8), (p & 0xF).astype(np.int8)
-    q = np.stack([hi, lo], axis=-1).reshape(p.shape[:-1] + (2 * p.shape[-1],))[..., :n]
-    q = np.where(q > 7, q - 16, q).astype(np.int8)
-    return np.ascontiguousarray(np.moveaxis(q, -1, axis))
 
 
 def hawq_names(qm: QuantizedModel) -> tuple["OrderedDict[str, str]", "OrderedDict[str, str]"]:
@@ -106,7 +89,9 @@ def to_hawq(qm: QuantizedModel, packed_int4: bool = False, input_size: int | Non
         w = l.weight
         shapes[hname] = list(w.shape)
         if packed_int4 and l.w_bits == 4:
-            w_t = torch.from_numpy(pack_int4(w, axis=1))
+            if w.min(initial=0) < -8 or w.max(initial=0) > 7:
+                raise ValueError(f"{name}: 4-bit weights outside the int4 range [-8, 7]")
+            w_t = torch.from_numpy(int4.pack(w, axis=1, first="high", pad_odd=True))
         else:
             w_t = torch.from_numpy(w.astype(np.int8))
         ck["weight_integer"][f"{PREFIX}{hname}.weight_integer"] = w_t
@@ -144,6 +129,6 @@ def load_hawq(path: str, unpack: bool = True) -> dict:
             h = key[len(PREFIX):-len(".weight_integer")]
             if ck["bits"][h] == 4:
                 n = ck["meta"]["weight_shapes"][h][1]
-                ck["weight_integer"][key] = torch.from_numpy(unpack_int4(t.numpy(), n, axis=1))
+                ck["weight_integer"][key] = torch.from_numpy(int4.unpack(t.numpy(), axis=1, first="high", count=n))
         ck["meta"] = dict(ck["meta"], packed_int4=False)
     return ck

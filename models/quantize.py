@@ -235,11 +235,6 @@ class ActQuant:
         return np.clip(np.round(np.asarray(x, np.float32) / s) + self.zero_point,
                        self.qmin, self.qmax).astype(np.int32)
 
-    def as_dict(self) -> dict:
-        return dict(name=self.name, scale=float(self.scale), zero_point=self.zero_point,
-                    bits=self.bits, signed=self.signed, qmin=self.qmin, qmax=self.qmax,
-                    dtype=self.dtype)
-
 
 @dataclass
 class QLayer:
@@ -269,12 +264,6 @@ class QLayer:
 
     def dq_bias(self) -> torch.Tensor:
         return torch.from_numpy(self.bias.astype(np.float32)) * torch.from_numpy(self.bias_scale)
-
-    def as_dict(self) -> dict:
-        return dict(name=self.name, kind=self.kind, weight=self.weight, weight_scale=self.weight_scale,
-                    bias=self.bias, bias_scale=self.bias_scale, w_bits=self.w_bits,
-                    relu=self.relu, stride=self.stride, padding=self.padding,
-                    input=self.input.as_dict(), output=self.output.as_dict())
 
 
 @dataclass
@@ -394,7 +383,7 @@ class QuantizedModel(nn.Module):
     Structure (for exporters): ``input_act``, ``stem`` (QLayer, ReLU fused),
     ``maxpool`` (None or dict kernel/stride/padding, keeps the stem's
     quantization), ``blocks`` (list of :class:`QBlock`), ``avgpool_act``, ``fc``.
-    ``layers`` / ``acts`` are flat ordered views; :meth:`qparams` a plain dict.
+    ``layers`` / ``acts`` are flat ordered views.
     """
 
     def __init__(self, arch: str, bits: "OrderedDict[str, LayerBits]", input_act: ActQuant,
@@ -432,28 +421,8 @@ class QuantizedModel(nn.Module):
         return out
 
     @property
-    def max_bits(self) -> int:
-        return max(max(a.bits for a in self.acts.values()), max(l.w_bits for l in self.layers.values()))
-
-    @property
     def min_bits(self) -> int:
         return min(min(a.bits for a in self.acts.values()), min(l.w_bits for l in self.layers.values()))
-
-    def qparams(self) -> dict:
-        """Plain structure: ``{"arch", "block_type", "bits", "input", "layers": {name: QLayer.as_dict()},
-        "maxpool", "blocks", "avgpool", "acts"}`` (numpy int8 OIHW weights, float32 scales, int32 biases)."""
-        return dict(
-            arch=self.arch, block_type=self.block_type,
-            bits={k: (v.w_bits, v.a_bits) for k, v in self.bits.items()},
-            input=self.input_act.as_dict(),
-            layers={n: l.as_dict() for n, l in self.layers.items()},
-            maxpool=self.maxpool,
-            blocks=[dict(name=b.name, convs=[c.name for c in b.convs],
-                         downsample=b.downsample.name if b.downsample else None,
-                         input=b.input.as_dict(), output=b.output.as_dict()) for b in self.blocks],
-            avgpool=self.avgpool_act.as_dict(),
-            acts={n: a.as_dict() for n, a in self.acts.items()},
-        )
 
     # forward -------------------------------------------------------------------
     def _params(self, l: QLayer, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:

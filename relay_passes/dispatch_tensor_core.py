@@ -5,9 +5,10 @@ Matches the chain :class:`LowerQDQToInteger` emits for a single-term requantize,
     acc = conv2d(x, w, out_dtype=int32)            (or matmul(x, w.T) for the dense layer)
     y   = astype(clip((((int64(acc) + bias) * M + 2^(S-1)) >> S) + zo, lo, hi), storage)
 
-and replaces it by one ``call_tir`` of ``qcompile.schedules.conv2d_int_kernel`` (implicit GEMM in
-NHWC, direct in HWNC, a generic kernel where neither applies), whose fused epilogue computes exactly
-that. The dense layer runs as a 1x1 convolution on the same GEMM path.
+and replaces it by the ``call_tir`` kernels of ``qcompile.schedules.conv2d_int_plan`` (the strategy
+``select_strategy`` picks: implicit GEMM in NHWC, its transposed form ``implicit_gemm_t`` or the stem's direct
+halo kernel on sm_90a, direct in HWNC, a generic kernel where none applies; a split-K pair where the output
+tiles cannot fill the GPU), whose fused epilogue computes exactly that. The dense layer runs as a 1x1 convolution on the same GEMM path.
 
 A quantized residual add whose one operand is such a conv output used nowhere else,
 
@@ -35,8 +36,9 @@ from tvm import relax
 from tvm.ir.expr import Constant
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from qcompile import int4
 from qcompile.errors import keeps_user_errors
-from .pack_int4 import pack_int4, pack_int4_np, unpack_int4
+from .pack_int4 import pack_int4, unpack_int4
 
 
 def _call(e, var2val, op):
@@ -432,7 +434,7 @@ class _Dispatcher(PyExprMutator):
         if w_bits == 4 and w8_weights(funcs[0]):  # 4-bit weights expanded (GemmKnobs.w8; agl: k-permuted too)
             wq = expand_w4(w, w8_kperm(funcs[0]))
         elif w_bits == 4:
-            wq = pack_int4_np(wq, 3).view(np.int8)
+            wq = int4.pack(wq, 3).view(np.int8)
         elif w8_kperm(funcs[0]):  # 8-bit agl: the reduction k-permuted per K-chunk
             wq = permute_k8(wq, w8_kperm(funcs[0]))
         epi = [relax.const(g.bias, "int32"), relax.const(g.M, "int32"), relax.const(g.S, "int32")]

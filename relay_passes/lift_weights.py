@@ -9,10 +9,8 @@ last input, zeros the kernel leaves zero -- are state whose size depends on the 
 """
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import relax
-from tvm.ir.expr import Constant
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from qcompile.errors import keeps_user_errors

@@ -37,7 +37,7 @@ flattened with spatial extent > 1, at the output. The network input quantize is
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -47,7 +47,7 @@ from tvm.ir.expr import Constant
 
 from qcompile.errors import QCompileError, UnsupportedOpError, keeps_user_errors
 from qcompile.fixed_point import quantize_multipliers
-from qcompile.qdq import QType, QTYPES, const_value, qtype_of, strip_clip
+from qcompile.qdq import QType, QTYPES, const_value, qtype_of
 
 LAYOUTS = {
     # data layout, kernel layout, channel axis of 4-D data, spatial axes, permutation from NCHW

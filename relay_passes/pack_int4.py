@@ -1,14 +1,15 @@
 """PackInt4: store 4-bit tensors two per byte.
 
-Nibble order (project-wide, the ONNX INT4 order and what PTX ``.s4``/``.u4`` operands expect): along the
-channel axis (axis 1 of NCHW and of (N, C) tensors, the last axis of NHWC/HWNC; axis I of weights),
-element ``2i`` goes to the LOW nibble and ``2i + 1`` to the HIGH nibble of byte ``i``:
+Nibble order (``qcompile.int4``): along the channel axis (axis 1 of NCHW and of (N, C) tensors, the last
+axis of NHWC/HWNC; axis I of weights), element ``2i`` goes to the LOW nibble and ``2i + 1`` to the HIGH nibble of
+byte ``i``:
 
     packed[i] = (x[2i] & 0xF) | ((x[2i + 1] & 0xF) << 4)                       (uint8)
     x[2i]     = sext4(packed[i] & 0xF),  x[2i + 1] = sext4(packed[i] >> 4)     (sext4 only if signed)
     sext4(v)  = v - ((v & 8) << 1)
 
-(HAWQ's TVM exporter puts the FIRST element in the TOP nibble; the HAWQ frontend converts.)
+Weights are packed at compile time with ``qcompile.int4``; this module builds the same arithmetic as Relax
+expressions (:func:`pack_int4`, :func:`unpack_int4`) for tensors packed while the model runs.
 
 What is packed: weight constants proven 4-bit (``clip(w, -8, 7)``), packed at compile time; and
 activations produced by a requantize whose clip range fits 4 bits, packed where they are produced.
@@ -16,33 +17,13 @@ Each consumer reads the packed tensor through an unpack. A channel count that is
 """
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import relax
 from tvm.ir.expr import Constant
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from qcompile import int4
 from qcompile.errors import keeps_user_errors
-
-
-# ------------------------------------------------------------------------------------------------
-# NumPy statement of the format (used for weights at compile time, by frontends and by tests)
-# ------------------------------------------------------------------------------------------------
-def pack_int4_np(x: np.ndarray, axis: int) -> np.ndarray:
-    """Pack int values in [-8, 15] two per byte along ``axis`` (low nibble first)."""
-    x = np.moveaxis(np.asarray(x).astype(np.int64), axis, -1)
-    if x.shape[-1] % 2:
-        raise ValueError(f"cannot pack an odd channel count {x.shape[-1]}")
-    lo, hi = x[..., 0::2] & 0xF, x[..., 1::2] & 0xF
-    return np.moveaxis((lo | (hi << 4)).astype(np.uint8), -1, axis)
-
-
-def unpack_int4_np(p: np.ndarray, axis: int, signed: bool) -> np.ndarray:
-    p = np.moveaxis(np.asarray(p, np.uint8).astype(np.int64), axis, -1)
-    v = np.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], -1)
-    if signed:
-        v = v - ((v & 8) << 1)
-    return np.moveaxis(v, -1, axis).astype(np.int8 if signed else np.uint8)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -119,7 +100,7 @@ class _Packer(PyExprMutator):
             w = value.args[0].value.numpy()
             axis = self.weight_axes.get(var.name, None)
             if signed is not None and axis is not None and w.shape[axis] % 2 == 0:
-                pc = relax.const(pack_int4_np(w, axis), "uint8")
+                pc = relax.const(int4.pack(w, axis), "uint8")
                 new = self.builder_.emit(unpack_int4(pc, axis, signed), var.name + "_unpack")
                 self.packed.append((var.name, "weight"))
                 self.set_var_remap(var, new)

@@ -150,13 +150,6 @@ def conv2d_int_plan(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = 
     return [f, make_splitk_epilogue(spec, split).with_attr("qcompile.split_k", split)]
 
 
-def dense_int_kernel(M: int, N: int, K: int, arch: str = "sm_90", strategy: str | None = None, knobs=None, **kw):
-    """Final dense layer y[M,N] = x[M,K] @ w[N,K]^T through the same GEMM path: a 1x1 conv with batch M,
-    H=W=1 (x viewed as [M,1,1,K], w as OHWI [N,1,1,K]); ``kw`` are the other ConvSpec fields."""
-    spec = ConvSpec(N=M, H=1, W=1, C=K, K=N, R=1, S=1, **kw)
-    return conv2d_int_kernel(spec, arch, strategy, knobs)
-
-
-__all__ = ["conv2d_int_kernel", "conv2d_int_plan", "select_strategy", "dense_int_kernel", "MMA_SHAPES", "ConvSpec", "GemmKnobs",
+__all__ = ["conv2d_int_kernel", "conv2d_int_plan", "select_strategy", "MMA_SHAPES", "ConvSpec", "GemmKnobs",
            "MMAShape", "ArchMMA", "DEFAULT_KNOBS", "arch_info", "STRATEGIES", "RULES", "tuned_knobs", "tuning_key",
            "knobs_for", "default_knobs"]

@@ -21,6 +21,8 @@ import tvm
 import tvm.support.nvcc  # noqa: F401  (registers TVM's own callback first; ours overrides it)
 import tvm_ffi
 
+from qcompile.runtime import load_cuda_runtime
+
 _STUB_C = r"""
 /* stand-in libcuda.so.1 for GPU-less builds: every entry point fails (CUDA_ERROR_NO_DEVICE). */
 typedef int CUresult;
@@ -50,7 +52,7 @@ def ensure_stub_libcuda(cache_dir: str | None = None) -> str | None:
     Returns the stub path, or None when a real driver library is present. Must run before TVM
     loads ``libtvm_runtime_cuda.so`` (i.e. before the first ``tvm.compile`` for cuda / export)."""
     if _have_real_libcuda():
-        _load_tvm_runtime_cuda()
+        load_cuda_runtime(required=True)
         return None
     d = pathlib.Path(cache_dir or os.path.join(tempfile.gettempdir(), "qcompile_cuda_stub"))
     d.mkdir(parents=True, exist_ok=True)
@@ -64,19 +66,8 @@ def ensure_stub_libcuda(cache_dir: str | None = None) -> str | None:
             (d / "stub.c").write_text(_STUB_C)
             subprocess.check_call(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(so), str(d / "stub.c")])
     ctypes.CDLL(str(so), mode=ctypes.RTLD_GLOBAL)  # satisfies the later dlopen of libcuda.so.1 by soname
-    _load_tvm_runtime_cuda()
+    load_cuda_runtime(required=True)  # (TVM skipped it if libcuda.so.1 did not load when its CUDA backend registered)
     return str(so)
-
-
-def _load_tvm_runtime_cuda():
-    """tvm imports libtvm_runtime_cuda.so at import time and silently skips it when libcuda.so.1
-    is missing; without it codegen falls back to a source-only module. Load it now."""
-    from tvm.base import _LOADED_LIBS
-
-    if "tvm_runtime_cuda" in _LOADED_LIBS:
-        return
-    rt = pathlib.Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent
-    _LOADED_LIBS["tvm_runtime_cuda"] = ctypes.CDLL(str(rt / "libtvm_runtime_cuda.so"), mode=ctypes.RTLD_LOCAL)
 
 
 def cuda_target(arch: str = "sm_90") -> tvm.target.Target:

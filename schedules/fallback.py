@@ -3,7 +3,6 @@
 Also the unscheduled reference compute: built for llvm it checks the integer math on the CPU."""
 from __future__ import annotations
 
-import tvm
 from tvm import te, tirx
 
 from .spec import ConvSpec
@@ -70,7 +69,7 @@ def output_compute(spec: ConvSpec, y, os_):
 def conv_compute(spec: ConvSpec):
     """TE tensors (x, w, bias, M, S, [res], out) implementing the project math in spec's layout."""
     xs, ws, os_ = spec.shapes()
-    x_st, o_st = ConvSpec.storage(spec.x_dtype), ConvSpec.storage(spec.out_dtype)
+    x_st = ConvSpec.storage(spec.x_dtype)
     x = te.placeholder(xs, x_st, name="x")
     w = te.placeholder(ws, "int8", name="w")
     K = spec.K

@@ -104,8 +104,8 @@ class GatherRowElementwise(GPUScheduleRule):
 
     ``VectorizedElementwise`` would give each thread 4 consecutive output bytes and store them one by one (it cannot
     vectorize the gathered reads, so the loop stays serial); here each thread computes one whole innermost row in
-    registers and stores it as one vector (ResNet's input quantize at batch 256 on the H100: see
-    docs/BENCHMARKS.md, twenty-first round)."""
+    registers and stores it as one vector (ResNet's input quantize at batch 256 on the H100: 0.080 against 0.110 ms,
+    ``scripts/check_glue.py``)."""
 
     def __init__(self, threads: int = 256):
         self.threads = threads

@@ -14,8 +14,9 @@ Main loop (``mma="sync"``): ``stages``-deep cp.async ring in dynamic shared memo
 padded rows (row pitch BK+16 bytes: conflict-free ldmatrix), mma.sync from the per-arch table.
 Main loop (``mma="wgmma"``, sm_90a): the same ring in 128-byte-swizzled K-major atoms, read by
 wgmma.mma_async through shared-memory descriptors, one barrier per K-chunk after a
-``fence.proxy.async.shared::cta``; 4-bit tiles are loaded packed into registers and stored unpacked (see
-docs/SCHEDULES.md, "Warpgroup MMA on Hopper").
+``fence.proxy.async.shared::cta``; 4-bit tiles reach the ring unpacked to 8 bits: loaded packed into registers and
+stored unpacked, or through a packed ring (``pstages``), or, with ``w8``, as weights expanded at compile time (see
+docs/SCHEDULES.md, "Warpgroup MMA on Hopper" and "4-bit operands on wgmma: the loaders").
 
 INT4: operands stay packed (4-bit) in global and shared memory and in the ldmatrix fragments.
   * native (sm_75/80/86/89): mma .s4/.u4 (m16n8k64, or m8n8k32 on Turing)
@@ -224,9 +225,9 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     KS = (2 * BK if WG and spec.x_bits == 4 else BK) // 32  # 32-byte k-steps per chunk (of the MMA operand bytes)
     # shared tiles: mma.sync reads padded rows (pitch BK+16 bytes: conflict-free ldmatrix). wgmma reads swizzled
     # K-major atoms: AW-byte rows (AW = min(BK, 128): the 32/64/128-byte swizzle mode), 16-byte chunk c of row r
-    # stored at chunk c ^ ((r * AW >> 7) & SWM); a K-chunk of BK > 128 bytes is BK/128 such atom columns, each
+    # stored at chunk c ^ ((r * AW >> 7) & (AW / 16 - 1)); a K-chunk of BK > 128 bytes is BK/128 such atom columns, each
     # holding all rows of the tile. Descriptor: 8-row groups SBO = 8*AW bytes apart (LBO unused when swizzled).
-    # (The no-swizzle "interleaved" layout measured 2x slower on the H100.)
+    # (The no-swizzle "interleaved" layout runs 2x slower on the H100.)
     # wgmma has no 4-bit operands: 4-bit tiles are loaded packed (16 bytes = 32 values per vector, half the global
     # traffic) into registers and stored unpacked to s8/u8 (x16, the nibble-split of the mma.sync path: even values
     # in one 16-byte chunk, odd values in the next; A and B permuted alike), so a stage row holds UBK = 2*BK bytes
@@ -276,10 +277,10 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     if AGL and kn.pipe == 0:  # agl with a group in flight: chunk kc+1's set is neither kc's nor kc-1's
         NSET = 3
     # KEEP (agl, pipe 0): ptxas treats a register-A wgmma's fragment registers as free once the instruction issues, and
-    # gave the set of chunk kc+1 the physical registers of chunk kc's set while chunk kc was in flight (measured: a few
-    # wrong outputs on the 64x64 tile). Each set is therefore read once more after the wait that retires its chunk
-    # (XORed into a word per thread stored past the tiles in shared memory), so the three sets stay live, and distinct,
-    # across their MMAs
+    # can give the set of chunk kc+1 the physical registers of chunk kc's set while chunk kc is in flight (without
+    # KEEP: a few wrong outputs on the 64x64 tile, H100). Each set is therefore read once more after the wait that
+    # retires its chunk (XORed into a word per thread stored past the tiles in shared memory), so the three sets stay
+    # live, and distinct, across their MMAs
     # (agl8: with pipe -1 too, and with fragments computed from the loaded words, not copied: see unpack_afrag)
     KEEP = AGL and (kn.pipe == 0 or AGL8)
     if kn.areg and REGA and (PSTG < 2 or kn.pipe not in (-1, 0)):
@@ -295,7 +296,6 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         raise NotApplicable(f"agl8: the B tile of {kn.BN} x {BK} bytes is not whole 16-byte vectors per thread")
     BKP = UBK if WG else BK + 16
     AW = min(UBK, 128)
-    SWM = AW // 16 - 1
     SBO, LBO = 8 * AW, 16
     LAYOUT_TYPE = {32: 3, 64: 2, 128: 1}.get(AW, 0)  # descriptor bits 62-63
     GIF = 1 + kn.pipe if WG else 0  # wgmma: MMA groups (K-chunks) in flight
@@ -358,7 +358,6 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     if W8:
         ws = ws[:-1] + (C,)
     OB = spec.out_bits
-    OSIGNED = spec.out_signed
     HAS_RES = spec.has_residual
     r_st = ConvSpec.storage(spec.res_dtype)
     RB = spec.res_bits
@@ -393,8 +392,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
            and ((lo >= -128 and hi <= 127) or (lo >= 0 and hi <= 255)))
     # erq with 4-bit output (no residual): stage 1's two adjacent columns of a lane packed into one byte as they are
     # staged, so the staging tile holds the packed output (half of each row) and the read-back copies it out like the
-    # 8-bit one -- no per-element nibble packing in the read-back (before: every 4-bit erq epilogue paid it, and none
-    # of the 4-bit records took erq)
+    # 8-bit one, with no per-element nibble packing in the read-back
     ERQ4 = ERQ and OB == 4 and not HAS_RES and EV % 8 == 0 and K % 8 == 0
     CPB = WTN + 16
     STAGE_BYTES = NWARP * 16 * CPB if ERQ else 4 * SMEM_C
@@ -463,14 +461,14 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     RBV = max(1, EV * spec.res_bits // 8)  # residual bytes per lane and row
     RW = RBV // 4 if RBV % 4 == 0 else 0  # ... as 32-bit words (vector-loadable)
     # the residual words of a lane's CS_IT rows are loaded together before the staging round trip (one DRAM latency
-    # per 16-row block instead of one per row: as loads beside their use they left r50_l1_1x1b with a residual add
+    # per 16-row block instead of one per row: as loads beside their use they leave r50_l1_1x1b with a residual add
     # at 2.7x the time without one) and the read-back loop is unrolled to keep them in registers
     PREF = HAS_RES and RW in (1, 2, 4) and SPLIT == 1
     # the residual words of every row block at the epilogue's start (its row-block loop unrolled) where a thread holds
     # >= 128 accumulators: there the per-block loop (T.serial) indexes the accumulators with the loop variable and
     # nvcc moves them to the stack (128x128 one-warpgroup 8-bit tiles: 560-byte frame, 32-64 spill stores; H100,
     # ResNet-50 INT8 batch 256: layer3/layer4 conv3+residual 143 -> 111 / 110 -> 75 us). Narrower tiles keep the
-    # per-block loop: unrolled, their epilogues ran 3-20% slower (layer1/2 INT8, every 4-bit residual layer)
+    # per-block loop: unrolled, their epilogues run 3-20% slower (layer1/2 INT8, every 4-bit residual layer)
     RP_ALL = PREF and EMT > 1 and EMT * NT * 4 >= 128
     RPN = CS_IT * RW * (EMT if RP_ALL else 1)
     # RSM: the block's residual tile copied into shared memory (cp.async, its own group, issued before the first
@@ -493,7 +491,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     MASK = T.uint32(_MASK_HI)
     ACC_T = "uint32" if WG else "int32"  # wgmma accumulators are .s32 in u32 carrier registers
     # one K-chunk: nothing to pipeline, and without the loop TVM's shared-memory planner may overlap As and Bs
-    # (measured: wrong results with pipe=1 and NK == 1); the first loop keeps them in one loop
+    # (with pipe=1 and NK == 1: wrong results); the pipe-0 loop keeps them in one loop
     PIPE = kn.pipe if (NK > 1 or SPLIT > 1) else 0
     FDB = kn.fdb and KS > 1
     NFB = 2 if FDB else 1
@@ -545,8 +543,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                     k0 = (k0 + (1 << 31)) % (1 << 32) - (1 << 31)
                 v = c(v) * T.IntImm(wd, m1) + (c(res_v) * T.IntImm(wd, m2) + T.IntImm(wd, k0))
                 # (the shift stays a shift: as a multiply-high by 2^(32-S2) -- read at run time, or nvcc makes it a
-                # shift again -- it moved an ALU instruction to the multiply pipe, and the conv + residual ran 1-5% slower
-                # than without either change on the H100: IMAD.HI costs more than SHF)
+                # shift again -- it moves an ALU instruction to the multiply pipe, and the conv + residual runs 1-5% slower
+                # on the H100: IMAD.HI costs more than SHF)
                 v = T.shift_right(v, T.IntImm(wd, s2))
             else:
                 p = [c(q2[j * EV + e]) for j in range(5)]
@@ -730,8 +728,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
         """agl: the packed words of ring slot ``aslot`` -> fragment set at ``base`` (load_afrag's order and unpack;
         word ks of a row's span is k-step ks). agl8: words 2 ks and 2 ks + 1 of a row's span are its k 4q.. and
         16 + 4q.. of k-step ks, their 16-bit halves swapped (rot16): an instruction writing the fragment register
-        itself -- as plain copies of the loaded words ptxas gave wgmma copies and let later loads overwrite them while
-        it ran (see KEEP); the weights take the same swap (reference.permute_k8)."""
+        itself -- as plain copies of the loaded words ptxas gives wgmma copies and lets later loads overwrite them while
+        it runs (see KEEP); the weights take the same swap (reference.permute_k8)."""
         for ks in T.unroll(KS):
             for i in T.unroll(MI):
                 for h2 in T.unroll(2):
@@ -781,7 +779,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
             iw = (ri[it * 3 + 2] if ri is not None else dec[2] * sw - pl) + T.truncmod(rs, S) * dw
             inb = kb < GKB if ri is not None else (m < Mtot and kb < GKB)  # (ri: rows past Mtot fail on ih)
             # (pointwise: row m of the GEMM is pixel m of the input in either layout, always in bounds -- no im2col
-            # decode, whose divisions were ~150 of a 128x128 tile's ~1100 instructions per warp on ResNet's 1x1s)
+            # decode, whose divisions are ~150 of a 128x128 tile's ~1100 instructions per warp on ResNet's 1x1s)
             ok = T.meta_var(inb if POINTWISE else (inb and ih >= 0 and ih < H and iw >= 0 and iw < W))
             soff = (kc % STG) * (BM * BKP) + slot[2]
             tap = T.meta_var(x_index(0, T.truncdiv(rs, S) * dh, T.truncmod(rs, S) * dw, cb))  # (x_index is linear)
@@ -1147,8 +1145,8 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                                 T.Cast("uint32", T.bitwise_or(T.bitwise_and(v0, 255),
                                                               T.shift_left(T.bitwise_and(v1, 255), 8)))))
             else:
-                # (written through st.shared, which TVM's sync planner does not track: as buffer stores it added a
-                # __syncthreads per row block. The read-back stays a buffer load: through ld.shared.v4 ptxas used
+                # (written through st.shared, which TVM's sync planner does not track: as buffer stores it adds a
+                # __syncthreads per row block. The read-back stays a buffer load: through ld.shared.v4 ptxas uses
                 # 150 instead of 122 registers with pipe 0)
                 for j in T.unroll(NT):
                     for e2 in T.unroll(2):  # rows g and g+8: two adjacent columns each, one 8-byte store
@@ -1616,7 +1614,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                 compute_chunk(As, Bs, af, bf, al, bl, acc, lane, wm, wn, (ksp[0] + kc) % STG)
             T.tvm_storage_sync("shared")  # the epilogue's staging buffer may share memory with the ring
         else:
-            # ---------------- main loop (first version): loads issued before the wait, two barriers ----------
+            # ---------------- main loop, pipe 0: loads issued before the wait, two barriers per K-chunk ----------
             for kc in T.serial(ksp[1] + STG - 1):
                 if kc < ksp[1]:
                     load_chunk(xf, wf, rv, As, Bs, tid, m0, n0, ksp[0] + kc)

@@ -47,7 +47,8 @@ class KtKnobs:
     bn: int = 0  # pixels per block (a wgmma N); 0: ``auto_bn``
     stages: int = 0  # ring depth (>= 3 + gif; loads run stages - 1 - gif chunks ahead); 0: 3 + gif
     ring: int = -1  # 4-bit activations: 1 copied packed into a shared ring and read back, 0 loaded into registers
-    #                 (two sets, three chunks ahead); -1: 0
+    #                 (two register sets; ptxas gives those loads one scoreboard, so the unpack waits for the
+    #                 newest of them: one chunk ahead in effect); -1: 0
     gif: int = 1  # MMA groups (K-chunks) in flight: 1 or 2
 
 

@@ -67,8 +67,7 @@ ALL_RESNET = distinct(RESNET18 + RESNET50)
 
 
 # the second stage's per-tensor constants (c1, M1, c2, M2, S2) of ResNet-50 INT4's first residual conv as the
-# dispatcher compiles it (build_e2e.py's model): what the tuner's residual specs and the device checks compile in.
-# Constants whose sum cannot reach the top of the output range (the (1, 3 << 14, -2, 5 << 13, 16) used until the
-# nineteenth round) let TVM drop the upper clip and left nvcc a mask in the 4-bit pack: the tuned kernel was not the
-# model's
+# dispatcher compiles it (build_e2e.py's model): what the tuner's residual specs and the GPU checks compile in.
+# Constants whose sum cannot reach the top of the output range (e.g. (1, 3 << 14, -2, 5 << 13, 16)) let TVM drop the
+# upper clip and leave nvcc a mask in the 4-bit pack: a kernel tuned with them is not the model's
 RQ2_RESNET50 = (0, 1787590, 0, 760277, 20)

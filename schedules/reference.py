@@ -1,7 +1,9 @@
-"""NumPy integer reference for the project-wide quantized conv2d math, and 4-bit packing helpers."""
+"""NumPy integer reference for the project-wide quantized conv2d math, and the kernels' buffer formats."""
 from __future__ import annotations
 
 import numpy as np
+
+from qcompile import int4  # (on a GPU host without the package installed, scripts/device_run.py provides it)
 
 try:
     from .spec import ConvSpec
@@ -9,31 +11,10 @@ except ImportError:  # loaded as a plain module on the GPU host (no TVM compiler
     from spec import ConvSpec  # type: ignore
 
 
-def pack4(v: np.ndarray) -> np.ndarray:
-    """Pack int values (last axis even) two per byte: element 2i low nibble, 2i+1 high nibble."""
-    v = np.asarray(v).astype(np.int64)
-    if v.shape[-1] % 2:
-        v = np.concatenate([v, np.zeros(v.shape[:-1] + (1,), np.int64)], axis=-1)
-    lo = v[..., 0::2] & 15
-    hi = v[..., 1::2] & 15
-    return (lo | (hi << 4)).astype(np.uint8)
-
-
-def unpack4(b: np.ndarray, signed: bool) -> np.ndarray:
-    b = np.asarray(b).astype(np.uint8).astype(np.int64)
-    lo, hi = b & 15, (b >> 4) & 15
-    if signed:
-        lo = np.where(lo >= 8, lo - 16, lo)
-        hi = np.where(hi >= 8, hi - 16, hi)
-    out = np.empty(b.shape[:-1] + (b.shape[-1] * 2,), np.int64)
-    out[..., 0::2], out[..., 1::2] = lo, hi
-    return out
-
-
 def to_storage(vals: np.ndarray, dtype: str) -> np.ndarray:
     """Logical integer values -> the buffer content the kernels take (packed for 4-bit)."""
     if dtype in ("int4", "uint4"):
-        p = pack4(vals)
+        p = int4.pack(vals, pad_odd=True)
         return p.view(np.int8) if dtype == "int4" else p
     return np.asarray(vals).astype(dtype)
 
@@ -83,9 +64,9 @@ def permute_k8(w: np.ndarray, kperm: int) -> np.ndarray:
 
 
 def from_storage(buf: np.ndarray, dtype: str, n: int | None = None) -> np.ndarray:
+    """A kernel buffer -> its logical values (int64); 4-bit buffers unpacked, the first ``n`` values kept."""
     if dtype in ("int4", "uint4"):
-        u = unpack4(buf.view(np.uint8), dtype == "int4")
-        return u if n is None else u[..., :n]
+        return int4.unpack(buf, signed=dtype == "int4", count=n).astype(np.int64)
     return np.asarray(buf).astype(np.int64)
 
 

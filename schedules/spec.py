@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _BITS = {"int8": 8, "uint8": 8, "int4": 4, "uint4": 4, "int32": 32}
 _SIGNED = {"int8": True, "uint8": False, "int4": True, "uint4": False, "int32": True}
@@ -436,8 +436,8 @@ DEFAULT_KNOBS = {
 # Untuned shapes on an arch with warpgroup MMA (no record for the shape, none for its layer at another batch size:
 # tuning.nearest_knobs): wgmma tiles where the operands take them (NHWC, 16-byte channel vectors, zero padding) --
 # the tiles most tuned records chose: 128x128 where the grid of them fills the SMs, 64x64 where it does not; 4-bit as
-# the register-A kernel with its weights expanded to 8 bits (the thirteenth round's record form: A read from the
-# shared ring). Key: (operand bits, grid of 128x128 tiles >= SMs). BK counts bytes (4-bit: packed).
+# the register-A kernel with its weights expanded to 8 bits, A read from the shared ring (the form of many tuned 4-bit
+# records). Key: (operand bits, grid of 128x128 tiles >= SMs). BK counts bytes (4-bit: packed).
 WGMMA_DEFAULT_KNOBS = {
     (8, True): GemmKnobs(BM=128, BN=128, BK=128, WM=2, WN=1, stages=3, pipe=-1, mma="wgmma"),
     (8, False): GemmKnobs(BM=64, BN=64, BK=128, WM=1, WN=1, stages=3, pipe=-1, mma="wgmma"),

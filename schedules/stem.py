@@ -2,7 +2,7 @@
 
 CUDA builds run the 7x7/2 stem over its 2x2 space-to-depth input (``spec.space_to_depth``): a 4x4 stride-1 conv on 16
 channels (16 bytes per pixel) into K = 64 output channels. As an implicit GEMM every output pixel's im2col row
-(16 taps x 16 bytes) is copied from L2 on its own: 256 bytes per output for a 16-byte input pixel, and the kernel was
+(16 taps x 16 bytes) is copied from L2 on its own: 256 bytes per output for a 16-byte input pixel, and that kernel is
 L2-bound (ncu, ResNet-50 at batch 256 on the H100: L2 72% of peak, tensor pipe 19%). Here a block copies the
 TH + R - 1 input rows that TH output rows read into shared memory once (the halo tile: every input pixel of it
 16 bytes, pad columns and rows set to the padding value), and the MMAs read their operand straight out of it:

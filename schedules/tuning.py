@@ -13,7 +13,7 @@ Log format (written by ``scripts/tune_layers.py log``)::
                                          "device": .., ...}, ...}}
 
 Where logs are looked up, first hit wins: ``$QCOMPILE_TUNING_DIR``, the installed ``qcompile.tuning_logs``
-package, the source tree's ``tuning_logs/`` (editable installs made before that package existed).
+package, the source tree's ``tuning_logs/`` (an editable install whose package map lacks ``qcompile.tuning_logs``).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from .spec import ConvSpec, GemmKnobs
 LOG_FORMAT = 1
 # ConvSpec fields that decide the main loop (and so the best tile), and whether the epilogue adds a residual: the
 # residual stage reads a second tensor and holds registers the plain epilogue does not (a ping-pong tile tuned without
-# it ran 5-7% slower end to end with it, H100), so a conv with a residual add has its own key (``|res``) and falls back
+# it runs 5-7% slower end to end with it, H100), so a conv with a residual add has its own key (``|res``) and falls back
 # to the plain key's record where it has none. The rest of the epilogue (out dtype, zero points, clip range,
 # signedness) does not enter the key: every requantised variant of a layer shares it.
 KEY_FIELDS = ("layout", "N", "H", "W", "C", "K", "R", "S", "stride", "padding", "dilation", "x_bits", "w_bits",
@@ -39,7 +39,8 @@ KNOB_FIELDS = tuple(f.name for f in dataclasses.fields(GemmKnobs))
 
 
 class TuningLogWarning(UserWarning):
-    """A tuning log is missing or stale; DEFAULT_KNOBS are used instead."""
+    """A tuning log is missing or stale: the affected layers take the same layer's record at the nearest batch
+    size, or the arch's defaults (``default_knobs``)."""
 
 
 def tuning_key(spec: ConvSpec) -> str:
@@ -53,7 +54,7 @@ def tuning_key(spec: ConvSpec) -> str:
 
 def _lookup_keys(spec: ConvSpec) -> list[str]:
     """The keys a record for ``spec`` may have, preferred first: its own, and for a conv with a residual add the
-    plain conv's (tuned without the residual stage, as before the key had it)."""
+    plain conv's (tuned without the residual stage)."""
     own = tuning_key(spec)
     return [own, tuning_key(spec.replace(has_residual=False))] if spec.has_residual else [own]
 
@@ -190,7 +191,7 @@ def knobs_for(spec: ConvSpec, arch: str = "sm_90") -> tuple[GemmKnobs, str]:
     """The knobs a compiled model's tensor-core kernel gets for ``spec``, and where they come from: the shape's own
     record ("tuned"); else the same layer's record at the nearest batch size ("nearest"), as long as its block tile
     still makes at least one wave of blocks over the SMs at this batch size (a tile chosen for a larger batch can
-    leave most SMs idle: ResNet-50's 512-channel l4 layers at batch 32 on their batch-64 128x128 tiles ran 1.35-2.2x
+    leave most SMs idle: ResNet-50's 512-channel l4 layers at batch 32 on their batch-64 128x128 tiles run 1.35-2.2x
     slower than on the defaults' 64x64, H100); else the arch's defaults ("default": ``spec.default_knobs``, warpgroup
     tiles on sm_90 where the operands take them, sized by the grid)."""
     from .spec import arch_info, default_knobs, tile_grid

@@ -1,33 +1,50 @@
 #!/usr/bin/env python3
-"""End-to-end benchmark on the GPU host (TVM runtime only): qcompile ResNets vs PyTorch fp16.
+"""End-to-end benchmark: qcompile ResNets against PyTorch fp16, on the GPU host (TVM runtime + numpy + torch).
 
-    bash scripts/bench_e2e.sh .e2e [tags...]          # one device call (see that script)
+    python scripts/build_e2e.py --batch 8 64 256 --check-batch 8 --embedded-batch 1 8     # build host
+    bash scripts/bench_e2e.sh [DIR] [NET_BITS ...] [--out OUT]      # GPU host: the runtime bundle, then `run`
+    python scripts/bench_e2e.py run [DIR] [NET_BITS ...] [--out OUT]  # GPU host, TVM runtime already importable
+    python scripts/bench_e2e.py table OUT/bench_e2e.json [--write docs/BENCHMARKS.md README.md]
 
-For every NET_BITS folder of scripts/build_e2e.py's output and every batch size:
-  * check: the GPU output equals the llvm build's output bit for bit (batches with xN/yN.npy); the VM's
-    memory pool is first filled by a run on a different random input, so unwritten outputs would show;
-  * time: the whole forward pass (one CUDA-graph replay per call), median of repeats, inputs on the GPU;
-then PyTorch fp16 channels_last with CUDA graphs (as shared/anchors/torch_baselines.py) for the same
-net and batch in the same run. Prints a table and writes $OUT/bench_e2e.json.
+``run``, for every NET_BITS folder of build_e2e.py's output (DIR, default build/gpu/e2e) and every batch size:
+  * check: the GPU output equals the llvm build's output bit for bit (batches with yN.npy); the VM's memory pool is
+    first filled by a run on a different random input, so unwritten outputs would show;
+  * time: the whole forward pass (one CUDA-graph replay per call), median of repeats, input already on the GPU;
+then PyTorch fp16 channels_last with CUDA graphs (cuDNN, ``cudnn.benchmark``) for the same net and batch in the same
+process. Prints a table and writes OUT/bench_e2e.json (OUT default: DIR) with the device, date and versions.
+``table`` writes the Markdown table of such a file (scripts/e2e_table.py).
 """
-import ctypes
+import argparse
+import datetime
 import json
 import os
 import pathlib
+import shlex
 import sys
 import time
 
-os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import tvm  # noqa: E402
-from tvm.base import _LOADED_LIBS  # noqa: E402
+import numpy as np
 
-ctypes.CDLL(str(pathlib.Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent / "libtvm_runtime_cuda.so"),
-            mode=ctypes.RTLD_LOCAL)
-from qcompile.runtime import Module  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+DEFAULT_DIR = pathlib.Path(__file__).resolve().parents[1] / "build" / "gpu" / "e2e"
 
-OUT = pathlib.Path(os.environ.get("OUT", "/tmp"))
+
+def check_input(b: int):
+    """The end-to-end check input of batch b (build_e2e.py writes it as xN.npy; ``run`` draws it again where that
+    file is absent): standard normal, seed 100 + b, float32 [b, 3, 224, 224]."""
+    return np.random.default_rng(100 + b).standard_normal((b, 3, 224, 224)).astype("float32")
+
+
+def _gpu_imports():
+    """torch, tvm (runtime only: TVM_USE_RUNTIME_LIB=1 unless set) with its CUDA module loader, qcompile's Module."""
+    global torch, tvm, Module
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    import torch
+    import tvm
+
+    from qcompile.runtime import Module, load_cuda_runtime
+
+    load_cuda_runtime(required=True)
 
 
 def bench_torch(fn, iters=20, warm=5):
@@ -65,13 +82,13 @@ def torch_fp16(net, batch):
     return t
 
 
-def bench_ours(m: Module, batch, number):
+def bench_ours(m, batch, number):
     x = tvm.runtime.tensor(np.random.default_rng(7).standard_normal((batch, 3, 224, 224)).astype("float32"), m.dev)
     for _ in range(3):  # the first call captures the CUDA graph
         m.vm["main"](x, *m.weights)
     t0 = time.time()
     while time.time() - t0 < 0.5:  # half a second of replays first, queued 20 at a time (a sync after each one
-        for _ in range(20):       # left the GPU idle between them: its clocks stayed low at batch 1)
+        for _ in range(20):       # leaves the GPU idle between them, and its clocks low at batch 1)
             m.vm["main"](x, *m.weights)
         m.dev.sync()
     f = m.vm.time_evaluator("main", m.dev, number=number, repeat=7)
@@ -124,22 +141,20 @@ def profile(so, weights, batch, reps=5):
 
 
 def regenerated_input(entry, b):
-    """The batch-b check input when its x{b}.npy was not carried (64 MiB per call: x at batch 64 alone is 38 MB):
-    device_env.check_input's draw again, refused unless its sha1 is the one recorded at build time."""
+    """The batch-b check input when xN.npy is not in the build folder (it is large: 38 MB at batch 64): drawn again
+    by ``check_input``, refused unless its sha1 is the one build_e2e.py recorded."""
     import hashlib
-
-    from device_env import check_input
 
     x = check_input(b)
     want = entry["batches"][str(b)].get("x_sha1")
     if want is None or hashlib.sha1(x.tobytes()).hexdigest() != want:
-        raise RuntimeError(f"x{b}.npy not carried and the regenerated input does not match the build's (sha1)")
+        raise RuntimeError(f"x{b}.npy absent and the regenerated input does not match the build's (sha1)")
     return x
 
 
 def warm_gpu(seconds=2.0):
     """Keep the GPU busy for ``seconds`` (fp16 matmuls) so that it leaves its idle clocks before anything is timed:
-    without it the first batch-1 model of a call measured 0.52 ms and the same .so 0.35 ms later in the call."""
+    without it the first batch-1 model of a process measures 0.52 ms and the same .so 0.35 ms later on (H100)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.half)
     t0 = time.time()
     while time.time() - t0 < seconds:
@@ -149,12 +164,19 @@ def warm_gpu(seconds=2.0):
     del a
 
 
-def main():
-    root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".e2e")
-    only = set(sys.argv[2:])
+def cmd_run(a):
+    _gpu_imports()
+    root = pathlib.Path(a.dir)
+    only = set(a.tags)
+    out = pathlib.Path(a.out or root)
+    out.mkdir(parents=True, exist_ok=True)
     man = json.load(open(root / "manifest.json"))
-    print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__, "cudnn", torch.backends.cudnn.version(),
-          "tvm", tvm.__version__, flush=True)
+    meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__, "cudnn": str(torch.backends.cudnn.version()), "tvm": tvm.__version__,
+            "command": shlex.join(["python", "scripts/bench_e2e.py", *sys.argv[1:]])}
+    meta["build_commands"] = list(dict.fromkeys(c for t, e in man.items() if not only or t in only
+                                                for c in e.get("build_commands", [])))
+    print(json.dumps(meta), flush=True)
     warm_gpu()
     results, torch_cache = [], {}
     for tag, entry in man.items():
@@ -166,7 +188,7 @@ def main():
         wfile = wd / "weights.npz"
         wb = {b: next((f for f in (d / f"weights_b{b}.npz", wd / f"weights_b{b}.npz") if f.exists()), wfile)
               for b in (int(k) for k in entry["batches"])}  # (per batch: w8 records; an A/B build's from its twin)
-        runs = [(b, f"b{b}.so") for b in sorted(wb) if (d / f"b{b}.so").exists() and wb[b].exists()]  # (what the call carried)
+        runs = [(b, f"b{b}.so") for b in sorted(wb) if (d / f"b{b}.so").exists() and wb[b].exists()]
         runs += [(int(p.stem[3:]), p.name) for p in sorted(d.glob("emb*.so"))]  # weights inside the .so
         for b, so in runs:
             row = {"net": net, "bits": bits, "batch": b, "weights": "embedded" if so.startswith("emb") else "beside"}
@@ -208,7 +230,8 @@ def main():
                     print(f"   {t:9.1f} us  {n[:90]}")
             except Exception as e:
                 print(f"profile {tag} b{b} failed: {type(e).__name__}: {str(e)[-300:]}")
-    json.dump({"results": results, "profiles": profiles}, open(OUT / "bench_e2e.json", "w"), indent=1)
+    json.dump({**meta, "results": results, "profiles": profiles}, open(out / "bench_e2e.json", "w"), indent=1)
+    print("wrote", out / "bench_e2e.json")
     print("\n| net | bits | batch | exact vs llvm | qcompile ms | img/s | PyTorch fp16 ms | img/s | speedup |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -218,6 +241,25 @@ def main():
                   f"{r['torch_fp16_ms']:.3f} | {r['torch_img_s']:.0f} | {r['speedup']:.2f}x |")
         else:
             print(f"| {r['net']} | {r['bits']} | {r['batch']} | error: {r['error'][:80]} |")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="check and time every build in DIR against PyTorch fp16 (GPU host)")
+    r.add_argument("dir", nargs="?", default=str(DEFAULT_DIR), help="build_e2e.py's output (default: %(default)s)")
+    r.add_argument("tags", nargs="*", help="only these NET_BITS folders (default: all in the manifest)")
+    r.add_argument("--out", help="where bench_e2e.json goes (default: DIR)")
+    t = sub.add_parser("table", help="the Markdown table of results files (scripts/e2e_table.py)")
+    t.add_argument("results", nargs="+")
+    import e2e_table
+
+    e2e_table.add_write_args(t, "e2e")
+    a = ap.parse_args(argv)
+    if a.cmd == "run":
+        cmd_run(a)
+    else:
+        e2e_table.write_block(a.name, e2e_table.e2e_table(a.results), a.write)
 
 
 if __name__ == "__main__":

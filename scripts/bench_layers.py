@@ -1,80 +1,135 @@
 #!/usr/bin/env python3
-"""Per-layer benchmark of the tensor-core conv kernels vs cuDNN fp16 and torch._int_mm.
+"""Per-layer benchmark of the tensor-core conv kernels: every ResNet-50 conv at batch 8 / 64 / 256, INT8 and INT4,
+against cuDNN fp16 (``F.conv2d``, channels_last, ``cudnn.benchmark``) and ``torch._int_mm`` on the GEMM-equivalent
+shape, all timed in one process on the GPU host.
 
-Three steps (the middle one is the single device call):
-  1. here:      python scripts/bench_layers.py build        # = device_build.py (bench + check sets)
-                scripts/make_runtime_bundle.sh 3.12
-  2. GPU host:  run(command="bash scripts/device_run.sh", carry=[".device", ".bundle"])
-                (device_run.py times every ResNet-50 conv shape at batch 8/64/256, INT8 and INT4, and the
-                cuDNN fp16 channels_last conv + torch._int_mm on the GEMM-equivalent shape, same run)
-  3. here:      python scripts/bench_layers.py table RESULTS.json [--device NAME] >> docs/BENCHMARKS.md
+  build host:  python scripts/tune_layers.py build --as-compiled --batches 8 64 256     (every layer as compiled
+               models run it: select_strategy and the tuning log's knobs)
+               [python scripts/bench_layers.py build   = scripts/device_build.py: the bench with the arch defaults]
+  GPU host:    python3 scripts/tune_layers.py device --ncu-before 0 --tune-budget 60 --bench-budget 200 --ab-rounds 9
+               (--ab-rounds N: each layer's INT8 and INT4 kernels also timed alternately N times, paired ratios)
+  tables:      python scripts/bench_layers.py table RESULTS.json [--write docs/BENCHMARKS.md]
+               python scripts/bench_layers.py table RESULTS.json --paired [--write docs/BENCHMARKS.md]
+
+``table`` writes the layer table (block ``layers``); ``--paired`` the INT4-against-INT8 summary from the paired
+timings (block ``layers_int4_vs_int8``). Both take the date, device and commands from the results file.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import pathlib
 import subprocess
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+PEAK_INT8_MMA_SYNC = 1284  # TOPS, H100 SXM: mma.sync s8 m16n8k32 from registers (the dense wgmma peak is 1979)
+TIMING = {"b2b": "per launch, from 20 back-to-back launches between two CUDA events (median of 7 rounds)",
+          "graph": "per launch, from 20 launches captured in one CUDA graph (no host launch cost), median of 7 replays"}
 
 
-def table(path, device="NVIDIA H100 80GB HBM3", date=None):
+def _gm(xs):
+    xs = list(xs)
+    return math.exp(sum(map(math.log, xs)) / len(xs))
+
+
+def _caption(res, device=None, date=None, timing=True):
+    device = res.get("device") or device or "?"  # (``device`` / ``date``: for results files without them)
+    date = res.get("date") or date or "?"
+    out = f"{device}, {date}" + (f", code at `{res['commit']}`" if res.get("commit") else "") + "."
+    if timing:
+        how = TIMING.get(res.get("timing"), "median of 20 launches, each timed alone (including its host launch)")
+        out += f" Times in ms, {how}; TOPS = 2 x MACs / time."
+    if res.get("build_command"):
+        out += f" Built with `{res['build_command']}`"
+        out += f", measured on the GPU host with `{res['command']}`." if res.get("command") else "."
+    if res.get("note"):
+        out += " " + res["note"]
+    return out
+
+
+def table(path, device=None, date=None):
+    """The layer table of a results file (Markdown): every row's INT8 / INT4 / cuDNN fp16 / int_mm times, the
+    speed-ups over cuDNN, INT4's over INT8 (paired where the run has paired timings), and per-batch geomeans."""
     res = json.loads(pathlib.Path(path).read_text())
-    if date is None:  # (the device run records its date; older results files: the file's own date)
-        date = res.get("date") or time.strftime("%Y-%m-%d", time.localtime(pathlib.Path(path).stat().st_mtime))
     rows = res["bench"]
-    timing = {"b2b": "per launch, from 20 back-to-back launches between two CUDA events (median of 7 rounds)",
-              "graph": "per launch, from 20 launches captured in one CUDA graph (no host launch cost), median of 7 "
-                       "replays"}.get(res.get("timing"), "median of 20 launches, each timed alone (including its host "
-                                                         "launch)")
-    out = [f"## Tensor-core INT8/INT4 conv2d kernels, per ResNet-50 layer ({date})", "",
-           f"Device: {device} (sm_90). Command: `python scripts/device_build.py && scripts/make_runtime_bundle.sh 3.12`, "
-           "then one device call `bash scripts/device_run.sh` (carry `.device`, `.bundle`), then "
-           "`python scripts/bench_layers.py table results.json`. Kernels: implicit-GEMM NHWC, uint8 (uint4) activations x "
-           "int8 (int4) weights, int32 accumulation, fused requant epilogue to uint8 (uint4), untuned sm_90 defaults "
-           "(128x128x64 B tiles, 2x2 warps, 4-stage cp.async). Times (ms): " + timing + "; TOPS = 2*MACs/time. "
-           "cuDNN fp16: `F.conv2d` channels_last, cudnn.benchmark; int_mm: `torch._int_mm` on the GEMM-equivalent "
-           "(N*P*Q x R*S*C) @ (R*S*C x K) shape (no im2col cost counted; n/a = cuBLASLt refused the shape).", "",
-           "| layer | N | C->K | RxS/s | GOP | INT8 ms | INT8 TOPS | INT4 ms | INT4 TOPS | cuDNN fp16 ms | int_mm ms | INT8 / cuDNN speedup | INT4 / INT8 |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    paired = all("int4_over_int8_ab" in r for r in rows)
+    out = [_caption(res, device, date), "",
+           "| layer | N | C->K | RxS/s | GOP | INT8 ms | INT8 TOPS | INT4 ms | INT4 TOPS | cuDNN fp16 ms | int_mm ms | "
+           f"INT8 vs cuDNN | INT4 vs cuDNN | INT4 vs INT8{' (paired)' if paired else ''} |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        i8, i4, cd, im = r.get("int8_ms"), r.get("int4_ms"), r["cudnn_fp16_ms"], r["int_mm_ms"]
+        i8, i4, cd, im = r["int8_ms"], r["int4_ms"], r["cudnn_fp16_ms"], r["int_mm_ms"]
         name = r["layer"].rsplit("_b", 1)[0]
+        r48 = 1 / r["int4_over_int8_ab"] if paired else i8 / i4
         out.append(f"| {name} | {r['N']} | {r['C']}->{r['K']} | {r['R']}x{r['R']}/{r['stride']} | {r['gops']:.2f} | "
                    f"{i8:.4f} | {r['gops'] / i8:.0f} | {i4:.4f} | {r['gops'] / i4:.0f} | {cd:.4f} | "
-                   f"{'n/a' if math.isnan(im) else f'{im:.4f}'} | {cd / i8:.2f}x | {i8 / i4:.2f}x |")
-    out.append("")
-    # summary vs targets
-    for N in sorted({r["N"] for r in rows}):  # (the batch sizes the results have)
+                   f"{'n/a' if math.isnan(im) else f'{im:.4f}'} | {cd / i8:.2f}x | {cd / i4:.2f}x | {r48:.2f}x |")
+    out += ["", "n/a: cuBLASLt refused the shape. int_mm times the GEMM alone (no im2col)."
+            + (" INT4 vs INT8 (paired): INT4's speed-up over INT8, the median over alternating rounds."
+               if paired else ""), ""]
+    out.append("| batch | INT8 vs cuDNN fp16 (geomean) | INT4 vs cuDNN fp16 | 3x3 layers, INT8 | best 3x3 layer |")
+    out.append("|---|---|---|---|---|")
+    for N in sorted({r["N"] for r in rows}):
         rs = [r for r in rows if r["N"] == N]
-        g8 = math.exp(sum(math.log(r["cudnn_fp16_ms"] / r["int8_ms"]) for r in rs) / len(rs))
-        g4 = math.exp(sum(math.log(r["cudnn_fp16_ms"] / r["int4_ms"]) for r in rs) / len(rs))
         r3 = [r for r in rs if r["R"] == 3]
-        g3 = math.exp(sum(math.log(r["cudnn_fp16_ms"] / r["int8_ms"]) for r in r3) / len(r3))
-        slower = sum(r["int4_ms"] > r["int8_ms"] * 1.02 for r in rs)
-        out.append(f"* batch {N}: geomean speedup vs cuDNN fp16 INT8 {g8:.2f}x, INT4 {g4:.2f}x; 3x3 layers INT8 {g3:.2f}x; "
-                   f"INT4 slower than INT8 (>2%) on {slower}/{len(rs)} layers")
-        ab = [r for r in rs if "int4_over_int8_ab" in r]
-        if ab:  # (tune_layers.py device --ab-rounds: the two kernels timed alternately, median of per-round ratios)
-            worst = max(ab, key=lambda r: r["int4_over_int8_ab"])
-            n = len(worst["int4_over_int8_ab_rounds"])
-            out.append(f"  paired ({n} alternating rounds): INT4 slower than INT8 (>2%) on "
-                       f"{sum(r['int4_over_int8_ab'] > 1.02 for r in ab)}/{len(ab)} layers; the largest INT4 / INT8 time "
-                       f"ratio {worst['int4_over_int8_ab']:.3f} ({worst['layer']})")
-    best = max(rows, key=lambda r: r["gops"] / min(r["int8_ms"], r["int4_ms"]) if r["R"] == 3 else 0)
-    out.append(f"* best 3x3 layer: {best['layer']} INT8 {best['gops'] / best['int8_ms']:.0f} TOPS "
-               f"({100 * best['gops'] / best['int8_ms'] / 1284:.0f}% of 1284), INT4 {best['gops'] / best['int4_ms']:.0f} TOPS")
+        best = max(r3, key=lambda r: r["gops"] / min(r["int8_ms"], r["int4_ms"]))
+        t8, t4 = best["gops"] / best["int8_ms"], best["gops"] / best["int4_ms"]
+        out.append(f"| {N} | {_gm(r['cudnn_fp16_ms'] / r['int8_ms'] for r in rs):.2f}x | "
+                   f"{_gm(r['cudnn_fp16_ms'] / r['int4_ms'] for r in rs):.2f}x | "
+                   f"{_gm(r['cudnn_fp16_ms'] / r['int8_ms'] for r in r3):.2f}x | "
+                   f"{best['layer'].rsplit('_b', 1)[0]}: INT8 {t8:.0f} TOPS ({100 * t8 / PEAK_INT8_MMA_SYNC:.0f}% of "
+                   f"mma.sync's {PEAK_INT8_MMA_SYNC}), INT4 {t4:.0f} |")
     return "\n".join(out) + "\n"
 
 
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "build":
-        sys.exit(subprocess.call([sys.executable, str(ROOT / "scripts" / "device_build.py"), *sys.argv[2:]]))
-    if len(sys.argv) > 2 and sys.argv[1] == "table":
-        dev = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "NVIDIA H100 80GB HBM3"
-        print(table(sys.argv[2], dev))
+def paired_table(path, device=None, date=None, threshold=1.02):
+    """INT4 against INT8 per batch from the paired timings (``--ab-rounds``): the geomean speed-up, and every layer
+    where INT4 takes more than ``threshold`` x INT8's time."""
+    res = json.loads(pathlib.Path(path).read_text())
+    rows = [r for r in res["bench"] if "int4_over_int8_ab" in r]
+    if not rows:
+        raise SystemExit(f"{path}: no paired INT4 / INT8 timings (tune_layers.py device --ab-rounds N)")
+    n = len(rows[0]["int4_over_int8_ab_rounds"])
+    out = [_caption(res, device, date, timing=False) + f" Each layer's INT8 and INT4 kernels timed alternately, {n} "
+           "rounds; per layer the median of the per-round ratios, as INT4's speed-up over INT8 (below 1: INT4 "
+           "slower).", "",
+           f"| batch | INT4 speed-up over INT8, geomean | layers where INT4 is slower by more than "
+           f"{100 * (threshold - 1):.0f}% |", "|---|---|---|"]
+    for N in sorted({r["N"] for r in rows}):
+        rs = [r for r in rows if r["N"] == N]
+        slow = sorted((r for r in rs if r["int4_over_int8_ab"] > threshold), key=lambda r: -r["int4_over_int8_ab"])
+        names = ", ".join(f"{r['layer'].rsplit('_b', 1)[0]} {1 / r['int4_over_int8_ab']:.2f}x" for r in slow)
+        out.append(f"| {N} | {_gm(1 / r['int4_over_int8_ab'] for r in rs):.2f}x | {len(slow)} of {len(rs)}"
+                   + (f": {names}" if slow else "") + " |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["build"]:
+        sys.exit(subprocess.call([sys.executable, str(ROOT / "scripts" / "device_build.py"), *argv[1:]]))
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import e2e_table
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("build", help="scripts/device_build.py (its options follow)")
+    t = sub.add_parser("table", help="the layer table of a results file")
+    t.add_argument("results")
+    t.add_argument("--paired", action="store_true", help="the INT4-against-INT8 summary instead")
+    t.add_argument("--device", help="device name where the results file has none")
+    e2e_table.add_write_args(t, "layers (layers_int4_vs_int8 with --paired)")
+    a = ap.parse_args(argv)
+    if a.paired:
+        name = "layers_int4_vs_int8" if a.name.startswith("layers (") else a.name
+        e2e_table.write_block(name, paired_table(a.results, a.device), a.write)
     else:
-        print(__doc__)
+        name = "layers" if a.name.startswith("layers (") else a.name
+        e2e_table.write_block(name, table(a.results, a.device), a.write)
+
+
+if __name__ == "__main__":
+    main()

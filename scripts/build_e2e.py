@@ -1,29 +1,32 @@
 #!/usr/bin/env python
-"""Build everything scripts/bench_e2e.py runs on the GPU host (no GPU needed here).
+"""Build everything scripts/bench_e2e.py runs on the GPU host (no GPU needed on this side).
 
-    python scripts/build_e2e.py -o .e2e --nets resnet18 --bits 8 4 mixed --batch 1 8 64 256
+    python scripts/build_e2e.py --batch 8 64 256 --check-batch 8 --embedded-batch 1 8    # ResNet-18/50, 8/4/mixed
 
-For each network and bit width: quantize (seeded random weights, random calibration data), export ONNX
-with a dynamic batch, compile for ``--arch`` with ``--weights-beside`` for every batch size (the weights
-file is shared by all batch sizes), and write a fixed input with the reference output for the check
-batches (``--check-batch``): the output of the llvm build of the same model (and, as a cross-check, whether
-the NumPy integer reference agrees with it at batch 1).
+For each network and bit width: quantize (seeded random weights, random calibration data), export ONNX with a dynamic
+batch, compile for ``--arch`` with ``--weights-beside`` for every batch size (one weights file serves the batch sizes
+whose kernels take the same weight layout; weights_bN.npz holds batch N's where its kernels differ), and write a
+fixed input with the reference output for the check batches (``--check-batch``): the output of the llvm build of the
+same model (and, as a cross-check, whether the NumPy integer reference agrees with it at batch 1).
 
-Layout of ``-o``: NET_BITS/bN.so, NET_BITS/weights.npz, NET_BITS/xN.npy, NET_BITS/yN.npy, manifest.json
-(with ``--embedded-batch B``: NET_BITS/embB.so, weights inside, timed by bench_e2e.py as its own row).
+Layout of ``--dir`` (default build/gpu/e2e): NET_BITS/bN.so, NET_BITS/weights[_bN].npz, NET_BITS/xN.npy,
+NET_BITS/yN.npy, manifest.json (with each build's command line); with ``--embedded-batch B`` also NET_BITS/embB.so,
+the weights inside (the compiler's default), timed by bench_e2e.py as a row of its own.
 """
 import argparse
 import hashlib
 import json
 import os
+import shlex
 import shutil
+import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
 
-from device_env import check_input
+from bench_e2e import DEFAULT_DIR, check_input
 from qcompile.driver import CompileOptions, compile_model, weights_path
 from qcompile.models.export_onnx import export_onnx
 from qcompile.models.quantize import quantize_model
@@ -33,7 +36,7 @@ from qcompile.reference import Reference
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-o", "--out", default=".e2e")
+    ap.add_argument("--dir", "-o", default=str(DEFAULT_DIR), help="output folder (default: %(default)s)")
     ap.add_argument("--nets", nargs="+", default=["resnet18", "resnet50"])
     ap.add_argument("--bits", nargs="+", default=["8", "4", "mixed"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64, 256])
@@ -53,13 +56,14 @@ def main():
         a.check_batch = [1, 8]
     elif set(a.check_batch) - set(a.batch):  # a check batch is built (and checked) only as one of --batch
         ap.error(f"--check-batch {sorted(set(a.check_batch) - set(a.batch))} not among --batch {a.batch}: add it there")
-    os.makedirs(a.out, exist_ok=True)
-    man_path = os.path.join(a.out, "manifest.json")
+    os.makedirs(a.dir, exist_ok=True)
+    cmd = shlex.join(["python", "scripts/build_e2e.py", *sys.argv[1:]])  # (recorded in the manifest)
+    man_path = os.path.join(a.dir, "manifest.json")
     manifest = json.load(open(man_path)) if os.path.exists(man_path) else {}
     for net in a.nets:
         for bits in a.bits:
             tag = f"{net}_{bits}"
-            d = os.path.join(a.out, tag)
+            d = os.path.join(a.dir, tag)
             os.makedirs(d, exist_ok=True)
             t0 = time.time()
             qm = quantize_model(build_model(net, seed=0), torch.randn(16, 3, 224, 224, generator=torch.Generator().manual_seed(1)),
@@ -71,7 +75,8 @@ def main():
                 # batches built by earlier runs stay listed (their bN.so are still in the folder)
                 old = manifest.get(tag, {}).get("batches", {})
                 entry = {"batches": {b: v for b, v in old.items() if os.path.exists(os.path.join(d, f"b{b}.so"))},
-                         "layout": a.layout, "arch": a.arch}
+                         "layout": a.layout, "arch": a.arch,
+                         "build_commands": list(dict.fromkeys(manifest.get(tag, {}).get("build_commands", []) + [cmd]))}
                 for b in a.profile_batch:
                     res = compile_model(onnx_path, CompileOptions(target="cuda", arch=a.arch, layout=a.layout, batch=b,
                                                                   weights_beside=True, cuda_graph=False), log=lambda s: None)
@@ -89,7 +94,7 @@ def main():
                     print(f"{tag} emb{b}: built ({os.path.getsize(os.path.join(d, f'emb{b}.so')) / 2**20:.1f} MB)",
                           flush=True)
                 if a.only_profile or a.only_embedded:  # (listed, so that bench_e2e.py finds the tag's embN / profN.so)
-                    manifest[tag] = manifest.get(tag) or entry
+                    manifest[tag] = dict(manifest.get(tag) or entry, build_commands=entry["build_commands"])
                     json.dump(manifest, open(man_path, "w"), indent=1)
                     continue
                 for b in a.batch:
@@ -115,7 +120,7 @@ def main():
                         from qcompile.runtime import Module
 
                         x = check_input(b)
-                        np.save(os.path.join(d, f"x{b}.npy"), x)  # (bench_e2e.py regenerates it where not carried)
+                        np.save(os.path.join(d, f"x{b}.npy"), x)  # (bench_e2e.py draws it again where it is absent)
                         info["x_sha1"] = hashlib.sha1(x.tobytes()).hexdigest()
                         r2 = compile_model(onnx_path, CompileOptions(layout=a.layout, batch=b), log=lambda s: None)
                         so2 = os.path.join(td, f"llvm_b{b}.so")  # distinct paths: dlopen caches by path

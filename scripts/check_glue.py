@@ -1,25 +1,29 @@
 #!/usr/bin/env python3
 """Check (and time) the input quantize of a CUDA build -- float NCHW -> uint8, NHWC, the RGB channels padded to 4 and
 the stem's 2x2 space-to-depth, one fused kernel -- under qcompile's glue rules (``glue.GatherRowElementwise``: a thread
-per 16-byte output row) against the same function under the rules before it (``glue.VectorizedElementwise`` first:
-4 bytes per thread, stored one by one).
+per 16-byte output row) against the same function with ``glue.VectorizedElementwise`` in that rule's place (the
+baseline: 4 bytes per thread, stored one by one, since the reads are gathers and the loop does not vectorize).
 
-    python scripts/check_glue.py build                      # here: .device/glue/{rule,before}_bN.so
-    run(command="python3 scripts/check_glue.py device", carry=[".device/glue", ".bundle"])
+    python scripts/check_glue.py build [--dir DIR]              # build host: DIR/{rule,baseline}_bN.so
+    python3 scripts/check_glue.py device [--dir DIR] [--out OUT]  # GPU host (TVM runtime + numpy + torch)
+    python scripts/check_glue.py table OUT/check_glue.json [--write docs/BENCHMARKS.md]
 
-On the GPU host (TVM runtime only): fresh random images, each build's output compared byte for byte with NumPy (the
-same float32 division, floor and clip), then both timed alternately (``time_evaluator``, median of 5 x 50 calls; a
-VM call around one kernel, so a few microseconds of host time are included), three rounds; JSON to $OUT/glue.json.
+DIR defaults to build/gpu/glue, OUT to DIR. On the GPU host: fresh random images, each build's output compared byte
+for byte with NumPy (the same float32 division, floor and clip), then both timed alternately (``time_evaluator``,
+median of 5 x 50 calls; a VM call around one kernel, so a few microseconds of host time are included), three rounds;
+JSON to OUT/check_glue.json. ``table`` writes its Markdown table (block ``glue``).
 """
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
-import os
 import pathlib
+import shlex
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DIR = ROOT / ".device" / "glue"
+DIR = ROOT / "build" / "gpu" / "glue"
 BATCHES = (8, 256)
 SCALE, ZP = 0.0187, 114.0  # (an ImageNet-like input scale and zero point)
 
@@ -42,7 +46,7 @@ def quantize_s2d(N):
     return bb.get()
 
 
-def cmd_build():
+def cmd_build(a):
     import tvm
     from tvm.relax.backend.cuda import pipeline as cp
     from tvm.s_tir import dlight as dl
@@ -54,8 +58,8 @@ def cmd_build():
     ensure_stub_libcuda()
     tgt = cuda_target("sm_90")
 
-    @tvm.transform.module_pass(opt_level=0, name="before")
-    def before(mod, _ctx):  # the pipeline's rules before GatherRowElementwise
+    @tvm.transform.module_pass(opt_level=0, name="baseline")
+    def baseline(mod, _ctx):  # the pipeline's rules with VectorizedElementwise in GatherRowElementwise's place
         with tgt:
             legalize = cp.legalize_passes(tgt)
             legalize[-1] = dl.ApplyDefaultSchedule(VectorizedElementwise(), ChannelsLastWindowReduction(),
@@ -63,15 +67,18 @@ def cmd_build():
             return tvm.transform.Sequential(cp.library_dispatch_passes(tgt) + legalize + cp.dataflow_lower_passes(tgt)
                                             + cp.finalize_passes(tgt))(mod)
 
-    DIR.mkdir(parents=True, exist_ok=True)
+    d = pathlib.Path(a.dir)
+    d.mkdir(parents=True, exist_ok=True)
     for N in BATCHES:
-        for name, pipe in (("rule", cuda_pipeline(tgt)), ("before", before)):
+        for name, pipe in (("rule", cuda_pipeline(tgt)), ("baseline", baseline)):
             with tvm.transform.PassContext(opt_level=3):
-                tvm.compile(quantize_s2d(N), target=tgt, relax_pipeline=pipe).export_library(str(DIR / f"{name}_b{N}.so"))
-    print("built", sorted(p.name for p in DIR.glob("*.so")))
+                tvm.compile(quantize_s2d(N), target=tgt, relax_pipeline=pipe).export_library(str(d / f"{name}_b{N}.so"))
+    cmd = shlex.join(["python", "scripts/check_glue.py", *sys.argv[1:]])
+    (d / "build.json").write_text(json.dumps({"command": cmd}))  # (the device side records it with its results)
+    print("built", sorted(p.name for p in d.glob("*.so")))
 
 
-def cmd_device():
+def cmd_device(a):
     sys.path.insert(0, str(ROOT / "scripts"))
     from device_env import setup_runtime_and_reexec
 
@@ -83,14 +90,18 @@ def cmd_device():
 
     tvm = DR.tvm
     dev = tvm.cuda(0)
-    res = dict(device=torch.cuda.get_device_name(0), rows=[])
+    d = pathlib.Path(a.dir)
+    built = json.loads((d / "build.json").read_text()) if (d / "build.json").exists() else {}
+    res = dict(device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(),
+               build_command=built.get("command"),
+               command=shlex.join(["python3", "scripts/check_glue.py", *sys.argv[1:]]), rows=[])
     for N in BATCHES:
         x = (np.random.default_rng(N).standard_normal((N, 3, 224, 224)) * 2).astype("float32")
         q = np.clip(np.floor(x / np.float32(SCALE) + np.float32(ZP)), 0, 255).astype(np.uint8)
         q = np.concatenate([q.transpose(0, 2, 3, 1), np.zeros((N, 224, 224, 1), np.uint8)], axis=-1)
         ref = q.reshape(N, 112, 2, 112, 2, 4).transpose(0, 1, 3, 2, 4, 5).reshape(N, 112, 112, 16)
         xt = tvm.runtime.tensor(x, dev)
-        vms = {k: VirtualMachine(tvm.runtime.load_module(str(DIR / f"{k}_b{N}.so")), dev) for k in ("rule", "before")}
+        vms = {k: VirtualMachine(tvm.runtime.load_module(str(d / f"{k}_b{N}.so")), dev) for k in ("rule", "baseline")}
         row = {"batch": N}
         for k, vm in vms.items():
             row[f"{k}_exact"] = bool(np.array_equal(vm["main"](xt).numpy(), ref))
@@ -100,9 +111,48 @@ def cmd_device():
                                                            * 1e3, 4))
         print(json.dumps(row), flush=True)
         res["rows"].append(row)
-    (pathlib.Path(os.environ.get("OUT", "/tmp")) / "glue.json").write_text(json.dumps(res, indent=1))
+    out = pathlib.Path(a.out or d)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "check_glue.json").write_text(json.dumps(res, indent=1) + "\n")
+    print("wrote", out / "check_glue.json")
+
+
+def table(path):
+    res = json.loads(pathlib.Path(path).read_text())
+    code = f", code at `{res['commit']}`" if res.get("commit") else ""
+    out = [f"{res['device']}, {res['date']}{code}. Built with `{res['build_command']}`, measured on the GPU host with "
+           f"`{res['command']}`. ms per VM call (one kernel), median of 5 x 50 calls, three alternating rounds.", "",
+           "| batch | qcompile's rule (GatherRowElementwise) ms | VectorizedElementwise ms | speed-up | both exact |",
+           "|---|---|---|---|---|"]
+    for r in res["rows"]:
+        ms_r, ms_b = sorted(r["rule_ms"])[1], sorted(r["baseline_ms"])[1]
+        ok = "yes" if r["rule_exact"] and r["baseline_exact"] else "**no**"
+        out.append(f"| {r['batch']} | {' / '.join(f'{t:.4f}' for t in r['rule_ms'])} | "
+                   f"{' / '.join(f'{t:.4f}' for t in r['baseline_ms'])} | {ms_b / ms_r:.2f}x | {ok} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import e2e_table
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build both forms (build host)")
+    b.add_argument("--dir", default=str(DIR), help="output folder (default: %(default)s)")
+    d = sub.add_parser("device", help="check and time them (GPU host)")
+    d.add_argument("--dir", default=str(DIR), help="the build folder (default: %(default)s)")
+    d.add_argument("--out", help="results folder (default: --dir)")
+    t = sub.add_parser("table", help="the Markdown table of a results file")
+    t.add_argument("results")
+    e2e_table.add_write_args(t, "glue")
+    a = ap.parse_args(argv)
+    if a.cmd == "table":
+        e2e_table.write_block(a.name, table(a.results), a.write)
+    else:
+        {"build": cmd_build, "device": cmd_device}[a.cmd](a)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    {"build": cmd_build, "device": cmd_device}[sys.argv[1]]()
+    main()

@@ -2,25 +2,29 @@
 """Check (and time) qcompile's 8-bit NHWC max-pool kernel (schedules/pool.py) on the GPU host, and its packed 4-bit
 form (``packed4``: the INT4 models' stem pool on the nibbles two per byte).
 
-    python scripts/check_pools.py build                      # here: .device/pools/pools.so + cases.json
-    run(command="python3 scripts/check_pools.py device", carry=[".device/pools", ".bundle"])
+    python scripts/check_pools.py build [--dir DIR]              # build host: DIR/pools.so + cases.json
+    python3 scripts/check_pools.py device [--dir DIR] [--out OUT]  # GPU host (TVM runtime + numpy + torch)
+    python scripts/check_pools.py table OUT/check_pools.json [--write docs/BENCHMARKS.md]
 
-On the GPU host (TVM runtime only): every case on fresh random bytes over the type's whole range, the output poisoned
-before each of two runs, compared byte for byte with a float64 max over the window's positions inside the input
-(torch; exact for 8-bit values). At batch 256 the ResNet stem's pool is timed (CUDA graph) side by side with the
-baselines it replaces -- TVM's legalized max_pool2d under dlight's default rules, and under
+DIR defaults to build/gpu/pools, OUT to DIR. On the GPU host: every case on fresh random bytes over the type's whole
+range, the output poisoned before each of two runs, compared byte for byte with a float64 max over the window's
+positions inside the input (torch; exact for 8-bit values). At batch 256 the ResNet stem's pool is timed (CUDA graph)
+side by side with two baselines -- TVM's legalized max_pool2d under dlight's default rules, and under
 ``glue.ChannelsLastWindowReduction`` -- and so is the global average pool's sum (uint8 -> int32 over 7x7 of 2048
-channels) under dlight and under the rule; every baseline is checked too.
+channels) under dlight and under the rule; every baseline is checked too. JSON to OUT/check_pools.json; ``table``
+writes its Markdown table (block ``pools``).
 """
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
-import os
 import pathlib
+import shlex
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DIR = ROOT / ".device" / "pools"
+DIR = ROOT / "build" / "gpu" / "pools"
 # (name, N, H, W, C, dtype, pool, strides, padding t, l, b, r)
 CASES = [
     ("r50_stem_pool_b1", 1, 112, 112, 64, "uint8", (3, 3), (2, 2), (1, 1, 1, 1)),
@@ -71,21 +75,23 @@ def _baseline(name, op, shape):
     return f.with_attr("global_symbol", name)
 
 
-def cmd_build():
+def cmd_build(a):
     import tvm
 
     from qcompile.schedules.build import cuda_target, ensure_stub_libcuda, nvcc_options
     from qcompile.schedules.pool import max_pool_nhwc_kernel
 
-    ensure_stub_libcuda()  # (so that the module embeds compiled code, not CUDA source: there is no nvrtc there)
-    DIR.mkdir(parents=True, exist_ok=True)
+    ensure_stub_libcuda()  # (so that the module embeds compiled code, not CUDA source: the GPU host has no nvrtc)
+    d = pathlib.Path(a.dir)
+    d.mkdir(parents=True, exist_ok=True)
     funcs = {c[0]: max_pool_nhwc_kernel(*c[1:9], packed4=c[9] if len(c) > 9 else "").with_attr("global_symbol", c[0])
              for c in CASES}
     funcs.update({b[0]: _baseline(*b) for b in BASELINES})
     with nvcc_options("sm_90", "sass"):
-        tvm.compile(tvm.IRModule(funcs), target=cuda_target("sm_90")).export_library(str(DIR / "pools.so"))
-    (DIR / "cases.json").write_text(json.dumps({"cases": CASES, "baselines": BASELINES}))
-    print(f"{len(funcs)} kernels -> {DIR / 'pools.so'}")
+        tvm.compile(tvm.IRModule(funcs), target=cuda_target("sm_90")).export_library(str(d / "pools.so"))
+    cmd = shlex.join(["python", "scripts/check_pools.py", *sys.argv[1:]])  # (the device side records it)
+    (d / "cases.json").write_text(json.dumps({"cases": CASES, "baselines": BASELINES, "command": cmd}))
+    print(f"{len(funcs)} kernels -> {d / 'pools.so'}")
 
 
 def reference(x, pool, strides, padding):
@@ -98,7 +104,7 @@ def reference(x, pool, strides, padding):
     return y.permute(0, 2, 3, 1)
 
 
-def cmd_device():
+def cmd_device(a):
     sys.path.insert(0, str(ROOT / "scripts"))
     from device_env import setup_runtime_and_reexec
 
@@ -107,12 +113,14 @@ def cmd_device():
     import numpy as np
     import torch
 
-    mod = DR.tvm.runtime.load_module(str(DIR / "pools.so"))
-    out = pathlib.Path(os.environ.get("OUT", "/tmp"))
-    spec = json.loads((DIR / "cases.json").read_text())
+    d = pathlib.Path(a.dir)
+    mod = DR.tvm.runtime.load_module(str(d / "pools.so"))
+    out = pathlib.Path(a.out or d)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = json.loads((d / "cases.json").read_text())
     results, ok_all = [], True
     sys.path.insert(0, str(ROOT / "schedules"))
-    from reference import pack4  # (schedules/reference.py: the project's nibble order)
+    from qcompile.int4 import pack as pack4  # (qcompile's nibble order; device_run made qcompile importable)
 
     for name, N, H, W, C, dt, pool, strides, pad, *packed4 in spec["cases"]:
         rng = np.random.default_rng(len(results) + 1)
@@ -149,12 +157,64 @@ def cmd_device():
         ok_all &= ok
         results.append(row)
         print(("PASS " if ok else "FAIL ") + json.dumps(row), flush=True)
-    (out / "check_pools.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results},
-                                                     indent=1))
+    meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+            "build_command": spec.get("command"),
+            "command": shlex.join(["python3", "scripts/check_pools.py", *sys.argv[1:]])}
+    (out / "check_pools.json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
     print(f"{sum(r['ok'] for r in results)}/{len(results)} pool kernels exact")
     sys.exit(0 if ok_all else 1)
 
 
-if __name__ == "__main__":
+POOL_ROWS = [  # (what, qcompile row, baseline rows)
+    ("ResNet stem max pool 3x3/2, uint8 [256,112,112,64]", "r50_stem_pool_b256", ["maxpool_dlight", "maxpool_rule"]),
+    ("the same on packed 4-bit values (INT4 models)", "u4_stem_pool_b256", []),
+    ("global average pool's sum, uint8 -> int32 over 7x7 of [256,7,7,2048]", "avgsum_rule", ["avgsum_dlight"]),
+]
+BASELINE_NAMES = {"maxpool_dlight": "TVM max_pool2d, dlight's default GPU rules",
+                  "maxpool_rule": "TVM max_pool2d under glue.ChannelsLastWindowReduction",
+                  "avgsum_dlight": "TVM sum, dlight's default GPU rules"}
+
+
+def table(path):
+    res = json.loads(pathlib.Path(path).read_text())
+    rs = {r["name"]: r for r in res["results"]}
+    ok = sum(r["ok"] for r in res["results"])
+    code = f", code at `{res['commit']}`" if res.get("commit") else ""
+    out = [f"{res['device']}, {res['date']}{code}. Built with `{res['build_command']}`, measured on the GPU host with "
+           f"`{res['command']}`. ms per kernel (CUDA graph); {ok} of {len(rs)} kernels (the cases and the baselines) "
+           "equal to the reference byte for byte.", "",
+           "| kernel (batch 256) | qcompile ms | PyTorch fp16 max_pool2d ms (channels_last) "
+           "| baselines in the same run, ms |",
+           "|---|---|---|---|"]
+    for what, ours, bases in POOL_ROWS:
+        r = rs[ours]
+        torch_ms = f"{r['torch_fp16_ms']:.4f}" if "torch_fp16_ms" in r else "--"
+        b = "; ".join(f"{BASELINE_NAMES[n]} {rs[n]['ms']:.4f}" for n in bases) or "--"
+        out.append(f"| {what} | {r['ms']:.4f} | {torch_ms} | {b} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
     sys.path.insert(0, str(ROOT))
-    {"build": cmd_build, "device": cmd_device}[sys.argv[1]]()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import e2e_table
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build the cases and baselines (build host)")
+    b.add_argument("--dir", default=str(DIR), help="output folder (default: %(default)s)")
+    d = sub.add_parser("device", help="check and time them (GPU host)")
+    d.add_argument("--dir", default=str(DIR), help="the build folder (default: %(default)s)")
+    d.add_argument("--out", help="results folder (default: --dir)")
+    t = sub.add_parser("table", help="the Markdown table of a results file")
+    t.add_argument("results")
+    e2e_table.add_write_args(t, "pools")
+    a = ap.parse_args(argv)
+    if a.cmd == "table":
+        e2e_table.write_block(a.name, table(a.results), a.write)
+    else:
+        {"build": cmd_build, "device": cmd_device}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,24 +1,25 @@
 #!/usr/bin/env python3
-"""Build (here, no GPU) every kernel the device run checks and times; write .device/manifest.json.
+"""Build (no GPU needed) every kernel that scripts/device_run.py checks bit-exactly and times on a GPU host.
 
-    python scripts/device_build.py [--quick] [--jobs 2]
-Outputs .device/*.so (TVM modules with embedded fatbins), .device/manifest.json, .device/sass/*.txt.
-Then: scripts/make_runtime_bundle.sh 3.12 and run scripts/device_run.sh on the GPU host
-(carry .device and .bundle)."""
+    python scripts/device_build.py [--dir build/gpu/checks] [--quick] [--jobs 2]
+Writes DIR/*.so (TVM modules with embedded fatbins), DIR/manifest.json (one record per kernel: its spec, knobs,
+module and function names), DIR/build_command.txt and DIR/keep/gNNN/ (each module's CUDA source and fatbin). Then, on a GPU host with the
+TVM runtime, numpy and torch (scripts/make_runtime_bundle.sh packs the runtime for that host's Python), with the
+repository and DIR copied there:
+    bash scripts/device_run.sh [DIR] [--out OUT_DIR] [--no-bench]      (results: OUT_DIR/results.json; OUT_DIR: DIR)"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
 import multiprocessing as mp
-import os
 import pathlib
-import subprocess
+import shlex
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUT = ROOT / ".device"
+BUILD_DIR = ROOT / "build" / "gpu" / "checks"  # (--dir default)
 
 
 def spec_dict(s):
@@ -82,7 +83,7 @@ def make_cases(quick=False, bench=True):
             add("check", f"plan_{name}_b{N}_int8", int8_spec(N, C, H, K, R, st, pd, v), None, plan=True)
             add("check", f"plan_{name}_b{N}_int4", int4_spec(N, C, H, K, R, st, pd, v), None, plan=True)
     # what shapes without a record of their own get (knobs_for), as plans: the layer's record at the nearest batch size
-    # (ResNet-50 at batch 2; at 16, 32 and 128 since the fifteenth round its own records), or the arch's defaults
+    # (ResNet-50 at batch 2; at 16, 32 and 128 the log holds the layers' own records), or the arch's defaults
     # (warpgroup tiles on channel counts no ResNet layer has, small and large grids, stride 1 and 2)
     for li, (name, C, H, K, R, st, pd) in enumerate(distinct(RESNET50)):
         for N in (2, 16, 32, 128):
@@ -447,7 +448,9 @@ def make_cases(quick=False, bench=True):
 
 
 def build_group(args):
-    gi, group = args
+    """Build one module of kernels: ``args`` = (module index, cases, output dir)."""
+    gi, group, out = args
+    out = pathlib.Path(out)
     import tvm
     from qcompile.schedules import conv2d_int_kernel, conv2d_int_plan
     from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options, cuda_target
@@ -489,8 +492,8 @@ def build_group(args):
                 warnings.simplefilter("ignore")
                 nsf = conv2d_int_kernel(c["spec"], arch, strat, kn)
             funcs[c["nosplit_func"]] = nsf.with_attr("global_symbol", c["nosplit_func"])
-    so = OUT / f"g{gi:03d}_{arch}_{mode}.so"
-    keep = OUT / "keep" / f"g{gi:03d}"
+    so = out / f"g{gi:03d}_{arch}_{mode}.so"
+    keep = out / "keep" / f"g{gi:03d}"
     t = time.time()
     with nvcc_options(arch, mode, keep=str(keep)):
         lib = tvm.compile(tvm.IRModule(funcs), target=cuda_target(arch))
@@ -503,17 +506,19 @@ def build_group(args):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--group", type=int, default=12)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None, help="output directory (default build/gpu/checks)")
+    ap.add_argument("--quick", action="store_true", help="a smaller set: the first four ResNet layers where the checks walk every layer, no bench kernels")
+    ap.add_argument("--jobs", type=int, default=2, help="parallel build processes")
+    ap.add_argument("--group", type=int, default=12, help="kernels per module")
     ap.add_argument("--filter", default=None, help="regex: build only cases whose name matches")
     ap.add_argument("--residual", action="store_true", help="only cases with the residual-add epilogue")
     ap.add_argument("--checks-only", action="store_true", help="no bench kernels (the layer bench of "
                     "scripts/tune_layers.py times the compiled-model kernels instead)")
     a = ap.parse_args()
-    OUT.mkdir(exist_ok=True)
-    for f in OUT.glob("*.so"):
+    out = pathlib.Path(a.dir) if a.dir else BUILD_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.glob("*.so"):
         f.unlink()
     cases = make_cases(a.quick, bench=not a.checks_only)
     if a.filter:
@@ -535,18 +540,16 @@ def main():
     t0 = time.time()
     manifest = []
     with mp.get_context("spawn").Pool(a.jobs) as pool:
-        for gi, recs, dt in pool.imap_unordered(build_group, list(enumerate(groups))):
+        for gi, recs, dt in pool.imap_unordered(build_group, [(gi, g, str(out)) for gi, g in enumerate(groups)]):
             manifest += recs
             print(f"  group {gi} ({len(recs)} kernels) {dt:.1f}s  total {time.time() - t0:.0f}s", flush=True)
     manifest.sort(key=lambda r: r["func"])
-    (OUT / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    (out / "build_command.txt").write_text("python scripts/device_build.py " + shlex.join(sys.argv[1:]) + "\n")
     for r in manifest:  # (cuda_tools.wgmma_a_hazards: such a kernel may compute wrong sums on the GPU)
         for h in r.get("sass_hazards", []):
             print(f"SASS HAZARD {r['name']}: {h}", flush=True)
-    # SASS proof for the sm_75 / sm_86 builds (their SASS is built here; the device runs the PTX)
-    sass_dir = OUT / "sass"
-    sass_dir.mkdir(exist_ok=True)
-    print(f"built in {time.time() - t0:.0f}s; {sum(f.stat().st_size for f in OUT.glob('*.so')) / 1e6:.1f} MB")
+    print(f"built in {time.time() - t0:.0f}s; {sum(f.stat().st_size for f in out.glob('*.so')) / 1e6:.1f} MB")
 
 
 if __name__ == "__main__":

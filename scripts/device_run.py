@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
-"""Runs ON THE GPU HOST with the TVM runtime only: checks every kernel in .device/manifest.json
-bit-exactly against the integer reference, then times the bench set against cuDNN fp16 and
-torch._int_mm.  Usage (see scripts/device_run.sh):  python3 scripts/device_run.py .device [--no-bench]"""
+"""On a GPU host with the TVM runtime, numpy and torch: checks every kernel of a scripts/device_build.py build
+(DIR/manifest.json) bit-exactly against the integer reference, then times the bench set against cuDNN fp16 and
+torch._int_mm; writes OUT_DIR/results.json.
+
+    python3 scripts/device_run.py [DIR] [--out OUT_DIR] [--no-bench]    (DIR: build/gpu/checks; OUT_DIR: DIR)
+
+scripts/device_run.sh runs it with the runtime bundle where TVM does not import. tune_layers.py, check_pools.py and
+check_glue.py import it for the runtime, the kernel loader (``get_func``: from ``DEVICE_DIR``) and the timers."""
 from __future__ import annotations
 
-import ctypes
+import importlib.util
 import json
 import os
 import pathlib
@@ -15,18 +20,23 @@ os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
-from tvm.base import _LOADED_LIBS  # noqa: E402
 
-_rt = pathlib.Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent
-ctypes.CDLL(str(_rt / "libtvm_runtime_cuda.so"), mode=ctypes.RTLD_LOCAL)
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+if importlib.util.find_spec("qcompile") is None:  # not installed: the source tree's compiler/ is the package
+    _qc = importlib.util.spec_from_file_location("qcompile", ROOT / "compiler" / "__init__.py",
+                                                 submodule_search_locations=[str(ROOT / "compiler")])
+    sys.modules["qcompile"] = importlib.util.module_from_spec(_qc)
+    _qc.loader.exec_module(sys.modules["qcompile"])
+from qcompile.runtime import load_cuda_runtime  # noqa: E402
+
+load_cuda_runtime(required=True)
 sys.path.insert(0, str(ROOT / "schedules"))
-import reference as R  # noqa: E402
+import reference as R  # noqa: E402  (schedules/ as plain modules: the qcompile.schedules package needs TVM's compiler)
 from spec import ConvSpec  # noqa: E402
 
 DEV = tvm.cuda(0)
 TDEV = torch.device("cuda")
-OUTDIR = pathlib.Path(os.environ.get("OUT", "/tmp"))
+DEVICE_DIR = ROOT / "build" / "gpu" / "checks"  # the build whose .so files get_func loads
 
 
 def to_spec(d):
@@ -80,7 +90,7 @@ def w8_wrap(rec, f):
         if id(w) not in held:
             held.clear()
             if rec.get("w8"):
-                wl = R.unpack4(np.asarray(w.numpy()).view(np.uint8), True)
+                wl = R.from_storage(np.asarray(w.numpy()), "int4")
                 wk = R.expand_w4(wl, rec.get("w8_kperm", 0))
             else:
                 wk = R.permute_k8(np.asarray(w.numpy()), rec["w8_kperm"])
@@ -173,7 +183,7 @@ def cuda_time(fn, reps=20, warm=3, launches=1):
 # events, per launch (kernel time as long as the host keeps ahead of the GPU: not so for kernels of a few
 # microseconds, whose Python launch costs as much), "graph" = the same N launches captured in one CUDA graph and
 # replayed (no host launch cost at all: kernel to kernel, for ours through tvm_ffi.use_torch_stream), "launch" = one
-# launch between two events, median of 20 (includes each call's host launch latency: the first two rounds' method)
+# launch between two events, median of 20 (includes each call's host launch latency)
 TIMING = os.environ.get("QC_BENCH_TIMING", "graph")
 
 
@@ -224,10 +234,7 @@ def bench_timer(fn, check=None):
 
 
 def tvm_time(f, targs, reps=20):
-    try:
-        te = f.time_evaluator if hasattr(f, "time_evaluator") else None
-    except Exception:  # noqa: BLE001
-        te = None
+    """Median host wall time (ms) of one synchronized call, over ``reps`` calls."""
     for _ in range(3):
         f(*targs)
     DEV.sync()
@@ -285,25 +292,27 @@ def run_bench(rec, func=None):
             ref["o"] = o.clone()
             o.bitwise_not_()
 
-        ms = bench_timer(lambda: f(*targs), check=(reset, lambda: torch.equal(o, ref["o"])))
-        del xt, wt, o, targs
-        return ms
+        return bench_timer(lambda: f(*targs), check=(reset, lambda: torch.equal(o, ref["o"])))
     ms = tvm_time(f, targs)
     # event timing of the same launches (TVM launches on the legacy default stream, same as torch's)
     ms_ev = cuda_time(lambda: f(*targs))
-    del xt, wt, o, targs
     return min(ms, ms_ev)
 
 
-def baselines(spec):
+def cudnn_time(spec, timer):
+    """``timer`` of cuDNN's fp16 channels_last conv of ``spec``'s shape (cudnn.benchmark); its tensors are freed on
+    return."""
     N, C, H, K, R_ = spec.N, spec.C, spec.H, spec.K, spec.R
     x = torch.randn(N, C, H, spec.W, device=TDEV).half().to(memory_format=torch.channels_last)
     w = torch.randn(K, C, R_, spec.S, device=TDEV).half().to(memory_format=torch.channels_last)
     pt = spec.pads[0]
     torch.backends.cudnn.benchmark = True
+    return timer(lambda: torch.nn.functional.conv2d(x, w, stride=spec.strides, padding=pt))
+
+
+def baselines(spec):
     timer = bench_timer if TIMING in ("b2b", "graph") else cuda_time
-    t_cudnn = timer(lambda: torch.nn.functional.conv2d(x, w, stride=spec.strides, padding=pt))
-    del x, w
+    t_cudnn = cudnn_time(spec, timer)
     Mg, Ng, Kg = spec.gemm_shape()
     Kp = (Kg + 7) // 8 * 8
     Np = (Ng + 7) // 8 * 8
@@ -318,12 +327,25 @@ def baselines(spec):
 
 
 def main():
+    import argparse
+    import shlex
+
     global DEVICE_DIR
-    DEVICE_DIR = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".device")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", nargs="?", default=None, help="the scripts/device_build.py build (default build/gpu/checks)")
+    ap.add_argument("--out", default=None, help="where results.json goes (default: DIR)")
+    ap.add_argument("--no-bench", action="store_true", help="the checks only")
+    a = ap.parse_args()
+    DEVICE_DIR = pathlib.Path(a.dir) if a.dir else DEVICE_DIR
+    out = pathlib.Path(a.out) if a.out else DEVICE_DIR
+    out.mkdir(parents=True, exist_ok=True)
     man = json.loads((DEVICE_DIR / "manifest.json").read_text())
     print("GPU:", torch.cuda.get_device_name(0), "| tvm", tvm.__version__, "| torch", torch.__version__,
           "| cudnn", torch.backends.cudnn.version(), flush=True)
-    results = {"checks": [], "bench": []}
+    bc = DEVICE_DIR / "build_command.txt"  # (device_build.py writes it; results.json names both commands)
+    results = {"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "timing": TIMING,
+               "build_command": bc.read_text().strip() if bc.is_file() else None,
+               "command": "python3 scripts/device_run.py " + shlex.join(sys.argv[1:]), "checks": [], "bench": []}
     t0 = time.time()
     nfail = 0
     for i, rec in enumerate(r for r in man if r["kind"] == "check"):
@@ -345,8 +367,8 @@ def main():
             except Exception as e:  # noqa: BLE001
                 print("  split timing error", str(e)[-200:])
     print(f"checks: {len(results['checks']) - nfail}/{len(results['checks'])} pass  ({time.time() - t0:.0f}s)", flush=True)
-    (OUTDIR / "results.json").write_text(json.dumps(results, indent=1))
-    if "--no-bench" in sys.argv:
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    if a.no_bench:
         return
     bench = [r for r in man if r["kind"] == "bench"]
     by_layer = {}
@@ -373,7 +395,7 @@ def main():
         print(f"BENCH {key:<22} int8 {row.get('int8_ms', float('nan')):.4f}ms {g / row.get('int8_ms', float('nan')):7.1f}TOPS "
               f"int4 {row.get('int4_ms', float('nan')):.4f}ms {g / row.get('int4_ms', float('nan')):7.1f}TOPS "
               f"cudnn16 {row['cudnn_fp16_ms']:.4f}ms int_mm {row['int_mm_ms']:.4f}ms", flush=True)
-        (OUTDIR / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "results.json").write_text(json.dumps(results, indent=1))
         torch.cuda.empty_cache()
     print(f"done in {time.time() - t0:.0f}s")
 

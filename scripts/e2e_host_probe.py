@@ -1,18 +1,16 @@
 #!/usr/bin/env python3
-"""Is a qcompile forward call host-bound? (GPU host, TVM runtime only; run after bench_e2e.sh's set-up lines.)
+"""Is a qcompile forward call host-bound? (GPU host, TVM runtime + numpy + torch; with the runtime bundle, set
+PYTHONPATH and TVM_USE_RUNTIME_LIB=1 as scripts/bench_e2e.sh does.)
 
-    PYTHONPATH=$RT:$RT/py TVM_USE_RUNTIME_LIB=1 python3 scripts/e2e_host_probe.py enqueue DIR/b1.so [WEIGHTS.npz]
-    PYTHONPATH=$RT:$RT/py TVM_USE_RUNTIME_LIB=1 python3 scripts/e2e_host_probe.py queued DIR/b1.so [WEIGHTS.npz]
+    python3 scripts/e2e_host_probe.py enqueue build/gpu/e2e/resnet50_8/b1.so [WEIGHTS.npz]
+    python3 scripts/e2e_host_probe.py queued build/gpu/e2e/resnet50_8/b1.so [WEIGHTS.npz]
 
 ``enqueue``: 200 calls without a sync (host time per call) vs until the GPU is idle (total per call), three times, and
 TVM's time_evaluator; equal enqueue and total times mean the host is the limit. ``queued``: one call issued behind
-~30 ms of queued GPU work: a host time far below 30 ms means the call does not synchronize. (The two probes behind
-docs/BENCHMARKS.md's fifth-round batch-1 paragraph, 2026-11-23, H100.)
+~30 ms of queued GPU work: a host time far below 30 ms means the call does not synchronize. Prints one JSON line.
 """
-import ctypes
 import json
 import os
-import pathlib
 import sys
 import time
 
@@ -20,11 +18,9 @@ os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
-from tvm.base import _LOADED_LIBS  # noqa: E402
+from qcompile.runtime import Module, load_cuda_runtime  # noqa: E402
 
-ctypes.CDLL(str(pathlib.Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent / "libtvm_runtime_cuda.so"),
-            mode=ctypes.RTLD_LOCAL)
-from qcompile.runtime import Module  # noqa: E402
+load_cuda_runtime(required=True)
 
 
 def main():

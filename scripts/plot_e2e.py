@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Plot bench_e2e.py results: images/s per batch size, qcompile INT8/INT4/mixed vs PyTorch fp16.
+"""Plot bench_e2e.py results: images/s per batch size, qcompile INT8/INT4/mixed vs PyTorch fp16 (same run).
 
-    python scripts/plot_e2e.py docs/bench/e2e_*.json -o docs/e2e_h100.png
+    python scripts/plot_e2e.py docs/bench/e2e_resnet_h100.json -o docs/e2e_h100.png
 """
 import argparse
 import json
@@ -16,12 +16,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+")
     ap.add_argument("-o", "--out", default="docs/e2e_h100.png")
-    ap.add_argument("--title", default="NVIDIA H100 80GB HBM3")
+    ap.add_argument("--title", help="default: the results' device and date")
     a = ap.parse_args()
-    rows = []
+    rows, meta = [], {}
     for f in a.results:
         d = json.load(open(f))
         rows += d["results"] if isinstance(d, dict) else d
+        meta = meta or (d if isinstance(d, dict) else {})
+    title = a.title or f"{meta.get('device', '')}, {meta.get('date', '')}".strip(", ")
     nets = sorted({r["net"] for r in rows})
     fig, axes = plt.subplots(1, len(nets), figsize=(6 * len(nets), 4.5), squeeze=False)
     for ax, net in zip(axes[0], nets):
@@ -29,7 +31,8 @@ def main():
         batches = sorted({r["batch"] for r in rs})
         xs = range(len(batches))
         series = [("PyTorch fp16 (cuDNN, CUDA graph)", lambda r: r["torch_img_s"], None)]
-        series += [(f"qcompile {b}", lambda r: r["img_s"], b) for b in ("8", "4", "mixed")]
+        series += [(f"qcompile {n}", lambda r: r["img_s"], b)
+                   for b, n in (("8", "INT8"), ("4", "INT4"), ("mixed", "mixed"))]
         width = 0.8 / len(series)
         for i, (label, get, bits) in enumerate(series):
             vals = []
@@ -40,7 +43,7 @@ def main():
         ax.set_xticks([x + 0.4 - width / 2 for x in xs], [str(b) for b in batches])
         ax.set_xlabel("batch size")
         ax.set_ylabel("images / s")
-        ax.set_title(f"{net} — {a.title}")
+        ax.set_title(f"{net} — {title}")
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()

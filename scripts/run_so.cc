@@ -2,9 +2,9 @@
 //
 //   run_so MODEL.so INPUT.bin N C H W [cpu|cuda]
 //
-// INPUT.bin holds N*C*H*W float32 values (NCHW, native byte order), e.g. np.save'd data written with
+// INPUT.bin holds N*C*H*W float32 values (NCHW, native byte order, no header), e.g. written with
 // x.astype('float32').tofile('x.bin'). Prints the logits' shape and the top-1 class of every image.
-// Build command: see README.md ("Deploying with C++"). Modules built with --weights-beside need their
+// Build command: see README.md ("Deploying without the compiler"). Modules built with --weights-beside need their
 // weights passed as extra arguments to main; this example covers the default (weights inside the .so).
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/module.h>

@@ -1,27 +1,32 @@
 #!/usr/bin/env python3
-"""Knob tuning of the tensor-core conv kernels, per ResNet-18/50 conv shape, checked and timed in ONE device call.
+"""Knob tuning of the tensor-core conv kernels, per ResNet-18/50 conv shape: candidates built on a machine without a
+GPU, checked bit-exactly and timed on a GPU host, the fastest exact knobs merged into tuning_logs/sm_90.json.
 
-  1. here:  python scripts/tune_layers.py build [--batches 64 256] [--variants 6 4] [--jobs 2]
-              -> .device/tune/*.so + manifest.json: for each distinct ResNet-18/50 conv shape at each tuned batch,
-                 INT8 (uint8 x int8 -> uint8) and INT4 (uint4 x int4 -> uint4), NHWC implicit GEMM, a small candidate
-                 set of GemmKnobs (the sm_90 default first); plus default-knob kernels for the untuned bench batch (8).
-            [python scripts/tune_layers.py build --append --cands NAME.. [--only-r 3] [--only-c 64]]   (more candidates;
-                 what produced tuning_logs/sm_90.json: see docs/schedules_notes.md, "Knob tuning", and the log's
-                 generated_by; later rounds: --wgmma / --awarp / --wsp / --erq / --sk / --splits / --as-compiled /
-                 --neighbors ...)
-              each kernel is built as compiled models run it: conv2d_int_plan, i.e. the split-K pair (GEMM + epilogue
-              kernel) where the knobs split -- the automatic split at small grids (batch 1-8) included
-            scripts/make_runtime_bundle.sh 3.12          (.bundle/, once)
-  2. GPU:   run(command="python3 scripts/tune_layers.py device", carry=[".device/tune", ".bundle"])
-              every variant is checked bit-exactly (fresh random inputs per variant, float64 GPU conv + int64
-              requant reference cross-checked against the NumPy reference, output poisoned twice), the passing ones
-              are timed (median of 7 rounds x 10 launches, one CUDA-graph replay each, interleaved across variants); then the
-              ResNet-50 layer bench of bench_layers.py (best kernel per shape vs cuDNN fp16 / torch._int_mm, and the
-              default kernel again; with --ab-rounds N also each layer's INT8 and INT4 kernels timed alternately N
-              times, the median paired ratio), then ncu on one 3x3 layer. Writes $OUT/tune_results.json, $OUT/results.json,
-              $OUT/ncu_*.txt, $OUT/tune_log.txt.
-  3. here:  python scripts/tune_layers.py log OUT/tune_results.json     -> tuning_logs/sm_90.json
-            python scripts/tune_layers.py table OUT/results.json        -> the docs/BENCHMARKS.md layer table
+  1. build (no GPU needed; nvcc):
+       python scripts/tune_layers.py build [--dir build/gpu/tune] [--batches 64 256] [--variants 6 4] [--jobs 2]
+         -> DIR/*.so, DIR/manifest.json, DIR/build_command.txt: for each distinct ResNet-18/50 conv shape at each
+            tuned batch, INT8 (uint8 x int8 -> uint8) and INT4 (uint4 x int4 -> uint4), NHWC implicit GEMM, a small
+            candidate set of GemmKnobs (the sm_90 DEFAULT_KNOBS first, as "default"); plus default-knob kernels for
+            the untuned bench batch (8). Other build modes propose other candidate sets (--wgmma / --awarp / --wsp /
+            --w8 / --erq / --pp / --sk / --splits / --neighbors / --residual ...: see `build --help`);
+            --append adds candidates to an existing build. Each kernel is built as compiled models run it
+            (conv2d_int_plan): the split-K pair (GEMM + epilogue kernel) where the knobs split, the automatic split
+            at small grids (batch 1-8) included.
+       scripts/make_runtime_bundle.sh [BUNDLE_DIR]   (once; only for a GPU host without TVM: packs the TVM runtime
+                                                      and the tvm-ffi wheel for that host's Python)
+  2. on a GPU host with the TVM runtime, numpy and torch (the repository and DIR copied there):
+       python3 scripts/tune_layers.py device [--dir build/gpu/tune] [--out OUT_DIR]
+         every variant is checked bit-exactly (fresh random inputs per variant, float64 GPU conv + int64 requant
+         reference cross-checked against the NumPy reference, output poisoned twice), the passing ones are timed
+         (median of 7 samples x 10 launches, one CUDA-graph replay each, interleaved across variants); then the
+         ResNet-50 layer bench of bench_layers.py (best kernel per shape vs cuDNN fp16 / torch._int_mm, and the
+         default kernel again; with --ab-rounds N also each layer's INT8 and INT4 kernels timed alternately N times,
+         the median paired ratio), then ncu on one 3x3 layer. Writes OUT_DIR/tune_results.json,
+         OUT_DIR/results.json, OUT_DIR/ncu_*.txt, OUT_DIR/tune_log.txt (OUT_DIR: --out, default DIR). Where TVM does
+         not import, the runtime bundle is unpacked from build/runtime_bundle ($QC_RUNTIME_BUNDLE overrides).
+  3. back on the build machine:
+       python scripts/tune_layers.py log OUT_DIR/tune_results.json --merge   -> tuning_logs/sm_90.json
+       python scripts/tune_layers.py table OUT_DIR/results.json              -> the layer table (Markdown)
 """
 from __future__ import annotations
 
@@ -34,12 +39,13 @@ import multiprocessing as mp
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TUNE_DIR = ROOT / ".device" / "tune"
+TUNE_DIR = ROOT / "build" / "gpu" / "tune"  # (build / device --dir default)
 ARCH = "sm_90"
 SM_COUNT = 132  # H100 SXM
 
@@ -56,8 +62,8 @@ CAND = {
     "128x64": dict(BM=128, BN=64, BK=128, WM=2, WN=2, stages=4),
     "64x64": dict(BM=64, BN=64, BK=128, WM=2, WN=2, stages=4),
 }
-# second round (after the first run's ncu: 1.5 warps per scheduler, occupancy limited by registers and shared
-# memory): 8-warp blocks / fewer stages so that 2-3 blocks fit per SM
+# 8-warp blocks / fewer stages so that 2-3 blocks fit per SM (ncu of the tiles above: 1.5 warps per scheduler,
+# occupancy limited by registers and shared memory)
 CAND.update({
     "8warp_s3": dict(BM=128, BN=128, BK=64, WM=4, WN=2, stages=3),
     "8warp_bk128_s2": dict(BM=128, BN=128, BK=128, WM=4, WN=2, stages=2),
@@ -68,7 +74,7 @@ CAND.update({
 # C=64 INT4 has a 32-byte reduction per (r, s): BK=64 zero-fills half of every chunk
 CAND.update({"bk32": dict(BM=128, BN=128, BK=32, WM=2, WN=2, stages=4),
              "8warp_bk32": dict(BM=128, BN=128, BK=32, WM=4, WN=2, stages=4)})
-# third round: warpgroup MMA (wgmma.mma_async, sm_90a; INT8 only). WM x WN warpgroups of 128 threads
+# warpgroup MMA (wgmma.mma_async, sm_90a). WM x WN warpgroups of 128 threads
 WGMMA = {  # (BK = 128: the 128-byte swizzle; stages 3 keeps two 128x128 blocks per SM -- both measured decisive)
     "wg128x128_bk128": dict(BM=128, BN=128, BK=128, WM=2, WN=1, stages=3),
     "wg128x256_bk128": dict(BM=128, BN=256, BK=128, WM=2, WN=1, stages=3),
@@ -79,7 +85,7 @@ WGMMA = {  # (BK = 128: the 128-byte swizzle; stages 3 keeps two 128x128 blocks 
     "wg128x64_bk128": dict(BM=128, BN=64, BK=128, WM=2, WN=1, stages=4),
     "wg64x64_bk128": dict(BM=64, BN=64, BK=128, WM=1, WN=1, stages=4),
 }
-WG_SWEEP = list(WGMMA)  # the first sweep's set
+WG_SWEEP = list(WGMMA)  # the tiles above: build --wgmma's candidates without --cands
 # no MMA group left in flight (pipe=-1): the cp.async loads run stages-1 chunks ahead; stages=2 fits two 128x256 /
 # 256x128 blocks per SM
 WGMMA.update({
@@ -140,7 +146,6 @@ WGMMA.update({  # deeper pipelines (1-2 MMA groups in flight, 4-6 stages) for gr
 WG_SWEEP_G0 = ["wg128x128_bk128_g0", "wg128x256_bk128_s2g0", "wg128x128_bk128_1wg_g0", "wg64x128_bk128_g0",
                "wg128x64_bk128_g0", "wg64x64_bk128_g0", "wg256x128_bk128_s2g0"]
 CAND.update({k: dict(v, mma="wgmma") for k, v in WGMMA.items()})
-ROUND2 = ["8warp_s3", "8warp_bk128_s2", "8warp_bk128_s3", "64x128_s2", "128x64_s2"]
 ORDER_LARGE = ["bk128", "256x128", "8warp", "256x128bk128", "128x256", "128x64", "64x128", "64x64"]
 ORDER_SMALL = ["bk128", "64x128", "8warp", "128x64", "64x64", "256x128", "128x256", "256x128bk128"]
 
@@ -304,8 +309,8 @@ def bench8_cases():
 
 
 def make_cases(batches, nvar, names=None, only_r=None, bench8=True, only_c=None):
-    from qcompile.schedules import DEFAULT_KNOBS, select_strategy
-    from qcompile.schedules.layers import ALL_RESNET, RESNET50, distinct
+    from qcompile.schedules import select_strategy
+    from qcompile.schedules.layers import ALL_RESNET, RESNET50
 
     cases = []
     r50 = {l[1:] for l in RESNET50}
@@ -547,7 +552,8 @@ def make_cases_stem(batches, names=None):
 
 def _stem_igemm_cases(batches):
     """The stem's space-to-depth conv at each batch, INT8 and INT4, as the implicit GEMM with the knobs it would get
-    (``_now_knobs``: its tuning-log record), as tuning rows: what compiled models ran before the direct_halo kernel."""
+    (``_now_knobs``: its tuning-log record), as tuning rows: what compiled models run where the implicit GEMM is
+    forced (``strategy="implicit_gemm"``; sm_90a builds run the direct_halo kernel)."""
     return [dict(kind="tune", layer=layer, spec=spec, strategy="implicit_gemm", knobs=_now_knobs(spec), variant="default",
                  is_default=True) for layer, spec, _ in r50_layer_specs(batches) if layer.startswith("r50_stem_")]
 
@@ -737,7 +743,7 @@ def _split_variants(kn_now, splits, seen):
 def make_cases_splits(batches, layers=None, splits=(1, 2, 4, 8)):
     """Every ResNet-50 layer as compiled now plus, for the tensor-core ones (or only ``layers``), their knobs with each
     K-split of ``splits`` (``GemmKnobs.split_k``; 1 = one kernel) as tuning variants: the automatic split (0) is a
-    rule of thumb, and until the seventh round the tuner timed the unsplit kernel where compiled models ran the pair."""
+    rule of thumb; the log keeps a split measured faster."""
     cases, extra = make_cases_as_compiled(batches), []
     for c in _tunable(cases, ("int8", "int4"), layers):
         extra += [dict(c, knobs=kn, variant=vname, is_default=False)
@@ -834,7 +840,7 @@ def _now_knobs(spec):
 
 
 def with_residual(cases, layers=RESIDUAL_LAYERS):
-    """``cases`` (any build mode's) with the specs of the layers named ``*layers`` (RESIDUAL_LAYERS) carrying the
+    """``cases`` (any build mode's) with the specs of the layers named ``*layers`` (RESIDUAL_LAYERS) taking the
     residual add a compiled ResNet fuses into them (``residual_spec``: tuning key ``|res``), every variant alike; a
     layer's default row takes the knobs the model compiles that conv with (its ``|res`` record, else the plain one's);
     variants a build mode derived from the plain conv's knobs keep them."""
@@ -854,7 +860,7 @@ def with_residual(cases, layers=RESIDUAL_LAYERS):
 
 def make_cases_as_compiled(batches, residual=()):
     """One kernel per ResNet-50 shape: the knobs a compiled model gets (``_now_knobs``); no tuning. ``residual``: the
-    layer-name endings whose convs carry the residual add (``with_residual``; True: RESIDUAL_LAYERS)."""
+    layer-name endings whose convs fuse the residual add (``with_residual``; True: RESIDUAL_LAYERS)."""
     cases = []
     for layer, spec, st in r50_layer_specs(batches):
         if st != "implicit_gemm":
@@ -869,7 +875,7 @@ def make_cases_as_compiled(batches, residual=()):
 def make_cases_defaults_ab(batches):
     """Every ResNet-50 layer as compiled now plus, for each tensor-core one, what an untuned build gives it, timed side
     by side: the arch's defaults (``default_knobs``: wgmma tiles sized by the grid on sm_90) as "arch_defaults", and the
-    mma.sync defaults every untuned shape got until the thirteenth round (``DEFAULT_KNOBS``) as "mma_sync_defaults"."""
+    mma.sync defaults (``DEFAULT_KNOBS``) as "mma_sync_defaults"."""
     from qcompile.schedules import DEFAULT_KNOBS, default_knobs
     from qcompile.schedules.igemm import _adapt_knobs
 
@@ -909,8 +915,9 @@ def make_cases_neighbors(batches):
 
 def make_cases_loop_ab(batches, alt):
     """Main-loop A/B (schedules/igemm.py ``pipe`` / ``fdb`` knobs) on the ResNet-50 shapes: per spec the knobs it
-    builds with now (tuning log or defaults) with the first loop ("default": pipe 0, no fragment double buffer),
-    with the one-barrier loop ("p1"), and with both ("p1fdb"); plus ``alt[batch]`` other tiles on the new loop."""
+    builds with now (tuning log or defaults) with the two-barrier loop ("default": pipe 0, no fragment double
+    buffer), with the one-barrier loop ("p1"), and with the one-barrier loop and double-buffered fragments ("p1fdb");
+    plus ``alt[batch]`` other tiles with both."""
     from qcompile.schedules import tuned_knobs
 
     cases = []
@@ -935,7 +942,9 @@ def make_cases_loop_ab(batches, alt):
 
 
 def build_group(args):
-    gi, group = args
+    """Build one module of kernels: ``args`` = (module index, cases[, output dir (default TUNE_DIR)])."""
+    gi, group, *rest = args
+    tdir = pathlib.Path(rest[0]) if rest else TUNE_DIR
     import tvm
     from qcompile.schedules import conv2d_int_plan
     from qcompile.schedules.build import cuda_target, ensure_stub_libcuda, nvcc_options
@@ -950,7 +959,7 @@ def build_group(args):
         names[c["func"]] = [c["func"] + ("_e" if i else "") for i in range(len(fs))]
         for fn, f in zip(names[c["func"]], fs):
             funcs[fn] = f.with_attr("global_symbol", fn)
-    so = TUNE_DIR / f"t{gi:03d}.so"
+    so = tdir / f"t{gi:03d}.so"
     t = time.time()
     with nvcc_options(ARCH, "sass"):
         lib = tvm.compile(tvm.IRModule(funcs), target=cuda_target(ARCH))
@@ -977,13 +986,14 @@ def build_group(args):
 
 
 def cmd_build(a):
-    TUNE_DIR.mkdir(parents=True, exist_ok=True)
+    tdir = pathlib.Path(a.dir) if a.dir else TUNE_DIR
+    tdir.mkdir(parents=True, exist_ok=True)
     res_layers = tuple(a.residual_layers) if a.residual else ()
     old = []
-    if a.append:  # add variants to an existing build (same manifest; the device run re-checks everything)
-        old = json.loads((TUNE_DIR / "manifest.json").read_text())
+    if a.append:  # add variants to an existing build (same manifest; the GPU-host run re-checks everything)
+        old = json.loads((tdir / "manifest.json").read_text())
     else:
-        for f in list(TUNE_DIR.glob("*.so")) + list(TUNE_DIR.glob("manifest.json")):
+        for f in list(tdir.glob("*.so")) + list(tdir.glob("manifest.json")):
             f.unlink()
     if a.wgmma:
         cases = make_cases_wgmma(a.batches, a.only_layers, a.dtypes, a.cands, a.pstages, a.areg, a.areg_pipes)
@@ -1041,7 +1051,7 @@ def cmd_build(a):
         cases = [c for c in cases if c["kind"] == "tune"
                  and (c["layer"], json.dumps(knobs_to_dict(c["knobs"]), sort_keys=True)) not in have]
     f0 = 1 + max((int(r["func"][1:]) for r in old), default=-1)
-    g0 = 1 + max((int(p.stem[1:]) for p in TUNE_DIR.glob("t*.so")), default=-1)
+    g0 = 1 + max((int(p.stem[1:]) for p in tdir.glob("t*.so")), default=-1)
     for i, c in enumerate(cases):
         c["func"] = f"t{f0 + i:04d}"
     groups = [cases[i:i + a.group] for i in range(0, len(cases), a.group)]
@@ -1051,14 +1061,18 @@ def cmd_build(a):
     t0 = time.time()
     manifest = []
     with mp.get_context("spawn").Pool(a.jobs) as pool:
-        for gi, recs, dt in pool.imap_unordered(build_group, [(g0 + i, g) for i, g in enumerate(groups)]):
+        for gi, recs, dt in pool.imap_unordered(build_group, [(g0 + i, g, str(tdir)) for i, g in enumerate(groups)]):
             manifest += recs
             print(f"  module {gi} ({len(recs)}) {dt:.1f}s  total {time.time() - t0:.0f}s", flush=True)
     manifest = old + manifest
     manifest.sort(key=lambda r: r["func"])
-    (TUNE_DIR / "manifest.json").write_text(json.dumps(manifest, indent=0))
-    mb = sum(f.stat().st_size for f in TUNE_DIR.glob("*.so")) / 2**20
-    print(f"built in {time.time() - t0:.0f}s; {mb:.1f} MiB of .so in {TUNE_DIR}")
+    (tdir / "manifest.json").write_text(json.dumps(manifest, indent=0))
+    cmd, bc = "python scripts/tune_layers.py " + shlex.join(sys.argv[1:]), tdir / "build_command.txt"
+    if a.append and bc.is_file():  # (the device run's results name every build step)
+        cmd = bc.read_text().strip() + " && " + cmd
+    bc.write_text(cmd + "\n")
+    mb = sum(f.stat().st_size for f in tdir.glob("*.so")) / 2**20
+    print(f"built in {time.time() - t0:.0f}s; {mb:.1f} MiB of .so in {tdir}")
     for r in manifest:  # (cuda_tools.wgmma_a_hazards: such a kernel may compute wrong sums on the GPU)
         for h in r.get("sass_hazards", []):
             print(f"SASS HAZARD {r['layer']} {r['variant']}: {h}", flush=True)
@@ -1068,16 +1082,18 @@ def cmd_build(a):
 # reference on the GPU (torch): random storage bytes in, reference output storage bytes out
 # ------------------------------------------------------------------------------------------------------------
 def unpack_t(b, bits, signed):
-    """Storage tensor (uint8/int8 [.., Cs]) -> logical int64 [.., C]."""
+    """Storage tensor (uint8/int8 [.., Cs]) -> logical int64 [.., C]: 4-bit bytes through a table of the 256 bytes'
+    two values in qcompile's nibble order (qcompile.int4), on b's device."""
+    import numpy as np
     import torch
+
+    from qcompile import int4
 
     if bits == 8:
         return b.long()
+    table = int4.unpack(np.arange(256, dtype=np.uint8), signed=signed).reshape(256, 2).astype(np.int64)
     u = b.view(torch.uint8).long()
-    lo, hi = u & 15, (u >> 4) & 15
-    if signed:
-        lo, hi = torch.where(lo >= 8, lo - 16, lo), torch.where(hi >= 8, hi - 16, hi)
-    return torch.stack([lo, hi], dim=-1).reshape(*u.shape[:-1], u.shape[-1] * 2)
+    return torch.from_numpy(table).to(b.device)[u].reshape(*u.shape[:-1], u.shape[-1] * 2)
 
 
 def pack_t(y, dtype):
@@ -1201,12 +1217,16 @@ def cmd_device(a):
     import device_run as DR  # loads the TVM runtime (+ CUDA), reference.py, spec.py
 
     T0 = time.time()
-    out = pathlib.Path(os.environ.get("OUT", "/tmp"))
+    tdir = pathlib.Path(a.dir) if a.dir else TUNE_DIR
+    out = pathlib.Path(a.out) if a.out else tdir
+    out.mkdir(parents=True, exist_ok=True)
     log = Tee(out / "tune_log.txt")
-    tdir = pathlib.Path(a.dir)
     DR.DEVICE_DIR = tdir
     man = json.loads((tdir / "manifest.json").read_text())
     dev_name = torch.cuda.get_device_name(0)
+    bc = tdir / "build_command.txt"  # (cmd_build writes it; results.json names both commands)
+    commands = dict(build_command=bc.read_text().strip() if bc.is_file() else None,
+                    command="python3 scripts/tune_layers.py " + shlex.join(sys.argv[1:]))
     log("GPU:", dev_name, "| tvm", DR.tvm.__version__, "| torch", torch.__version__, "| cudnn",
         torch.backends.cudnn.version(), "| date", time.strftime("%Y-%m-%d"))
     tdev = torch.device(os.environ.get("QC_TUNE_DEV", "cuda"))  # "cpu": dry run with a mocked device_run
@@ -1375,8 +1395,9 @@ def cmd_device(a):
                 f" int4 {row['int4_ms']:.4f}ms {g / row['int4_ms']:6.0f}T (dflt {row['int4_default_ms']:.4f})"
                 f" cudnn16 {row['cudnn_fp16_ms']:.4f}ms")
             torch.cuda.empty_cache()
-        (out / "results.json").write_text(json.dumps({"checks": [], "bench": results["bench"], "timing": DR.TIMING,
-                                                      "date": time.strftime("%Y-%m-%d")}, indent=1))
+        (out / "results.json").write_text(json.dumps({"device": dev_name, "date": time.strftime("%Y-%m-%d"),
+                                                      "timing": DR.TIMING, **commands, "checks": [],
+                                                      "bench": results["bench"]}, indent=1))
         save()
     log(f"bench done ({time.time() - T0:.0f}s)")
 
@@ -1495,7 +1516,7 @@ def cmd_log(a):
     res = json.loads(pathlib.Path(a.results).read_text())
     dst = ROOT / "tuning_logs" / f"{ARCH}.json"
     recs = {}
-    gen = ("python scripts/tune_layers.py build && (device) python3 scripts/tune_layers.py device "
+    gen = ("python scripts/tune_layers.py build && python3 scripts/tune_layers.py device (GPU host) "
            "&& python scripts/tune_layers.py log tune_results.json")
     if a.merge and dst.is_file():  # keep the records of shapes this run did not measure, and how the log was made
         old = json.loads(dst.read_text())
@@ -1514,7 +1535,7 @@ def cmd_log(a):
         if not dflt.get("ok") or not ok:
             print("skip (default not exact / nothing exact):", row["layer"])
             continue
-        if a.merge and len(vs) == 1:  # only the as-compiled kernel timed (bench rows of a partial round): no news
+        if a.merge and len(vs) == 1:  # only the as-compiled kernel timed (bench rows of a partial build): no news
             continue
         tk = _tkey(ok)
         best = min(ok, key=tk)
@@ -1524,7 +1545,7 @@ def cmd_log(a):
             continue  # two layers of one key (the stem's INT4 and INT8 rows: both 8-bit as compiled): the faster
         run_ms[row["key"]] = tk(chosen)
         if a.merge and chosen is dflt and recs.get(row["key"], {}).get("knobs") == dflt["knobs"]:
-            continue  # the knobs it compiles with held: keep their record (variant name, timing of that round)
+            continue  # the knobs it compiles with held: keep their record (variant, timing of the run that chose it)
         if knobs_from_dict(chosen["knobs"]) is None:  # (a record tuned_knobs would refuse: compiled models ignore it)
             raise SystemExit(f"{row['layer']}: variant {chosen['variant']} has knobs outside GemmKnobs.SPACE or "
                              f"invalid ({chosen['knobs']}); widen the space or drop the variant")
@@ -1533,10 +1554,7 @@ def cmd_log(a):
                                 variants_tried=len(vs), variants_exact=len(ok), layer=row["layer"],
                                 date=res["date"], device=res["device"])
     data = {"format": LOG_FORMAT, "arch": ARCH, "key_fields": list(KEY_FIELDS), "knob_fields": list(KNOB_FIELDS),
-            "generated_by": gen,
-            "timing": "median of 7 rounds x 10 launches (CUDA events; one CUDA-graph replay from 2026-11-23 on), "
-                      "variants interleaved",
-            "records": dict(sorted(recs.items()))}
+            "generated_by": gen, "records": dict(sorted(recs.items()))}
     dst.write_text(json.dumps(data, indent=1) + "\n")
     ntuned = sum(r["variant"] != "default" for r in recs.values())
     print(f"wrote {dst}: {len(recs)} records, {ntuned} with non-default knobs")
@@ -1548,17 +1566,7 @@ def cmd_table(a):
 
     res = json.loads(pathlib.Path(a.results).read_text())
     rows = res["bench"]
-    txt = bench_layers.table(a.results, a.device)
-    txt = txt.replace(
-        "Command: `python scripts/device_build.py && scripts/make_runtime_bundle.sh 3.12`, then one device call "
-        "`bash scripts/device_run.sh` (carry `.device`, `.bundle`), then `python scripts/bench_layers.py table results.json`.",
-        "Command: `python scripts/tune_layers.py build && scripts/make_runtime_bundle.sh 3.12`, then one device call "
-        "`python3 scripts/tune_layers.py device` (carry `.device/tune`, `.bundle`; it tunes, then runs "
-        "bench_layers.py's bench with the best kernel per shape), then `python scripts/tune_layers.py table results.json`.")
-    txt = txt.replace("Kernels: implicit-GEMM NHWC, ", "Kernels: as compiled models run them (`select_strategy`: the "
-                      "implicit GEMM with `knobs_for`'s knobs from tuning_logs/sm_90.json, the stem's `direct_halo`, "
-                      "`implicit_gemm_t` where its grid fills the GPU better), NHWC, ")
-    txt = txt.replace(", untuned sm_90 defaults (128x128x64 B tiles, 2x2 warps, 4-stage cp.async)", "")
+    txt = bench_layers.table(a.results, a.device)  # (its caption: device, date and commands from the results file)
     # tuned-vs-default summary from the same run
     extra = []
     for N in sorted({r["N"] for r in rows}):
@@ -1582,12 +1590,13 @@ def cmd_table(a):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
+    b = sub.add_parser("build", help="build the candidate kernels (no GPU needed)")
     b.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     b.add_argument("--variants", type=int, nargs="+", default=[6, 4], help="per batch (last one repeats)")
     b.add_argument("--jobs", type=int, default=2)
     b.add_argument("--group", type=int, default=12)
-    b.add_argument("--append", action="store_true", help="add variants to the existing .device/tune build")
+    b.add_argument("--dir", default=None, help="output directory (default build/gpu/tune)")
+    b.add_argument("--append", action="store_true", help="add variants to the existing build in --dir")
     b.add_argument("--cands", nargs="+", default=None, help=f"candidate names (of {sorted(CAND)})")
     b.add_argument("--only-r", type=int, default=None, help="only shapes with this filter size")
     b.add_argument("--only-c", type=int, default=None, help="only shapes with this many input channels")
@@ -1664,15 +1673,16 @@ def main():
                         "fragments in agl's k order; u: the producer unpacks A and B; w: the producer unpacks A, w8 "
                         "weights copied)")
     b.add_argument("--residual", action="store_true",
-                   help="the layers that carry ResNet-50's residual add (RESIDUAL_LAYERS) built and timed with it, "
+                   help="the layers that fuse ResNet-50's residual add (RESIDUAL_LAYERS) built and timed with it, "
                         "as compiled models run them (tuning key ...|res), in any build mode")
     b.add_argument("--residual-layers", nargs="+", default=list(RESIDUAL_LAYERS),
                    help="with --residual: the layer-name endings that get it (_3x3: "
                         "ResNet-18's residual convs, the shapes of ResNet-50's stride-1 3x3s)")
     b.add_argument("--as-compiled", action="store_true",
                    help="no tuning: one kernel per ResNet-50 shape with the knobs compiled models get (bench only)")
-    d = sub.add_parser("device")
-    d.add_argument("--dir", default=str(TUNE_DIR.relative_to(ROOT)))
+    d = sub.add_parser("device", help="on the GPU host: check and time the build's kernels, then the layer bench")
+    d.add_argument("--dir", default=None, help="the build directory (default build/gpu/tune)")
+    d.add_argument("--out", default=None, help="where the results go (default: --dir)")
     d.add_argument("--tune-budget", type=float, default=230, help="s after start: no new spec tuned after this")
     d.add_argument("--bench-budget", type=float, default=360, help="s after start: no new bench row after this")
     d.add_argument("--ncu-before", type=float, default=380, help="s after start: ncu only if reached before this")
@@ -1682,21 +1692,23 @@ def main():
     d.add_argument("--ncu-variants", nargs="+", default=[],
                    help="also profile these tuning variants of the ncu layer (besides its best and default)")
     d.add_argument("--ab-rounds", type=int, default=0,
-                   help="bench: also time each layer's INT8 and INT4 kernels alternately this many rounds (paired ratio)")
+                   help="bench: also time each layer's INT8 and INT4 kernels alternately this many times (paired ratio)")
     d.add_argument("--confirm", type=int, default=0,
                    help="re-time the default and the N fastest variants of each layer alone, as the layer bench does "
                         "(bench_ms), and rank by that")
-    n = sub.add_parser("ncu-target")
+    n = sub.add_parser("ncu-target", help="(run under ncu by `device`) launch the named kernels once each")
     n.add_argument("dir")
     n.add_argument("funcs", nargs="+")
-    lg = sub.add_parser("log")
-    lg.add_argument("results")
-    lg.add_argument("--min-gain", type=float, default=0.02)
-    lg.add_argument("--note", default="", help="appended to the log's generated_by (what this round ran)")
+    lg = sub.add_parser("log", help="write the fastest exact knobs of tune_results.json to tuning_logs/sm_90.json")
+    lg.add_argument("results", help="the device run's tune_results.json")
+    lg.add_argument("--min-gain", type=float, default=0.02,
+                    help="a record keeps the default knobs unless the best variant is this fraction faster")
+    lg.add_argument("--note", default="", help="appended to the log's generated_by (e.g. the build command this run "
+                    "measured)")
     lg.add_argument("--merge", action="store_true", help="update the existing log instead of replacing it")
-    t = sub.add_parser("table")
-    t.add_argument("results")
-    t.add_argument("--device", default="NVIDIA H100 80GB HBM3")
+    t = sub.add_parser("table", help="print the layer table (Markdown) of the device run's results.json")
+    t.add_argument("results", help="the device run's results.json")
+    t.add_argument("--device", default=None, help="the GPU named in the table where the results file has none")
     a = ap.parse_args()
     {"build": cmd_build, "device": cmd_device, "ncu-target": cmd_ncu_target, "log": cmd_log, "table": cmd_table}[a.cmd](a)
 

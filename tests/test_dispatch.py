@@ -238,12 +238,13 @@ def test_dispatch_cuda_int4_weights_expanded_for_w8_kernels(monkeypatch):
     ``expand_w4=False``, gets them packed ([K, R, S, C/2]) and a kernel that unpacks them."""
     import qcompile.schedules as S
     from qcompile.schedules import GemmKnobs
-    from qcompile.schedules.reference import expand_w4, pack4
+    from qcompile import int4
+    from qcompile.schedules.reference import expand_w4
 
     mi, wv = _one_conv(4, 5)
     ohwi = np.transpose(wv, (0, 2, 3, 1))
     aw = GemmKnobs(BM=128, BN=64, BK=64, WM=1, WN=1, stages=3, mma="wgmma", pipe=-1, pstages=3, areg=True, awarp=True)
-    packed = pack4(ohwi).view(np.int8)
+    packed = int4.pack(ohwi).view(np.int8)
     # (the record's knobs, DispatchTensorCore's expand_w4 -- False: `qcompile --packed-int4-weights`, the weights)
     for w8, expand, want in ((True, True, expand_w4(ohwi)), (False, True, packed), (True, False, packed)):
         monkeypatch.setattr(S, "knobs_for", lambda spec, arch, kn=aw.replace(w8=w8): (kn, "tuned"))

@@ -51,6 +51,18 @@ def test_qcompile_then_qrun(tiny_q8, capsys):
     assert p.returncode == 0, p.stderr
 
 
+def test_dump_ir(tiny_q8, tmp_path):
+    """--dump-ir DIR writes the module after each phase of the pipeline (llvm: no tensor-core phase)."""
+    _, model, _ = tiny_q8
+    dump = tmp_path / "ir"
+    assert qcompile_main([model, "-q", "--layout", "NHWC", "--dump-ir", str(dump), "-o", str(tmp_path / "m.so")]) == 0
+    assert sorted(os.listdir(dump)) == ["1_qdq.py", "2_integer.py", "3_packed.py", "4_deploy.py", "5_lowered.py"]
+    ir = {f[:-3]: (dump / f).read_text() for f in os.listdir(dump)}
+    assert "R.quantize" in ir["1_qdq"] and "R.quantize" not in ir["2_integer"] and "R.nn.conv2d" in ir["2_integer"]
+    assert "qcompile_meta" in ir["4_deploy"] and "qcompile_meta" not in ir["3_packed"]
+    assert "T.prim_func" in ir["5_lowered"] and "R.nn.conv2d" not in ir["5_lowered"]
+
+
 def test_float_model_without_calibration(tmp_path, capsys):
     f = str(tmp_path / "f.onnx")
     import torch

@@ -376,7 +376,8 @@ def test_hawq_checkpoint(qtiny, xtest, bits, tmp_path):
 
 
 def test_hawq_packed_int4_top_nibble_first(qtiny, tmp_path):
-    from qcompile.models.export_hawq import export_hawq, load_hawq, pack_int4, unpack_int4
+    from qcompile import int4
+    from qcompile.models.export_hawq import export_hawq, load_hawq
     qm = qtiny[4]
     path = str(tmp_path / "p.pth")
     ck = export_hawq(qm, path, packed_int4=True)
@@ -390,8 +391,32 @@ def test_hawq_packed_int4_top_nibble_first(qtiny, tmp_path):
     back = load_hawq(path)
     assert np.array_equal(back["weight_integer"]["module.stage1.unit1.quant_convbn1.weight_integer"].numpy(),
                           l.weight)
-    odd = np.array([[1, -2, 7]], np.int8)
-    assert pack_int4(odd).tolist() == [[0x1E, 0x70]] and unpack_int4(pack_int4(odd), 3).tolist() == odd.tolist()
+    odd = np.array([[1, -2, 7]], np.int8)  # (an odd channel count: zero-padded)
+    packed = int4.pack(odd, 1, first="high", pad_odd=True)
+    assert packed.tolist() == [[0x1E, 0x70]] and int4.unpack(packed, 1, first="high", count=3).tolist() == odd.tolist()
+
+
+def test_hawq_frontend_nets_match_models():
+    """The HAWQ frontend's topology table (frontends/hawq.py NETS) describes the networks models/resnet.py builds:
+    the same convolutions (stride, padding) in the same order, the same downsample paths, stem and max pool."""
+    from qcompile.frontends.hawq import NETS, _Hawq
+
+    for net, arch in NETS.items():
+        m = build_model(net)
+        walk = _Hawq.__new__(_Hawq)
+        walk.arch = arch
+        units = list(walk.blocks())
+        blocks = [blk for stage in m.stages() for blk in stage]
+        assert len(units) == len(blocks), net
+        for (u, convs, down), blk in zip(units, blocks):
+            mods = [getattr(blk, c) for c in ("conv1", "conv2", "conv3") if hasattr(blk, c)]
+            assert [(c.stride, c.padding) for c in convs] == [(m_.stride[0], m_.padding[0]) for m_ in mods], (net, u)
+            assert (down is None) == (blk.downsample is None), (net, u)
+            if down is not None:
+                assert (down.stride, down.padding) == (blk.downsample[0].stride[0], blk.downsample[0].padding[0])
+        assert (arch.stem_kernel, arch.stem_stride) == (m.conv1.kernel_size[0], m.conv1.stride[0]), net
+        assert m.conv1.padding[0] == arch.stem_kernel // 2 and arch.maxpool == (m.maxpool is not None), net
+        assert arch.input_size == MODELS[net].input_shape[-1], net
 
 
 # --------------------------------------------------------------------------- cli

@@ -1,18 +1,18 @@
-"""Pass tests: structure of the integer IR (Before/Expected), fixed point, INT4 packing, layouts."""
-import math
+"""Pass tests: structure of the integer IR (Before/Expected), fixed point, INT4 packing, layouts, the pipeline."""
+import os
 
 import numpy as np
 import pytest
 import tvm
 from tvm import relax
 
+from qcompile import int4
 from qcompile.errors import QCompileError, run_pass
 from qcompile.fixed_point import quantize_multipliers, requantize_reference
 from qcompile.pipeline import build, lower_to_integer
 from qcompile.qdq import QDQBuilder, qtype
 from qcompile.reference import Reference
-from qcompile.relay_passes import LowerQDQToInteger, PackInt4
-from qcompile.relay_passes.pack_int4 import pack_int4_np, unpack_int4_np
+from qcompile.relay_passes import LowerQDQToInteger
 
 from qdq_models import tiny_resnet_qdq
 
@@ -106,13 +106,43 @@ def test_shared_shift_for_residual_terms():
 # ------------------------------------------------------------------------------------------------
 # INT4 packing
 # ------------------------------------------------------------------------------------------------
-def test_pack_int4_numpy_roundtrip_and_nibble_order():
-    p = pack_int4_np(np.array([1, 2, -1, 7]), 0)
-    assert p.tolist() == [0x21, 0x7F]  # element 0 in the low nibble
+def test_int4_nibble_orders():
+    """qcompile.int4: qcompile's order (element 0 in the low nibble) and HAWQ's (element 0 in the high nibble)."""
+    p = int4.pack(np.array([1, 2, -1, 7]), 0)
+    assert p.dtype == np.uint8 and p.tolist() == [0x21, 0x7F]
+    assert int4.pack(np.array([1, 2, -1, 7]), first="high").tolist() == [0x12, 0xF7]
+    assert int4.unpack(np.array([0x21, 0x7F], np.uint8)).tolist() == [1, 2, -1, 7]
+    assert int4.unpack(np.array([0x21, 0x7F], np.uint8), signed=False).tolist() == [1, 2, 15, 7]
+    assert int4.unpack(np.array([0x12, 0xF7], np.uint8), first="high").tolist() == [1, 2, -1, 7]
+    # along another axis; an odd count padded with a zero nibble, and cut back with count
+    odd = np.array([[1, -2], [3, -4], [7, 0]])  # axis 0: 3 values per column
+    assert int4.pack(odd, 0, pad_odd=True).tolist() == [[0x31, 0xCE], [0x07, 0x00]]
+    assert int4.pack(odd, 0, first="high", pad_odd=True).tolist() == [[0x13, 0xEC], [0x70, 0x00]]
+    assert int4.unpack(np.array([[0x31, 0xCE], [0x07, 0x00]], np.uint8), 0, count=3).tolist() == odd.tolist()
+    with pytest.raises(ValueError, match="odd"):
+        int4.pack(odd, 0)
     rng = np.random.default_rng(2)
     for signed, lo, hi in [(True, -8, 8), (False, 0, 16)]:
         x = rng.integers(lo, hi, (3, 6, 5))
-        assert np.array_equal(unpack_int4_np(pack_int4_np(x, 1), 1, signed), x)
+        for first in ("low", "high"):
+            y = int4.unpack(int4.pack(x, 1, first), 1, signed, first)
+            assert y.dtype == (np.int8 if signed else np.uint8) and np.array_equal(y, x)
+
+
+def test_pipeline_registered_and_dumped(tmp_path, monkeypatch):
+    """The pass order is one pipeline, registered with TVM as "qcompile"; lower_to_integer runs its integer phases
+    for the CPU and writes their IR where QCOMPILE_DUMP_IR says."""
+    from qcompile.pipeline import qcompile_pipeline
+
+    assert relax.pipeline.PIPELINE_MAP["qcompile"] is qcompile_pipeline
+    names = [p.info.name for p in relax.get_pipeline("qcompile", target="cuda", layout="NHWC").passes]
+    order = ["LowerQDQToInteger", "qcompile.tensor_cores", "qcompile.pack_int4", "qcompile.cuda_pipeline"]
+    assert [n for n in names if n in order] == order
+    mod, _ = tiny_resnet_qdq(w_bits=4, a_bits=4)
+    monkeypatch.setenv("QCOMPILE_DUMP_IR", str(tmp_path))
+    mi = lower_to_integer(mod, "NHWC")
+    assert sorted(os.listdir(tmp_path)) == ["1_qdq.py", "2_integer.py", "3_packed.py"]
+    assert (tmp_path / "3_packed.py").read_text() == mi.script(show_meta=False)
 
 
 def test_pack_int4_inserts_packed_tensors():

@@ -5,18 +5,17 @@ import dataclasses
 import os
 import re
 import random
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
-
-from qcompile.cuda_tools import find_tool
 import tvm
 
+from qcompile import int4
+from qcompile.cuda_tools import find_tool
 from qcompile.schedules import (DEFAULT_KNOBS, MMA_SHAPES, ConvSpec, GemmKnobs, conv2d_int_kernel, select_strategy)
 from qcompile.schedules import reference as R
-from qcompile.schedules.build import build_cuda, cuda_source, nvcc_options
+from qcompile.schedules.build import build_cuda, cuda_source
 from qcompile.schedules.fallback import make_fallback
 from qcompile.schedules.igemm import NotApplicable, make_gemm_conv
 
@@ -136,10 +135,14 @@ def test_space_to_depth_applies_only_where_it_helps():
 
 
 def test_pack4_convention():
+    """The kernels' 4-bit buffers: two values per byte along the last axis, element 0 in the low nibble."""
     v = np.array([[1, -2, 7, -8]])
-    p = R.pack4(v)
-    assert p.tolist() == [[0xE1, 0x87]]  # element 0 low nibble, element 1 high nibble
-    np.testing.assert_array_equal(R.unpack4(p, True), v)
+    p = R.to_storage(v, "int4")
+    assert p.dtype == np.int8 and p.view(np.uint8).tolist() == [[0xE1, 0x87]]
+    np.testing.assert_array_equal(R.from_storage(p, "int4"), v)
+    u = R.to_storage(np.array([[1, 14, 15]]), "uint4")  # (an odd count: a zero nibble appended)
+    assert u.dtype == np.uint8 and u.tolist() == [[0xE1, 0x0F]]
+    np.testing.assert_array_equal(R.from_storage(u, "uint4", 3), [[1, 14, 15]])
 
 
 def _src(spec, arch, strategy=None, knobs=None):
@@ -336,7 +339,7 @@ def test_expand_w4_matches_the_kernels_a_unpack():
     assert we.dtype == np.int64 and np.abs(we).max() <= 128 and (we % 16 == 0).all()
     for signed in (False, True):
         x = rng.integers(-8, 8, 64) if signed else rng.integers(0, 16, 64)
-        packed = R.pack4(x).reshape(-1, 16)  # 2 k-steps of 16 packed bytes
+        packed = int4.pack(x).reshape(-1, 16)  # 2 k-steps of 16 packed bytes
         a = []
         for step in packed:
             words = step.view(np.uint32)  # (little endian: byte 4q + i of the step is byte i of word q)
@@ -391,7 +394,7 @@ def test_expand_w4_kperm_matches_the_agl_loads():
         for signed in (False, True):
             x = rng.integers(-8, 8, R_ * R_ * C) if signed else rng.integers(0, 16, R_ * R_ * C)
             a = []
-            for chunk in R.pack4(x).reshape(-1, bk):
+            for chunk in int4.pack(x).reshape(-1, bk):
                 spans = chunk.reshape(4, bk // 4)  # thread q's bytes
                 for j in range(bk // 16):  # k-step j: word j of every thread's span
                     words = [int(spans[q, 4 * j:4 * j + 4].view(np.uint32)[0]) for q in range(4)]
@@ -528,7 +531,7 @@ def test_cuda_epilogue_and_launch_bounds():
     assert "__mulhi(" in src and "__syncwarp()" in src and "__launch_bounds__(256, 2)" in src
     assert "__launch_bounds__(256)" in _src(spec, "sm_90", knobs=WG)
     # the staging tile is written (8-byte st.shared) and read back by its own warp: after the main loop's last
-    # __syncthreads only __syncwarp (TVM's sync planner used to add a __syncthreads per 16-row block)
+    # __syncthreads only __syncwarp (not a __syncthreads per 16-row block, which TVM's sync planner would add)
     for kn in (WG, GemmKnobs()):
         body = _src(spec, "sm_90", knobs=kn).split("main_kernel(")[-1]
         epi = body[body.rindex("__syncthreads()"):]
@@ -616,8 +619,8 @@ def test_cuda_residual_words_of_every_row_block():
 
 
 def test_cuda_wide_epilogue_vectors():
-    """16 epilogue elements per lane (``ev`` 16) with int32 outputs: stored as 16-byte vectors (a 64-byte int32x16
-    store used to stop TVM's CUDA codegen)."""
+    """16 epilogue elements per lane (``ev`` 16) with int32 outputs: stored as 16-byte vectors (TVM's CUDA codegen
+    cannot print a 64-byte int32x16 store)."""
     spec = ConvSpec(**L3, x_dtype="uint8", out_dtype="int32", zo=7, lo=-(1 << 31), hi=(1 << 31) - 1)
     for kn in (WG.replace(ev=16), WG.replace(ev=8), GemmKnobs(ev=16)):
         src = _src(spec, "sm_90", knobs=kn)

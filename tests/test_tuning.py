@@ -267,7 +267,7 @@ def test_tuned_kernel_builds_for_cuda():
         assert "wgmma.mma_async.sync.aligned.m64n" in src and "mma.sync" not in src
     else:
         assert "mma.sync.aligned.m16n8k32.row.col.s32" in src and "ldmatrix" in src
-    # both paths are in the log (the wgmma rounds kept mma.sync where it measured faster)
+    # both paths are in the log (mma.sync where it measures faster than wgmma)
     kinds = {r["knobs"]["mma"] for r in TU.load_log("sm_90")["records"].values()}
     assert kinds == {"sync", "wgmma"}
 
@@ -284,8 +284,8 @@ def _tune_layers():
     return tl
 
 
-def test_loader_round_candidates():
-    """scripts/tune_layers.py's 4-bit loader rounds (--awarp, --wsp) propose valid, distinct knobs that fit the H100's
+def test_loader_sweep_candidates():
+    """scripts/tune_layers.py's 4-bit loader sweeps (--awarp, --wsp) propose valid, distinct knobs that fit the H100's
     shared memory, for 4-bit layers only, next to the as-compiled kernel of every layer."""
     tl = _tune_layers()
     layers = ["r50_l4_3x3_b64_int4", "r50_l3_3x3_b64_int8"]
@@ -401,7 +401,7 @@ def test_log_merge_keeps_generated_by_and_ranks_by_confirmed_time(tmp_path, monk
     (tmp_path / "tuning_logs").mkdir()
     dst = tmp_path / "tuning_logs" / "sm_90.json"
     kept = {"knobs": {"BM": 64}, "variant": "v_old", "ms": 1.0}
-    dst.write_text(json.dumps({"generated_by": "earlier rounds", "records": {"OTHER": kept}}))
+    dst.write_text(json.dumps({"generated_by": "earlier runs", "records": {"OTHER": kept}}))
     knobs = {v: TU.knobs_to_dict(GemmKnobs(BM=bm, BN=bn)) for v, bm, bn in
              (("default", 128, 128), ("fast_interleaved", 256, 128), ("fast_alone", 64, 64))}
     ms = {"default": 0.100, "fast_interleaved": 0.080, "fast_alone": 0.090}
@@ -411,9 +411,9 @@ def test_log_merge_keeps_generated_by_and_ranks_by_confirmed_time(tmp_path, monk
         for v in knobs]}
     res = tmp_path / "tune_results.json"
     res.write_text(json.dumps({"device": "H100", "date": "2026-11-23", "tune": [row]}))
-    TL.cmd_log(argparse.Namespace(results=str(res), merge=True, note="round N: build --w8", min_gain=0.02))
+    TL.cmd_log(argparse.Namespace(results=str(res), merge=True, note="build --w8", min_gain=0.02))
     log = json.loads(dst.read_text())
-    assert log["generated_by"] == "earlier rounds; round N: build --w8"
+    assert log["generated_by"] == "earlier runs; build --w8"
     assert log["records"]["OTHER"] == kept
     rec = log["records"]["KEY"]
     assert rec["variant"] == "fast_alone" and rec["knobs"] == knobs["fast_alone"]
@@ -434,7 +434,7 @@ def test_log_merge_keeps_generated_by_and_ranks_by_confirmed_time(tmp_path, monk
 
 def test_residual_tuning_cases_and_reference():
     """tune_layers.py build --pp --residual: ResNet-50's 1x1b expansions built with the residual add a compiled model
-    fuses into them (their records go to the ``|res`` key), the other layers as before; the device side's torch
+    fuses into them (their records go to the ``|res`` key), the other layers without it; the GPU side's torch
     reference of the residual stage equals NumPy's ``requant`` on a small problem (CPU)."""
     import numpy as np
     import torch

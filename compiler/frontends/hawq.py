@@ -2,13 +2,15 @@
 
 The checkpoint holds ``weight_integer``, ``bias_integer``, ``act_scaling_factor``,
 ``convbn_scaling_factor`` and ``fc_scaling_factor`` keyed by HAWQ's ``q_resnet`` names
-(``quant_init_block_convbn``, ``stageS.unitU.quant_convbnK``, ``quant_output`` ...); the topology is
-that of the torchvision-shaped network named by ``--net``. Key scheme, scales and integer math:
-``models/HAWQ_FORMAT.md``. Real values are ``x = q * s`` (zero points 0); ReLU outputs are unsigned.
+(``quant_init_block_convbn``, ``stageS.unitU.quant_convbnK``, ``quant_output`` ...). It does not
+record the topology: ``NETS`` describes the torchvision-shaped ResNets that ``--net`` names (block
+type, blocks and widths per stage, stem), and the frontend walks that description. Key scheme,
+scales and integer math: ``models/HAWQ_FORMAT.md``. Real values are ``x = q * s`` (zero points 0);
+ReLU outputs are unsigned.
 
 Packed INT4 weights (``uint8`` ``weight_integer`` of a 4-bit layer) are in HAWQ's order, FIRST
-element in the TOP nibble; they are converted here to plain values (and repacked later by
-``PackInt4`` in qcompile's low-nibble-first order).
+element in the TOP nibble (``qcompile.int4``, ``first="high"``); they are converted here to plain
+values (and repacked later by ``PackInt4`` in qcompile's low-nibble-first order).
 
 Where the qcompile extensions ``qc_act_residual`` / ``qc_act_identity`` / ``qc_act_logits`` are
 absent (a checkpoint written by HAWQ itself), those tensors stay at their accumulator scale: the
@@ -17,15 +19,54 @@ residual add and the logits are computed from the int32 accumulators.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
+from .. import int4
 from ..errors import QCompileError
 from ..qdq import QDQBuilder, qtype
 
 HAWQ_KEYS = ("weight_integer", "bias_integer", "act_scaling_factor", "convbn_scaling_factor", "fc_scaling_factor")
-NETS = ("resnet18", "resnet50", "resnet_tiny")
+
+
+@dataclass(frozen=True)
+class ResNetArch:
+    """A torchvision-shaped ResNet's topology (what a HAWQ checkpoint leaves out).
+
+    Stage ``i`` has ``blocks[i]`` blocks of ``widths[i]`` planes; the first block of every stage but the first has
+    stride 2, and a block whose stride is 2 or whose input width differs from its output width has a 1x1 downsample
+    convolution (with that stride) on its identity path. A basic block is two 3x3 convolutions (the stride on the
+    first); a bottleneck block is 1x1, 3x3 (the stride), 1x1 to ``4 x planes`` channels ("v1.5"). The stem is one
+    ``stem_kernel`` x ``stem_kernel`` convolution (``stem_stride``, padding ``stem_kernel // 2``), then a 3x3/s2 max
+    pool where ``maxpool``."""
+    bottleneck: bool
+    blocks: tuple
+    widths: tuple
+    stem_kernel: int = 7
+    stem_stride: int = 2
+    maxpool: bool = True
+    input_size: int = 224  # H = W where the checkpoint does not record it
+
+    @property
+    def expansion(self) -> int:
+        return 4 if self.bottleneck else 1
+
+
+# the example models' networks (models/resnet.py builds the same ones in PyTorch; tests/test_models.py compares them)
+NETS = {
+    "resnet18": ResNetArch(bottleneck=False, blocks=(2, 2, 2, 2), widths=(64, 128, 256, 512)),
+    "resnet50": ResNetArch(bottleneck=True, blocks=(3, 4, 6, 3), widths=(64, 128, 256, 512)),
+    "resnet_tiny": ResNetArch(bottleneck=False, blocks=(1, 1, 1), widths=(16, 32, 64), stem_kernel=3, stem_stride=1,
+                              maxpool=False, input_size=32),
+}
+
+
+@dataclass(frozen=True)
+class _Conv:
+    stride: int
+    padding: int
 
 
 def _load(path: str) -> dict:
@@ -45,26 +86,21 @@ def _load(path: str) -> dict:
 
 class _Hawq:
     def __init__(self, ck: dict, net: str, batch: Optional[int], log, input_size: Optional[int] = None):
-        from qcompile.models.resnet import build_model
-
         self.ck, self.log = ck, log
+        self.arch = NETS[net]
         self.meta = ck.get("meta", {}) or {}
         self.bits = ck.get("bits", {}) or {}
         self.signed = ck.get("signed", {}) or {}
         self.prefix = "module." if any(k.startswith("module.") for k in ck["weight_integer"]) else ""
-        stem = self.prefix + ("quant_init_convbn" if net == "resnet50" else "quant_init_block_convbn")
+        stem = self.prefix + ("quant_init_convbn" if self.arch.bottleneck else "quant_init_block_convbn")
         if stem + ".weight_integer" not in ck["weight_integer"]:
             raise QCompileError(f"checkpoint has no '{stem}.weight_integer': does it belong to --net {net}?")
         self.stem = stem[len(self.prefix):]
         shapes = self.meta.get("weight_shapes", {})
         w0 = self.weight_shape(self.stem, shapes)
-        fc = self.weight_shape("quant_output", shapes)
-        self.model = build_model(net, num_classes=fc[0], in_ch=w0[1])
         size = input_size or self.meta.get("input_size")
         if size is None:
-            from qcompile.models.resnet import get_spec
-
-            size = get_spec(net).input_shape[-1]
+            size = self.arch.input_size
             log(f"note: the checkpoint does not record the input size; using {size}x{size} (--input-size H)")
         self.shape = [batch or 1, w0[1], int(size), int(size)]
         self.b = QDQBuilder()
@@ -92,16 +128,15 @@ class _Hawq:
             raise QCompileError(f"HAWQ activation '{name}': unsupported bit width {bits} (qcompile supports 4 and 8)")
         return s, qtype(bits, bool(self.signed.get(name, default_signed)), f"HAWQ activation '{name}'")
 
-    def layer(self, name, x, s_in, conv=None):
-        """Emit a quantized conv (``conv`` module for stride/padding) or fc; returns the float output."""
+    def layer(self, name, x, s_in, conv: Optional[_Conv] = None):
+        """Emit a quantized conv (``conv``: its stride and padding) or, without ``conv``, the fc; returns the float
+        output."""
         q = self._get("weight_integer", name + ".weight_integer")
         bits = int(self.bits.get(name, 8))
         wq = qtype(bits, True, f"HAWQ layer '{name}'")
         shape = self.weight_shape(name, self.meta.get("weight_shapes", {}))
         if q.dtype == np.uint8 and bits == 4:  # HAWQ packing: first element in the top nibble
-            from qcompile.models.export_hawq import unpack_int4
-
-            q = unpack_int4(q, shape[1], axis=1)
+            q = int4.unpack(q, axis=1, first="high", count=shape[1])
         q = np.rint(q.astype(np.float64)).astype(np.int64)  # HAWQ stores integers as float tensors
         sd = "fc_scaling_factor" if conv is None else "convbn_scaling_factor"
         s_w = self._get(sd, f"{name}.{sd}").astype(np.float32).reshape(-1)
@@ -113,48 +148,58 @@ class _Hawq:
                                 np.float32(s_in) * s_w, name + "_b")
         if conv is None:
             return self.b.dense(x, w, bias, name)
-        return self.b.conv2d(x, w, bias, conv.stride, (conv.padding[0], conv.padding[1]) * 2, conv.dilation, 1, name)
+        return self.b.conv2d(x, w, bias, (conv.stride,) * 2, (conv.padding,) * 4, (1, 1), 1, name)
 
     def qdq(self, f, act, name):
         s, qt = act
         return self.b.dequantize(self.b.quantize(f, s, 0, qt, name=name), s, 0), s
 
     # -- network ------------------------------------------------------------------------------------
-    def run(self):
-        from qcompile.models.resnet import Bottleneck
+    def blocks(self):
+        """``(unit name, [conv of each main-path layer], downsample conv or None)`` in order."""
+        a = self.arch
+        inplanes = a.widths[0]
+        for si, (planes, n) in enumerate(zip(a.widths, a.blocks), start=1):
+            for ui in range(1, n + 1):
+                stride = 2 if si > 1 and ui == 1 else 1
+                if a.bottleneck:
+                    convs = [_Conv(1, 0), _Conv(stride, 1), _Conv(1, 0)]
+                else:
+                    convs = [_Conv(stride, 1), _Conv(1, 1)]
+                down = _Conv(stride, 0) if stride != 1 or inplanes != planes * a.expansion else None
+                inplanes = planes * a.expansion
+                yield f"stage{si}.unit{ui}", convs, down
 
-        m, b = self.model, self.b
+    def run(self):
+        a, b = self.arch, self.b
         x = b.input("input", self.shape)
         a_in = self.act("quant_input", True)
         if a_in is None:
             raise QCompileError("HAWQ checkpoint: no 'quant_input.act_scaling_factor' (the input scale)")
         h, s = self.qdq(x, a_in, "quant_input")
-        h = b.relu(self.layer(self.stem, h, s, m.conv1))
+        h = b.relu(self.layer(self.stem, h, s, _Conv(a.stem_stride, a.stem_kernel // 2)))
         h, s = self.qdq(h, self.act("quant_act_int32", False), "quant_act_int32")
-        if m.maxpool is not None:
+        if a.maxpool:
             h = b.max_pool2d(h, (3, 3), (2, 2), (1, 1, 1, 1), name="maxpool")
             h, s = self.qdq(h, (s, self.act("quant_act_int32", False)[1]), "maxpool_q")
-        for si, stage in enumerate(m.stages(), start=1):
-            for ui, blk in enumerate(stage, start=1):
-                u = f"stage{si}.unit{ui}"
-                ain = self.act(u + ".quant_act", False)
-                if ain is not None and not np.isclose(ain[0], s, rtol=1e-6):
-                    h, s = self.qdq(h, ain, u + ".quant_act")
-                x_in, s_x = h, s
-                convs = ["conv1", "conv2", "conv3"] if isinstance(blk, Bottleneck) else ["conv1", "conv2"]
-                for k, cname in enumerate(convs, start=1):
-                    f = self.layer(f"{u}.quant_convbn{k}", h, s, getattr(blk, cname))
-                    if k < len(convs):
-                        h, s = self.qdq(b.relu(f), self.act(f"{u}.quant_act{k}", False), f"{u}.quant_act{k}")
-                res = self.act(u + ".qc_act_residual", True)
-                r = self.qdq(f, res, u + ".qc_act_residual")[0] if res else f
-                ident = x_in
-                if blk.downsample is not None:
-                    ident = self.layer(f"{u}.quant_identity_convbn", x_in, s_x, blk.downsample[0])
-                    ida = self.act(u + ".qc_act_identity", True)
-                    ident = self.qdq(ident, ida, u + ".qc_act_identity")[0] if ida else ident
-                out = b.relu(b.add(r, ident, name=u + "_add"))
-                h, s = self.qdq(out, self.act(u + ".quant_act_int32", False), u + ".quant_act_int32")
+        for u, convs, down in self.blocks():
+            ain = self.act(u + ".quant_act", False)
+            if ain is not None and not np.isclose(ain[0], s, rtol=1e-6):
+                h, s = self.qdq(h, ain, u + ".quant_act")
+            x_in, s_x = h, s
+            for k, conv in enumerate(convs, start=1):
+                f = self.layer(f"{u}.quant_convbn{k}", h, s, conv)
+                if k < len(convs):
+                    h, s = self.qdq(b.relu(f), self.act(f"{u}.quant_act{k}", False), f"{u}.quant_act{k}")
+            res = self.act(u + ".qc_act_residual", True)
+            r = self.qdq(f, res, u + ".qc_act_residual")[0] if res else f
+            ident = x_in
+            if down is not None:
+                ident = self.layer(f"{u}.quant_identity_convbn", x_in, s_x, down)
+                ida = self.act(u + ".qc_act_identity", True)
+                ident = self.qdq(ident, ida, u + ".qc_act_identity")[0] if ida else ident
+            out = b.relu(b.add(r, ident, name=u + "_add"))
+            h, s = self.qdq(out, self.act(u + ".quant_act_int32", False), u + ".quant_act_int32")
         g = b.global_avg_pool(h, name="avgpool")
         g, s = self.qdq(g, self.act("quant_act_output", False), "quant_act_output")
         y = self.layer("quant_output", b.flatten(g, name="flatten"), s)

@@ -17,7 +17,7 @@ import onnx.version_converter
 from onnx import numpy_helper
 
 from ..errors import QCompileError, UnsupportedOpError
-from ..qdq import QDQBuilder, QType, QTYPES
+from ..qdq import QDQBuilder, QTYPES
 
 # ONNX element type -> our quantized type (zero-point dtype decides the quantized type).
 _ONNX_QTYPES = {
