@@ -1,17 +1,30 @@
-"""The ``qcompile`` command: a thin CLI over :func:`qcompile.driver.compile_model`."""
+"""The ``qcompile`` command: a thin CLI over :func:`qcompile.driver.compile_model`.
+
+The parser and the checks of paths, options and tools import nothing heavy, so ``--help`` and every usage error
+answer at once; TVM is loaded after them, with a progress line. Errors in the user's model, files or options are
+one ``qcompile: error: ...`` line and exit status 2; anything else is reported as an internal error (exit 1), with
+the stack trace only under ``QCOMPILE_DEBUG=1``.
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 from .errors import QCompileError
-from .registry import BIT_SCHEMES, CUDA_ARCHS, LAYOUTS, TARGETS
+from .registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, LAYOUTS, TARGETS, format_of
+
+PROG = "qcompile"
+DEBUG_ENV = "QCOMPILE_DEBUG"
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="qcompile",
+        prog=PROG,
         description="Compile a quantized CNN (ONNX QDQ, PT2E .pt2, HAWQ checkpoint) into a deployable .so.",
+        epilog=f"Exit status: 0 success, 2 a problem with the model, a file or the options (one 'qcompile: error:' "
+               f"line), 1 an internal error (set {DEBUG_ENV}=1 for its stack trace).",
     )
     ap.add_argument("model", help="model file: .onnx, .pt2, or a HAWQ checkpoint (.pth/.pt, with --net)")
     ap.add_argument("-o", "--output", required=True, help="output .so (weights are embedded in it)")
@@ -39,25 +52,129 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _check_args(a) -> None:
+    """Everything that can be refused before TVM is loaded: the model file, the option combinations, the output
+    paths and the tools. Raises QCompileError."""
+    from .checks import check_input_file, check_output_dir, check_output_path, check_toolchain, weights_path
+
+    check_input_file(a.model, "model file")
+    try:
+        fmt = format_of(a.model)
+    except ValueError:
+        known = ", ".join(s for f in FORMATS.values() for s in f.suffixes)
+        raise QCompileError(f"cannot tell the format of '{a.model}' from its suffix (known: {known})") from None
+    if a.target != "cuda":
+        if a.arch:
+            raise QCompileError(f"--arch {a.arch} applies to --target cuda only (this build is for {a.target})")
+        if a.emit_cuda:
+            raise QCompileError(f"--emit-cuda needs --target cuda (this build is for {a.target}, which has no CUDA "
+                                f"kernels)")
+    if a.batch is not None and a.batch < 1:
+        raise QCompileError(f"--batch must be a positive integer, got {a.batch}")
+    if a.input_size is not None and a.input_size < 1:
+        raise QCompileError(f"--input-size must be a positive integer, got {a.input_size}")
+    if fmt != "hawq":
+        for flag, v in (("--net", a.net), ("--input-size", a.input_size)):
+            if v is not None:
+                raise QCompileError(f"{flag} applies to HAWQ checkpoints only; '{a.model}' is {fmt.upper()} "
+                                    f"(its file records the network and input size)")
+    if a.calibrate:
+        if fmt != "onnx":
+            raise QCompileError(f"--calibrate applies to float ONNX models only; '{a.model}' is a quantized "
+                                f"{fmt.upper()} model")
+        check_input_file(a.calibrate, "calibration file")
+    inputs = [("input model", a.model), ("calibration data", a.calibrate)]
+    check_output_path(a.output, "-o", inputs, suffixes=(".so",))
+    if a.weights_beside:
+        check_output_path(weights_path(a.output), "the weights file (--weights-beside)", inputs)
+    for flag, d in (("--emit-cuda", a.emit_cuda), ("--dump-ir", a.dump_ir)):
+        if d:
+            check_output_dir(d, flag)
+    check_toolchain(a.target)
+
+
+def install_warning_printer(prog: str) -> None:
+    """Print every Python warning as one line ``<prog>: warning: <message>`` (no source line, no file:line)."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message).strip().splitlines()
+        print(f"{prog}: warning: {text[0] if text else category.__name__}", file=file or sys.stderr, flush=True)
+
+    warnings.showwarning = show
+
+
+def report_internal_error(prog: str, e: BaseException, debug_env: str = DEBUG_ENV) -> int:
+    """One line for an unexpected exception (a bug in qcompile or its libraries), exit status 1; the full trace
+    with ``<debug_env>=1``."""
+    if os.environ.get(debug_env, "") not in ("", "0"):
+        import traceback
+
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+    lines = str(e).strip().splitlines()
+    msg = lines[0][:300] if lines else ""
+    print(f"{prog}: internal error: {type(e).__name__}{': ' + msg if msg else ''}", file=sys.stderr)
+    print(f"{prog}: this is a bug in qcompile or a library it uses; please report it with the command line "
+          f"(run with {debug_env}=1 for the stack trace)", file=sys.stderr, flush=True)
+    return 1
+
+
+def _import_driver_without_torch() -> None:
+    """Import the compiler without the optional ``import torch`` that tvm_ffi and tvm.relax attempt (1.5-2.5 s; both
+    tolerate its absence): the compiler needs torch only for PT2E programs and HAWQ checkpoints, whose frontends
+    import it themselves in step 1."""
+    if "tvm" in sys.modules or "torch" in sys.modules:
+        return
+    sys.modules["torch"] = None  # makes `import torch` raise ImportError
+    try:
+        from . import driver  # noqa: F401
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+
+
 def qcompile_main(argv=None) -> int:
+    import warnings
+
     a = _parser().parse_args(argv)
+    log = (lambda *_: None) if a.quiet else (lambda s: print(s, flush=True))
+    saved = warnings.showwarning
+    try:
+        return _run(a, log)
+    except QCompileError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted (outputs are written only when complete)", file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001  (a bug: one line, not a stack trace)
+        return report_internal_error(PROG, e)
+    finally:
+        warnings.showwarning = saved
+
+
+def _run(a, log) -> int:
+    _check_args(a)
+    install_warning_printer(PROG)
+    t0 = time.time()
+    log("loading the compiler (TVM) ...")
+    _import_driver_without_torch()
     from .driver import CompileOptions, compile_model
 
-    log = (lambda *_: None) if a.quiet else (lambda s: print(s, flush=True))
+    log(f"      done in {time.time() - t0:.1f} s")
     opts = CompileOptions(bits=a.bits, layout=a.layout, target=a.target, arch=a.arch, batch=a.batch,
-                          calibrate=a.calibrate, net=a.net, input_size=a.input_size, pack_int4=not a.no_pack_int4, dump_ir=a.dump_ir,
-                          weights_beside=a.weights_beside, packed_int4_weights=a.packed_int4_weights)
-    try:
-        res = compile_model(a.model, opts, log)
-        if a.emit_cuda:
-            from .driver import emit_cuda
+                          calibrate=a.calibrate, net=a.net, input_size=a.input_size, pack_int4=not a.no_pack_int4,
+                          dump_ir=a.dump_ir, weights_beside=a.weights_beside,
+                          packed_int4_weights=a.packed_int4_weights)
+    res = compile_model(a.model, opts, log)
+    if a.emit_cuda:
+        from .driver import emit_cuda
 
-            emit_cuda(res, a.emit_cuda, log)
-        res.export(a.output)
-    except QCompileError as e:
-        print(f"qcompile: error: {e}", file=sys.stderr)
-        return 2
-    log(f"wrote {a.output}")
+        emit_cuda(res, a.emit_cuda, log)
+    res.export(a.output)
+    written = res.outputs(a.output)
+    size = sum(os.path.getsize(p) for p in written)
+    log(f"wrote {' and '.join(written)} ({size / 1e6:.1f} MB) in {time.time() - t0:.1f} s")
     return 0
 
 

@@ -10,8 +10,12 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .checks import WEIGHTS_SUFFIX, atomic_outputs, check_input_file, check_output_path, check_toolchain, weights_path
 from .errors import QCompileError
 from .registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, LAYOUTS, TARGETS, format_of
+
+__all__ = ["CompileOptions", "CompileResult", "LayerInfo", "WEIGHTS_SUFFIX", "compile_model", "emit_cuda",
+           "format_summary", "import_model", "model_bits", "weights_path"]
 
 
 @dataclass
@@ -44,28 +48,6 @@ class LayerInfo:
     kernel: str = ""
 
 
-WEIGHTS_SUFFIX = ".weights.npz"
-
-
-def weights_path(so_path: str) -> str:
-    return (so_path[:-3] if so_path.endswith(".so") else so_path) + WEIGHTS_SUFFIX
-
-
-@dataclass
-class CompileResult:
-    executable: object
-    integer_mod: tvm.IRModule
-    meta: dict
-    layers: list = field(default_factory=list)
-    weights: list = field(default_factory=list)  # values of main's weight parameters (weights_beside)
-
-    def export(self, path: str):
-        self.executable.export_library(path)
-        if self.meta.get("weights") == "beside":
-            np.savez(weights_path(path), **{f"w{i}": w for i, w in enumerate(self.weights)})
-        return path
-
-
 class _Progress:
     def __init__(self, log, total):
         self.log, self.total, self.i = log, total, 0
@@ -79,11 +61,55 @@ class _Progress:
         self.log(f"      done in {time.time() - self.t0:.1f} s{(' — ' + extra) if extra else ''}")
 
 
+@dataclass
+class CompileResult:
+    executable: object
+    integer_mod: tvm.IRModule
+    meta: dict
+    layers: list = field(default_factory=list)
+    weights: list = field(default_factory=list)  # values of main's weight parameters (weights_beside)
+    progress: Optional[_Progress] = None  # compile_model's progress lines: export() is their last step
+
+    def outputs(self, path: str) -> list:
+        """The files :meth:`export` writes for ``path``: the ``.so``, and its weights file with ``weights_beside``."""
+        return [path] + ([weights_path(path)] if self.meta.get("weights") == "beside" else [])
+
+    def export(self, path: str):
+        """Write the module to ``path`` (a ``.so``, linked with the C++ compiler) and, with ``weights_beside``, its
+        ``NAME.weights.npz``. Each file is written under a temporary name in its folder and renamed when all are
+        complete, so a failure leaves nothing half-written (and an existing module untouched)."""
+        outs = self.outputs(path)
+        for p in outs:
+            check_output_path(p, "output")
+        cxx = check_toolchain("llvm")["cxx"]
+        prog, self.progress = self.progress, None
+        if prog is not None:  # (one step, the last of compile_model's)
+            prog.step(f"writing {path} (code generation and linking with {os.path.basename(cxx)})")
+        try:
+            with atomic_outputs(*outs) as tmps:
+                try:
+                    self.executable.export_library(tmps[0])
+                except RuntimeError as e:
+                    text = str(e)
+                    if "Compilation error" not in text:
+                        raise
+                    detail = [ln.strip() for ln in text.splitlines() if ln.strip() and "Compilation error" not in ln]
+                    raise QCompileError(f"linking '{path}' with {cxx} failed: "
+                                        f"{detail[0][:300] if detail else 'no message'}") from None
+                if len(tmps) > 1:
+                    with open(tmps[1], "wb") as f:
+                        np.savez(f, **{f"w{i}": w for i, w in enumerate(self.weights)})
+        except OSError as e:  # (a full disk, a folder removed meanwhile, ...: nothing is left behind)
+            raise QCompileError(f"cannot write '{path}': {e.strerror or e}") from None
+        if prog is not None:
+            prog.done(f"{sum(os.path.getsize(p) for p in outs) / 1e6:.1f} MB")
+        return path
+
+
 # ------------------------------------------------------------------------------------------------
 def import_model(path: str, opts: CompileOptions, log=print):
     """Phase 1: any supported model file -> (QDQ-form module, info)."""
-    if not os.path.exists(path):
-        raise QCompileError(f"model file '{path}' does not exist")
+    check_input_file(path, "model file")
     try:
         fmt = format_of(path)
     except ValueError:
@@ -98,13 +124,20 @@ def import_model(path: str, opts: CompileOptions, log=print):
         elif opts.calibrate:
             log("note: the model is already quantized; --calibrate is ignored")
         return from_onnx(model, opts.batch, log)
-    if fmt == "pt2":
-        from .frontends.pt2e import from_pt2
+    try:
+        if fmt == "pt2":
+            from .frontends.pt2e import from_pt2
 
-        return from_pt2(path, opts.batch, log)
-    from .frontends.hawq import from_hawq
+            return from_pt2(path, opts.batch, log)
+        from .frontends.hawq import from_hawq
 
-    return from_hawq(path, opts.net, opts.batch, log, opts.input_size)
+        return from_hawq(path, opts.net, opts.batch, log, opts.input_size)
+    except ModuleNotFoundError as e:
+        if e.name not in ("torch", "torchao"):
+            raise
+        kind = "PT2E programs" if fmt == "pt2" else "HAWQ checkpoints"
+        raise QCompileError(f"reading {kind} needs PyTorch ({e.name} is not installed): pip install "
+                            f"'qcompile[torch]'") from None
 
 
 def model_bits(mod_qdq: tvm.IRModule) -> str:
@@ -189,8 +222,14 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
         opts.arch = opts.arch or "sm_90"
         if opts.arch not in CUDA_ARCHS:
             raise QCompileError(f"unknown CUDA arch '{opts.arch}' (choose from {', '.join(CUDA_ARCHS)})")
+    elif opts.arch:
+        raise QCompileError(f"--arch {opts.arch} applies to --target cuda only (this build is for {opts.target})")
     if opts.batch is not None and opts.batch < 1:
         raise QCompileError(f"--batch must be a positive integer, got {opts.batch}")
+    if opts.input_size is not None and opts.input_size < 1:
+        raise QCompileError(f"--input-size must be a positive integer, got {opts.input_size}")
+    if opts.target == "cuda":
+        check_toolchain("cuda")  # (nvcc compiles the kernels during the build)
 
     prog = _Progress(log, 4)
     prog.step(f"importing {path}")
@@ -248,10 +287,8 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     else:
         ex = build(mod_qdq, target, pipeline=pipeline)
     prog.done()
-    prog.step("summary")
     log(format_summary(layers))
-    prog.done()
-    return CompileResult(ex, record.integer_mod, meta, layers, record.weights)
+    return CompileResult(ex, record.integer_mod, meta, layers, record.weights, progress=prog)
 
 
 def _log_kernel_notes(record, arch: str, log):

@@ -1,4 +1,11 @@
-"""User-facing errors: one clear message that names the node, op, dtype or file."""
+"""User-facing errors: one clear message that names the node, op, dtype or file.
+
+The CLIs (``qcompile``, ``qmodel``) print a :class:`QCompileError` as one ``<prog>: error: <message>`` line and exit
+with status 2. Any other exception is a bug: one ``<prog>: internal error: <type>: <message>`` line and exit status 1
+(``QCOMPILE_DEBUG=1`` prints its stack trace). The checks that run before the expensive work (paths, tools, data
+files) are in :mod:`qcompile.checks`; the model's quantization parameters are checked where the QDQ form is built
+(:mod:`qcompile.qdq`) and where it is lowered to integers.
+"""
 import functools
 import threading
 

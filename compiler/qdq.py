@@ -83,6 +83,55 @@ def qtype_from_range(dtype: str, lo: int, hi: int, what: str = "tensor") -> QTyp
 
 
 # ----------------------------------------------------------------------------------------------
+# Validation of quantization parameters
+# ----------------------------------------------------------------------------------------------
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32; below it scales are denormal
+
+
+def _show(v) -> str:
+    return f"{float(v):.9g}"
+
+
+def check_scale(scale, what: str) -> np.ndarray:
+    """``scale`` as float64, or a :class:`QCompileError` naming ``what`` where any element is NaN, infinite, zero,
+    negative or below the smallest normal float32 (a denormal: the compiled float32 math would flush or overflow it).
+    Such a scale never comes from calibration; compiled, it would give a module whose output ignores its input."""
+    s = np.asarray(scale, dtype=np.float64)
+    if s.size == 0:
+        raise QCompileError(f"{what}: the scale is empty")
+    flat = s.reshape(-1)
+    where = lambda i: f" (channel {i})" if flat.size > 1 else ""  # noqa: E731
+    for test, desc in ((lambda v: np.isnan(v), "NaN"), (lambda v: np.isinf(v), "infinite"),
+                       (lambda v: v == 0, "zero"), (lambda v: v < 0, "negative"),
+                       (lambda v: v < FLOAT32_TINY, "denormal")):
+        bad = np.flatnonzero(test(flat))
+        if bad.size:
+            i = int(bad[0])
+            more = f" and {bad.size - 1} more" if bad.size > 1 else ""
+            extra = f", below the smallest normal float32 {FLOAT32_TINY:.3g}" if desc == "denormal" else ""
+            raise QCompileError(f"{what}: the scale is {desc} ({_show(flat[i])}{extra}){where(i)}{more}; a "
+                                f"quantization scale must be a finite positive number")
+    return s
+
+
+def check_zero_point(zp, lo: int, hi: int, what: str, type_name: str) -> np.ndarray:
+    """``zp`` as int64, or a :class:`QCompileError` where an element is not an integer in ``[lo, hi]``."""
+    z = np.asarray(zp)
+    if z.dtype.kind == "f":
+        if not np.all(np.isfinite(z)) or np.any(z != np.round(z)):
+            raise QCompileError(f"{what}: the zero point {z.reshape(-1)[0]} is not an integer")
+    z64 = z.astype(np.float64)
+    bad = np.flatnonzero((z64 < lo) | (z64 > hi))
+    if bad.size:
+        raise QCompileError(f"{what}: the zero point {int(z64.reshape(-1)[bad[0]])} is outside the {type_name} range "
+                            f"[{lo}, {hi}]")
+    return z64.astype(np.int64)
+
+
+_STORAGE_RANGE = {"int8": (-128, 127), "uint8": (0, 255), "int32": (-(2**31), 2**31 - 1)}
+
+
+# ----------------------------------------------------------------------------------------------
 # Reading the form back
 # ----------------------------------------------------------------------------------------------
 def const_value(expr: relax.Expr) -> Optional[np.ndarray]:
@@ -145,21 +194,41 @@ class QDQBuilder:
         self.params.append(v)
         return v
 
+    def discard(self) -> None:
+        """Abandon the graph (a frontend failed): close the builder's scopes so that it leaves no state behind."""
+        if self._fn is None:
+            return
+        try:
+            self._df.__exit__(None, None, None)
+            self._fn.__exit__(QCompileError, None, None)
+            self.bb._end_block()
+            self.bb.end_scope()
+        except Exception:  # noqa: BLE001  (best effort)
+            pass
+        self._fn = None
+
     def finish(self, outputs: Sequence[relax.Expr], attrs: Optional[dict] = None) -> tvm.IRModule:
         outs = [self.bb.emit_output(o) for o in outputs]
         self._df.__exit__(None, None, None)
         ret = outs[0] if len(outs) == 1 else relax.Tuple(outs)
         self.bb.emit_func_output(ret, params=self.params)
         self._fn.__exit__(None, None, None)
+        self._fn = None
         mod = self.bb.get()
         if attrs:
             mod = mod.with_attr("qcompile", tvm.runtime.convert(attrs))
         return mod
 
     # -- quantization ---------------------------------------------------------------------------
+    @staticmethod
+    def _what(kind: str, name) -> str:
+        return f"{kind} '{name}'" if name else kind
+
     def quantize(self, x, scale, zero_point, qt: QType, axis: int = 1, name=None) -> relax.Var:
         """``q = clip(round(x / scale) + zp, qt.qmin, qt.qmax)`` stored as ``qt.storage``."""
-        zp = np.asarray(zero_point, dtype=qt.storage)
+        what = self._what("quantize", name)
+        check_scale(scale, what)
+        zp = check_zero_point(zero_point, qt.qmin, qt.qmax, what, qt.name).astype(qt.storage)
         q = self.emit(relax.op.quantize(x, _f32(scale), relax.const(zp, qt.storage), axis, qt.storage), name)
         if qt.bits < 8:
             q = self.emit(relax.op.clip(q, qt.qmin, qt.qmax), (name or "") + "_clip")
@@ -168,26 +237,43 @@ class QDQBuilder:
     def dequantize(self, q, scale, zero_point, axis: int = 1, name=None) -> relax.Var:
         """``x = (q - zp) * scale`` as float32."""
         dt = str(q.ty.dtype)
-        zp = np.asarray(zero_point, dtype=dt)
+        what = self._what("dequantize", name)
+        check_scale(scale, what)
+        lo, hi = _STORAGE_RANGE.get(dt, (-(2**31), 2**31 - 1))
+        zp = check_zero_point(zero_point, lo, hi, what, dt).astype(dt)
         return self.emit(relax.op.dequantize(q, _f32(scale), relax.const(zp, dt), axis, "float32"), name)
 
     def qweight(self, q: np.ndarray, scale, qt: QType, axis: int = 0, name=None) -> relax.Var:
         """Dequantized constant weight: ``dequantize(clip(q))`` (the clip only for < 8 bits)."""
         q = np.asarray(q)
+        what = self._what("weight", name)
+        if q.dtype.kind == "f" and not np.all(np.isfinite(q)):
+            raise QCompileError(f"{what}: the integer weight holds NaN or Inf")
         if q.min(initial=0) < qt.qmin or q.max(initial=0) > qt.qmax:
             raise QCompileError(
-                f"weight {name or ''}: values in [{q.min()}, {q.max()}] exceed the {qt.name} range"
+                f"{what}: values in [{q.min()}, {q.max()}] exceed the {qt.name} range [{qt.qmin}, {qt.qmax}]"
             )
+        check_scale(scale, what)
+        scale = np.asarray(scale, dtype="float32")
+        if scale.size != 1 and (q.ndim <= axis or scale.size != q.shape[axis]):
+            raise QCompileError(f"{what}: {scale.size} per-channel scales for a weight of shape {tuple(q.shape)} "
+                                f"(axis {axis})")
         c: relax.Expr = relax.const(q.astype(qt.storage), qt.storage)
         if qt.bits < 8:
             c = self.emit(relax.op.clip(c, qt.qmin, qt.qmax), (name or "w") + "_q")
-        scale = np.asarray(scale, dtype="float32")
         return self.dequantize(c, scale, np.zeros(scale.shape, qt.storage), axis=axis if scale.ndim else 0, name=name)
 
     def qbias(self, b_int32: np.ndarray, scale, name=None) -> relax.Var:
         """An int32 bias through dequantize, as ONNX QDQ writes it (scale = s_x * s_w)."""
+        what = self._what("bias", name)
+        b = np.asarray(b_int32)
+        if b.dtype.kind == "f" and not np.all(np.isfinite(b)):
+            raise QCompileError(f"{what}: the integer bias holds NaN or Inf")
+        if b.size and (b.min() < -(2**31) or b.max() > 2**31 - 1):
+            raise QCompileError(f"{what}: values in [{b.min():.0f}, {b.max():.0f}] exceed the int32 range")
+        check_scale(scale, what)
         scale = np.asarray(scale, dtype="float32")
-        c = relax.const(np.asarray(b_int32, dtype="int32"), "int32")
+        c = relax.const(b.astype("int32"), "int32")
         return self.emit(
             relax.op.dequantize(c, _f32(scale), relax.const(np.zeros(scale.shape, "int32"), "int32"), 0, "float32"),
             name,
@@ -240,7 +326,14 @@ class QDQBuilder:
 
     def batch_norm(self, x, gamma, beta, mean, var, eps: float = 1e-5, name=None):
         """Inference batch norm as ``x * a + b`` with per-channel ``a = gamma / sqrt(var + eps)``."""
-        a = np.asarray(gamma, "float64") / np.sqrt(np.asarray(var, "float64") + eps)
-        b = np.asarray(beta, "float64") - np.asarray(mean, "float64") * a
+        what = self._what("batch norm", name)
+        with np.errstate(all="ignore"):
+            var_eps = np.asarray(var, "float64") + eps
+            if np.any(~np.isfinite(var_eps)) or np.any(var_eps <= 0):
+                raise QCompileError(f"{what}: running variance + epsilon must be finite and positive")
+            a = np.asarray(gamma, "float64") / np.sqrt(var_eps)
+            b = np.asarray(beta, "float64") - np.asarray(mean, "float64") * a
+        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+            raise QCompileError(f"{what}: a parameter (weight, bias, running mean) is NaN or infinite")
         y = self.emit(relax.op.multiply(x, _f32(a.reshape(1, -1, 1, 1))), name)
         return self.emit(relax.op.add(y, _f32(b.reshape(1, -1, 1, 1))), (name or "bn") + "_shift")

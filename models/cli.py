@@ -1,12 +1,15 @@
 """``qmodel``: build (or load), quantize and export a ResNet.
 
+    qmodel digits --bits 8 -o digits.onnx --save-input x.npy --save-labels y.npy
     qmodel resnet18 --bits 4 --format onnx -o r18_w4.onnx
     qmodel resnet50 --bits mixed --format pt2 --input-size 64
     qmodel resnet_tiny --in-ch 1 --input-size 8 --weights out/digits/resnet_tiny_digits.pt \\
            --calibrate out/digits/calib.npy --bits 8 --format hawq -o tiny.hawq.pth
 
-Exit status 0 on success, 2 on a usage error (unknown model / format, bad bit width,
-bad calibration file), with the reason on stderr.
+Exit status 0 on success; 2 on a usage error (unknown model / format, bad bit width or number, bad calibration or
+weights file, an output path that cannot be written), with one ``qmodel: error:`` line on stderr; 1 on an internal
+error (``QCOMPILE_DEBUG=1`` shows its stack trace). Outputs are written all or nothing (temporary files renamed);
+``--weights`` is read with ``torch.load(..., weights_only=True)``, so no code in it runs.
 """
 from __future__ import annotations
 
@@ -15,23 +18,51 @@ import os
 import sys
 import time
 
-import numpy as np
-import torch
-
-from .quantize import CalibConfig, quantize_model
-from .resnet import MODELS, build_model, get_spec
+from qcompile.errors import QCompileError
 
 FORMATS = {"onnx": ".onnx", "pt2": ".pt2", "hawq": ".hawq.pth"}
+# the file suffixes qcompile tells each format by (-o must end with one)
+FORMAT_SUFFIXES = {"onnx": (".onnx",), "pt2": (".pt2",), "hawq": (".pth", ".pt", ".ckpt", ".tar")}
+# the networks of models/resnet.py (MODELS), named here so that --help and the argument checks import no torch
+MODEL_NAMES = ("resnet18", "resnet50", "resnet_tiny")
+PROG = "qmodel"
 
 
-class _Fail(Exception):
+class _Fail(QCompileError):
     pass
+
+
+def _import_heavy() -> None:
+    """NumPy, PyTorch and the quantizer: imported once the arguments are checked (``--help`` and every usage error
+    answer without them)."""
+    global np, torch, CalibConfig, quantize_model, MODELS, build_model, get_spec
+    try:
+        import numpy as np
+        import torch
+
+        from .quantize import CalibConfig, quantize_model
+        from .resnet import MODELS, build_model, get_spec
+    except ModuleNotFoundError as e:
+        if e.name not in ("torch", "torchao", "onnx", "ml_dtypes"):
+            raise
+        raise _Fail(f"qmodel needs PyTorch and ONNX ({e.name} is not installed): pip install 'qcompile[torch]'") \
+            from None
+    _quiet_torch_logs()
+
+
+def _quiet_torch_logs() -> None:
+    """torch and torchao log notes about their own internals at WARNING (pytree deprecations, optional kernels)."""
+    import logging
+
+    for name in ("torch.utils._pytree", "torchao", "torch._export", "torch.export"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="qmodel", description="Quantize a ResNet (PTQ) and export it.",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("model", help=f"one of: {', '.join(MODELS)}")
+    ap.add_argument("model", help=f"one of: {', '.join(MODEL_NAMES)}, digits (resnet_tiny trained on scikit-learn's "
+                                  "digits in a few seconds; the others have random weights)")
     ap.add_argument("--bits", default="8",
                     help="8 | 4 | mixed | path to a JSON dict {layer: [w_bits, a_bits]} (default 8)")
     ap.add_argument("--format", default="onnx", help="onnx | pt2 | hawq (default onnx)")
@@ -53,33 +84,67 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--packed-int4", action="store_true", help="hawq: pack int4 weights two per byte")
     ap.add_argument("--save-input", metavar="NPY", help="write a sample input (batch --batch or 1)")
     ap.add_argument("--save-output", metavar="NPY", help="write the fake-quant reference output for it")
+    ap.add_argument("--save-labels", metavar="NPY", help="digits: write the test labels (int64) of --save-input")
+    ap.add_argument("--epochs", type=int, default=20, help="digits: training epochs (default 20)")
     ap.add_argument("-q", "--quiet", action="store_true")
     return ap
 
 
 def main(argv=None) -> int:
+    import warnings
+
+    from qcompile.cli import install_warning_printer, report_internal_error
+
     args = _parser().parse_args(argv)
     say = (lambda *a: None) if args.quiet else (lambda *a: print("[qmodel]", *a, flush=True))
+    saved = warnings.showwarning
+    install_warning_printer(PROG)
     try:
         return _run(args, say)
-    except (_Fail, ValueError, FileNotFoundError) as e:
-        print(f"qmodel: error: {e}", file=sys.stderr)
+    except (QCompileError, ValueError, FileNotFoundError) as e:  # (ValueError: the quantizer's --bits JSON checks)
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except ImportError as e:
+        if "pip install" not in str(e):  # (a missing optional package says how to get it: a usage error)
+            return report_internal_error(PROG, e)
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted (outputs are written only when complete)", file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001  (a bug: one line, not a stack trace)
+        return report_internal_error(PROG, e)
+    finally:
+        warnings.showwarning = saved
 
 
 def _load_weights(path: str) -> dict:
-    ck = torch.load(path, map_location="cpu", weights_only=False)
+    from qcompile.checks import torch_load_weights_only
+
+    ck = torch_load_weights_only(path, "--weights file")
     if isinstance(ck, dict) and "state_dict" in ck:
         ck = ck["state_dict"]
-    if not isinstance(ck, dict):
-        raise _Fail(f"{path}: expected a state_dict")
+    if not isinstance(ck, dict) or not all(isinstance(v, torch.Tensor) for v in ck.values()):
+        raise _Fail(f"--weights file '{path}': expected a state_dict (a dict of tensors, or a dict with one under "
+                    f"'state_dict')")
     return ck
 
 
-def _run(args, say) -> int:
-    t0 = time.time()
-    if args.model not in MODELS:
-        raise _Fail(f"unknown model {args.model!r}; choose from: {', '.join(MODELS)}")
+def _check_args(args) -> list:
+    """Everything that can be refused before PyTorch is imported: names, numbers, input files and output paths.
+    Returns the output paths, -o first."""
+    from qcompile.checks import check_input_file, check_output_path
+
+    if args.model not in MODEL_NAMES and args.model != "digits":
+        raise _Fail(f"unknown model {args.model!r}; choose from: {', '.join(MODEL_NAMES)}, digits")
+    if args.save_labels and args.model != "digits":
+        raise _Fail("--save-labels needs the digits model (the others have random weights and no labels)")
+    if args.model == "digits" and args.epochs < 1:
+        raise _Fail(f"--epochs must be at least 1, got {args.epochs}")
+    if args.model == "digits" and (args.weights or args.in_ch not in (None, 1) or args.input_size not in (None, 8)
+                                   or args.num_classes not in (None, 10)):
+        raise _Fail("digits is trained here (1x8x8 input, 10 classes): --weights, --in-ch, --input-size and "
+                    "--num-classes do not apply to it")
     if args.format not in FORMATS:
         raise _Fail(f"unknown format {args.format!r}; choose from: {', '.join(FORMATS)}")
     if not (args.bits in ("8", "4", "mixed") or args.bits.endswith(".json")):
@@ -87,16 +152,88 @@ def _run(args, say) -> int:
                     "{layer_name: [w_bits, a_bits]} with widths 4 or 8")
     if args.residual_bits not in (4, 8):
         raise _Fail(f"unsupported --residual-bits {args.residual_bits} (4 or 8)")
+    for flag, v, least in (("--input-size", args.input_size, 1), ("--in-ch", args.in_ch, 1),
+                           ("--num-classes", args.num_classes, 1), ("--calib-samples", args.calib_samples, 1),
+                           ("--batch", args.batch, 0)):
+        if v is not None and v < least:
+            what = "a positive integer" if least else "0 (a dynamic batch) or a positive integer"
+            raise _Fail(f"{flag} must be {what}, got {v}")
+    if not 0 < args.percentile <= 100:
+        raise _Fail(f"--percentile must be in (0, 100], got {args.percentile}")
+    inputs = []
+    for flag, path in (("--weights", args.weights), ("--calibrate", args.calibrate),
+                       ("--bits", args.bits if args.bits.endswith(".json") else None)):
+        if path:
+            check_input_file(path, f"{flag} file")
+            inputs.append((f"{flag} file", path))
+    tag = os.path.splitext(os.path.basename(str(args.bits)))[0]
+    out = args.output or f"{args.model}_{tag}{FORMATS[args.format]}"
+    outs = [("-o", out, FORMAT_SUFFIXES[args.format], f"(--format {args.format}; qcompile tells formats by suffix)")]
+    outs += [(flag, p, (".npy",), "") for flag, p in (("--save-input", args.save_input),
+                                                      ("--save-output", args.save_output),
+                                                      ("--save-labels", getattr(args, "save_labels", None))) if p]
+    for i, (flag, p, suffixes, why) in enumerate(outs):
+        others = [(f"{f} output", q) for f, q, _, _ in outs[:i]]
+        check_output_path(p, flag, inputs + others, suffixes=suffixes, why=why)
+    return [p for _, p, _, _ in outs]
+
+
+def _run(args, say) -> int:
+    t0 = time.time()
+    args.output = _check_args(args)[0]
+    say("loading PyTorch ...")
+    _import_heavy()
+    say(f"      done in {time.time() - t0:.1f} s")
+    if args.model == "digits":
+        model, calib, test = _digits(args, say)
+        shape = (1, *calib.shape[1:])
+    else:
+        model, calib, shape = _random_or_loaded(args, say)
+        test = None
+    _quantize_export(args, say, model, calib, shape, test)
+    say(f"done in {time.time() - t0:.1f}s")
+    return 0
+
+
+def _digits(args, say):
+    """resnet_tiny trained on scikit-learn's digits (models/digits.py); its test split is the sample input."""
+    from .digits import accuracy, train
+
+    say(f"digits: training resnet_tiny on scikit-learn's digits ({args.epochs} epochs, seed {args.seed}, one thread)")
+    t = time.time()
+    try:
+        model, data = train(epochs=args.epochs, seed=args.seed)
+    except ModuleNotFoundError as e:
+        if e.name != "sklearn":
+            raise
+        raise _Fail(str(e)) from None
+    with torch.no_grad():
+        acc = accuracy(model(torch.from_numpy(data["x_test"])), data["y_test"])
+    say(f"digits: trained in {time.time() - t:.1f}s; float model (PyTorch) test accuracy: {acc:.2f}% "
+        f"on {len(data['y_test'])} images")
+    calib = data["calib"]
+    if args.calibrate:
+        from qcompile.checks import read_image_array
+
+        calib = read_image_array(args.calibrate, "--calibrate data", channels=1, hw=(8, 8))
+        say(f"calibrating on {args.calibrate} ({calib.shape[0]} samples)")
+    else:
+        say(f"calibrating on {len(calib)} training images")
+    return model, calib, (data["x_test"], data["y_test"])
+
+
+def _random_or_loaded(args, say):
     spec = get_spec(args.model)
     calib = None
     if args.calibrate:
-        calib = np.load(args.calibrate).astype(np.float32)
-        if calib.ndim != 4:
-            raise _Fail(f"{args.calibrate}: expected an NCHW array, got shape {calib.shape}")
+        from qcompile.checks import read_image_array
+
+        calib = read_image_array(args.calibrate, "--calibrate data")
     in_ch = args.in_ch or (calib.shape[1] if calib is not None else spec.input_shape[1])
     size = args.input_size or (calib.shape[2] if calib is not None else spec.input_shape[2])
     if calib is not None and tuple(calib.shape[1:]) != (in_ch, size, size):
-        raise _Fail(f"{args.calibrate}: shape {calib.shape} does not match input (N, {in_ch}, {size}, {size})")
+        raise _Fail(f"--calibrate data '{args.calibrate}' has shape {calib.shape}; the model takes "
+                    f"(N, {in_ch}, {size}, {size}) (--in-ch, --input-size)")
     shape = (1, in_ch, size, size)
 
     model = build_model(args.model, num_classes=args.num_classes, in_ch=in_ch, seed=args.seed)
@@ -105,7 +242,9 @@ def _run(args, say) -> int:
         try:
             model.load_state_dict(state)
         except RuntimeError as e:
-            raise _Fail(f"{args.weights}: does not fit {args.model}: {str(e).splitlines()[0]}")
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            detail = "; ".join(lines[1:3]) if len(lines) > 1 else lines[0] if lines else ""
+            raise _Fail(f"--weights file '{args.weights}' does not fit {args.model}: {detail[:300]}") from None
         say(f"{args.model}: loaded float weights from {args.weights}")
     else:
         say(f"{args.model}: random weights (seed {args.seed}, random BN statistics), "
@@ -117,45 +256,73 @@ def _run(args, say) -> int:
             f"(seed {args.seed + 1}); scales will not reflect real data")
     else:
         say(f"calibrating on {args.calibrate} ({calib.shape[0]} samples)")
+    return model, calib, shape
 
+
+def _quantize_export(args, say, model, calib, shape, test) -> None:
+    """Quantize ``model`` on ``calib`` and export it; ``test``: (images, labels) to save instead of a random input."""
     cc = CalibConfig(method8=args.calib_method8, method4=args.calib_method4, percentile=args.percentile,
                      seed=args.seed)
     t = time.time()
-    qm = quantize_model(model, calib, args.bits, calib=cc, arch=args.model, residual_bits=args.residual_bits)
+    net = "resnet_tiny" if args.model == "digits" else args.model
+    qm = quantize_model(model, calib, args.bits, calib=cc, arch=net, residual_bits=args.residual_bits)
     n4 = sum(1 for l in qm.layers.values() if l.w_bits == 4)
     a4 = sum(1 for a in qm.acts.values() if a.bits == 4)
     say(f"quantized (bits={args.bits}): {len(qm.layers)} layers, {n4} with 4-bit weights, "
         f"{a4}/{len(qm.acts)} 4-bit activation tensors ({time.time() - t:.1f}s)")
 
-    tag = os.path.splitext(os.path.basename(str(args.bits)))[0]
-    out = args.output or f"{args.model}_{tag}{FORMATS[args.format]}"
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    out = args.output  # (checked, with the default filled in, by _check_args)
     batch = args.batch if args.batch > 0 else None
     n_ex = batch or 1
     g = torch.Generator().manual_seed(args.seed + 2)
-    example = torch.randn((n_ex, *shape[1:]), generator=g)
+    example = torch.randn((n_ex, *shape[1:]), generator=g) if test is None else torch.from_numpy(test[0][:n_ex])
+    sample = example if test is None else torch.from_numpy(test[0])  # digits: the test images are the sample input
+    say(f"exporting {out} ({args.format}) ...")
+    try:
+        wrote = _write_outputs(args, qm, out, shape, batch, example, calib, sample, test)
+    except OSError as e:  # (a full disk, a folder removed meanwhile, ...: nothing is left behind)
+        raise _Fail(f"cannot write '{out}': {e.strerror or e}") from None
+    for line in wrote:
+        say(line)
+
+
+def _write_outputs(args, qm, out, shape, batch, example, calib, sample, test) -> list:
+    """Export ``qm`` to ``out`` (``example``: the export's example input) and write the ``--save-*`` arrays
+    (``sample``: the saved input). Every file is written under a temporary name beside it and renamed once all are
+    complete: a failure (or ^C) leaves none of them, half-written or not. Returns a line per file."""
+    from qcompile.checks import atomic_outputs
+
+    saves = [p for p in (args.save_input, args.save_labels, args.save_output) if p]
+    wrote = []
     t = time.time()
-    if args.format == "onnx":
-        from .export_onnx import export_onnx
-        om = export_onnx(qm, out, shape, batch=batch)
-        say(f"wrote {out} (ONNX QDQ, opset {om.opset_import[0].version}, onnx.checker ok, {time.time() - t:.1f}s)")
-    elif args.format == "pt2":
-        from .export_pt2 import export_pt2, quantized_ops
-        ep = export_pt2(qm, out, example, calib=torch.from_numpy(calib), dynamic_batch=batch is None)
-        say(f"wrote {out} (PT2E, {sum(quantized_ops(ep).values())} quantized_decomposed ops, {time.time() - t:.1f}s)")
-    else:
-        from .export_hawq import export_hawq
-        export_hawq(qm, out, packed_int4=args.packed_int4, input_size=shape[2])
-        say(f"wrote {out} (HAWQ-V3 dicts{', packed int4' if args.packed_int4 else ''})")
-    if args.save_input:
-        np.save(args.save_input, example.numpy())
-        say(f"wrote sample input {args.save_input} {tuple(example.shape)}")
-    if args.save_output:
-        with torch.no_grad():
-            np.save(args.save_output, qm(example).numpy())
-        say(f"wrote fake-quant reference output {args.save_output}")
-    say(f"done in {time.time() - t0:.1f}s")
-    return 0
+    with atomic_outputs(out, *saves) as tmps:
+        tmp = dict(zip([out, *saves], tmps))
+        if args.format == "onnx":
+            from .export_onnx import export_onnx
+            om = export_onnx(qm, tmp[out], shape, batch=batch)
+            wrote.append(f"wrote {out} (ONNX QDQ, opset {om.opset_import[0].version}, onnx.checker ok, "
+                         f"{time.time() - t:.1f}s)")
+        elif args.format == "pt2":
+            from .export_pt2 import export_pt2, quantized_ops
+            ep = export_pt2(qm, tmp[out], example, calib=torch.from_numpy(calib), dynamic_batch=batch is None)
+            wrote.append(f"wrote {out} (PT2E, {sum(quantized_ops(ep).values())} quantized_decomposed ops, "
+                         f"{time.time() - t:.1f}s)")
+        else:
+            from .export_hawq import export_hawq
+            export_hawq(qm, tmp[out], packed_int4=args.packed_int4, input_size=shape[2])
+            wrote.append(f"wrote {out} (HAWQ-V3 dicts{', packed int4' if args.packed_int4 else ''})")
+        if args.save_input:
+            np.save(tmp[args.save_input], sample.numpy())
+            wrote.append(f"wrote {'the test images' if test is not None else 'sample input'} {args.save_input} "
+                         f"{tuple(sample.shape)}")
+        if args.save_labels:
+            np.save(tmp[args.save_labels], test[1])
+            wrote.append(f"wrote the test labels {args.save_labels} {tuple(test[1].shape)}")
+        if args.save_output:
+            with torch.no_grad():
+                np.save(tmp[args.save_output], qm(sample).numpy())
+            wrote.append(f"wrote fake-quant reference output {args.save_output}")
+    return wrote
 
 
 if __name__ == "__main__":

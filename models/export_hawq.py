@@ -115,15 +115,21 @@ def to_hawq(qm: QuantizedModel, packed_int4: bool = False, input_size: int | Non
 
 
 def export_hawq(qm: QuantizedModel, path: str, packed_int4: bool = False, input_size: int | None = None) -> dict:
-    """:func:`to_hawq` + ``torch.save``."""
+    """:func:`to_hawq` + ``torch.save`` (under a temporary name beside ``path``, then renamed: a failure leaves no
+    partial file). The checkpoint holds tensors, numbers, strings and plain containers only, so it loads with
+    ``torch.load(..., weights_only=True)``."""
+    from qcompile.checks import atomic_output
+
     ck = to_hawq(qm, packed_int4, input_size)
-    torch.save(ck, path)
+    with atomic_output(path) as tmp:
+        torch.save(ck, tmp)
     return ck
 
 
 def load_hawq(path: str, unpack: bool = True) -> dict:
-    """``torch.load`` a checkpoint; with ``unpack`` packed int4 weights come back as int8 OIHW."""
-    ck = torch.load(path, weights_only=False)
+    """``torch.load(..., weights_only=True)`` a checkpoint (no code in the file runs); with ``unpack`` packed int4
+    weights come back as int8 OIHW."""
+    ck = torch.load(path, map_location="cpu", weights_only=True)
     if unpack and ck.get("meta", {}).get("packed_int4"):
         for key, t in ck["weight_integer"].items():
             h = key[len(PREFIX):-len(".weight_integer")]

@@ -162,9 +162,13 @@ def to_onnx(qm: QuantizedModel, input_shape: tuple[int, ...], batch: Optional[in
 
 def export_onnx(qm: QuantizedModel, path: str, input_shape: tuple[int, ...], batch: Optional[int] = 1,
                 opset: Optional[int] = None) -> onnx.ModelProto:
-    """:func:`to_onnx` then ``onnx.save`` to ``path``; returns the model."""
+    """:func:`to_onnx` then ``onnx.save`` to ``path`` (written under a temporary name beside it and renamed, so a
+    failure leaves no partial file); returns the model."""
+    from qcompile.checks import atomic_output
+
     model = to_onnx(qm, input_shape, batch, opset)
-    onnx.save(model, path)
+    with atomic_output(path) as tmp:
+        onnx.save(model, tmp)
     return model
 
 

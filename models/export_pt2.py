@@ -53,6 +53,7 @@ def _import_torchao():
     log = logging.getLogger("torchao")
     old = log.level
     log.setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # a deprecation note torchao's import triggers
     try:
         import torchao.quantization.pt2e  # noqa: F401  (registers quantized_decomposed ops)
         from torchao.quantization.pt2e import observer as obs
@@ -265,7 +266,10 @@ def export_pt2(qm: QuantizedModel, path: str, example_input: torch.Tensor,
     gm = convert_pt2e(gm)
     _drop_unused_params(gm)
     ep = torch.export.export(gm, ex2 if dynamic_batch else ex, dynamic_shapes=dyn)
-    torch.export.save(ep, path)
+    from qcompile.checks import atomic_output
+
+    with atomic_output(path) as tmp:  # (renamed when complete: a failure leaves no partial file)
+        torch.export.save(ep, tmp)
     return ep
 
 
@@ -281,9 +285,12 @@ def _drop_unused_params(gm: torch.fx.GraphModule) -> None:
 
 
 def load_pt2(path: str) -> "torch.export.ExportedProgram":
-    """``torch.export.load`` after registering the ``quantized_decomposed`` ops."""
+    """``torch.export.load`` after registering the ``quantized_decomposed`` ops, with no code execution: pickled
+    weights load as ``weights_only`` and pickled Python objects are refused (``qcompile.checks.torch_export_load``)."""
+    from qcompile.checks import torch_export_load
+
     _import_torchao()
-    return torch.export.load(path)
+    return torch_export_load(path)
 
 
 def run_pt2(path_or_ep, x: torch.Tensor) -> torch.Tensor:

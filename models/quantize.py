@@ -135,8 +135,15 @@ def bit_config(model: ResNet, bits: BitsArg = 8, residual_bits: int = 4) -> "Ord
     ``residual_bits`` only affects the ``4`` preset (see the module docstring)."""
     pts = quant_points(model)
     if isinstance(bits, str) and bits.endswith(".json"):
-        with open(bits) as f:
-            bits = json.load(f)
+        path = bits
+        try:
+            with open(path) as f:
+                bits = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"bit config '{path}': cannot read it as JSON ({e})") from None
+        if not isinstance(bits, Mapping):
+            raise ValueError(f"bit config '{path}': expected a JSON object {{layer_name: [w_bits, a_bits]}}, "
+                             f"got a {type(bits).__name__}")
     if isinstance(bits, str) and bits.strip().lstrip("-").isdigit():
         bits = int(bits)
     _check_bits("<residual>", "activation", residual_bits)
@@ -150,6 +157,8 @@ def bit_config(model: ResNet, bits: BitsArg = 8, residual_bits: int = 4) -> "Ord
             if name not in pts:
                 raise ValueError(f"unknown layer {name!r} in bit config; valid names: "
                                  f"{', '.join(pts)}")
+            if isinstance(v, (tuple, list)) and len(v) != 2:
+                raise ValueError(f"layer {name!r} in bit config: expected [w_bits, a_bits] or one width, got {v!r}")
             wb, ab = (v, v) if not isinstance(v, (tuple, list)) else tuple(v)
             if pts[name] in ("conv", "linear"):
                 _check_bits(name, "weight", wb)

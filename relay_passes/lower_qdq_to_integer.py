@@ -46,8 +46,12 @@ from tvm import relax
 from tvm.ir.expr import Constant
 
 from qcompile.errors import QCompileError, UnsupportedOpError, keeps_user_errors
-from qcompile.fixed_point import quantize_multipliers
-from qcompile.qdq import QType, QTYPES, const_value, qtype_of
+from qcompile.fixed_point import MAX_SHIFT, quantize_multipliers
+from qcompile.qdq import QType, QTYPES, check_scale, const_value, qtype_of
+
+# Integer offsets (``-zp * sum(w)``, biases in accumulator steps) are added to int32 accumulators; the requantize
+# multiplies ``t + c`` (|t + c| < 2^31) by a 31-bit multiplier in int64.
+OFFSET_LIMIT = 2**31 - 1
 
 LAYOUTS = {
     # data layout, kernel layout, channel axis of 4-D data, spatial axes, permutation from NCHW
@@ -133,6 +137,18 @@ class _Lowering:
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> relax.Function:
+        try:
+            return self._run()
+        except BaseException:
+            # close what the failed `with` scopes left open in the C++ builder (else it warns when destroyed)
+            try:
+                self.bb._end_block()
+                self.bb.end_scope()
+            except Exception:  # noqa: BLE001  (best effort; the original error matters)
+                pass
+            raise
+
+    def _run(self) -> relax.Function:
         x = relax.Var(self.input.name, self.input.ty)
         self.env[self.input] = ("input", x)
         with self.bb.function("main", [x]):
@@ -188,6 +204,7 @@ class _Lowering:
             raise QCompileError(f"quantize '{name}': scale and zero point must be constants")
         if scale.size != 1 or zp.size != 1:
             raise UnsupportedOpError("quantize", name, "per-channel activation quantization is not supported")
+        check_scale(scale, f"quantize '{name}'")
         qt = QTYPES[str(call.attrs.out_dtype)]
         return ("q", call.args[0], qt, (float(scale.reshape(())), int(zp.reshape(())), name))
 
@@ -206,6 +223,7 @@ class _Lowering:
         scale, zp = const_value(call.args[1]), const_value(call.args[2])
         if scale is None or zp is None:
             raise QCompileError(f"dequantize '{name}': scale and zero point must be constants")
+        check_scale(scale, f"dequantize '{name}'")
         if isinstance(src, Constant):
             q = src.value.numpy()
             if q.dtype == np.int32:  # bias
@@ -273,7 +291,7 @@ class _Lowering:
         if lin.hi < math.inf:
             hi = min(hi, max(lo, int(math.floor(lin.hi / s_out + 0.5)) + zp))
         ms = [t.scale / s_out for t in lin.terms]
-        mults, shift = quantize_multipliers(ms)
+        mults, shift = self._multipliers(ms, name)
         wide = "int64"
         # Terms that are all 8-bit tensors (residual adds, pools) fit int32 with a narrower multiplier:
         # sum_i |t_i + c_i| * |M_i| + 2^(S-1) < 2^31 with S <= 30. Integer math in int32 is several times
@@ -298,6 +316,39 @@ class _Lowering:
         if zp:
             acc = relax.op.add(acc, relax.const(int(zp), wide))
         return self.emit(relax.op.astype(relax.op.clip(acc, lo, hi), qt.storage), name)
+
+    @staticmethod
+    def _multipliers(ms: list, name: str):
+        """:func:`quantize_multipliers` of the requantize ``name``, or a QCompileError where a multiplier (input scale
+        x weight scale / output scale) is not finite, too large for 31 bits, or so small that every channel's
+        integer multiplier is 0 (an output that does not depend on the input)."""
+        for m in ms:
+            m = np.asarray(m, np.float64)
+            if not np.all(np.isfinite(m)):
+                raise QCompileError(f"quantize '{name}': the requantize multiplier (input scale / output scale) is not "
+                                    f"finite; the scales of the layer feeding it are out of range")
+        try:
+            mults, shift = quantize_multipliers(ms)
+        except ValueError:
+            big = max(float(np.max(np.abs(m))) for m in ms)
+            raise QCompileError(f"quantize '{name}': the requantize multiplier {big:.6g} (input scale / output scale) "
+                                f"is too large (at most 2^30); the output scale is too small for its input") from None
+        if all(not np.any(M) for M in mults) and any(np.any(np.asarray(m) != 0) for m in ms):
+            big = max(float(np.max(np.abs(m))) for m in ms)
+            raise QCompileError(f"quantize '{name}': the requantize multiplier {big:.6g} (input scale / output scale) "
+                                f"is below 2^-{MAX_SHIFT} and rounds to 0: the output would not depend on the input; "
+                                f"the output scale is too large for its input")
+        return mults, shift
+
+    @staticmethod
+    def _check_offset(offset: np.ndarray, name: str, what: str):
+        """Refuse an integer offset (a bias in accumulator steps) outside int32."""
+        off = np.asarray(offset, np.float64)
+        if not np.all(np.isfinite(off)) or off.size and np.max(np.abs(off)) > OFFSET_LIMIT:
+            worst = float(np.max(np.abs(off))) if np.all(np.isfinite(off)) else float("inf")
+            raise QCompileError(f"node '{name}': the {what} is {worst:.6g} accumulator steps (bias / (input scale x "
+                                f"weight scale)), beyond the int32 range of the accumulator; the layer's scales are "
+                                f"out of proportion to its bias")
 
     # -- compute ops -----------------------------------------------------------------------------
     def _q_operand(self, e, op, name) -> Lin:
@@ -368,11 +419,15 @@ class _Lowering:
         if mul is not None:
             if np.any(mul == 0):
                 raise UnsupportedOpError("multiply", name, "a zero per-channel scale cannot be folded")
+            if not np.all(np.isfinite(mul)):
+                raise QCompileError(f"node '{name}': a per-channel factor (batch norm) is NaN or infinite")
             terms = [Term(t.expr, t.offset, t.scale * mul) for t in terms]
         if add is not None:
             t0 = terms[0]
-            off = t0.offset + np.round(add / t0.scale).astype(np.int64)
-            terms[0] = Term(t0.expr, off, t0.scale)
+            with np.errstate(all="ignore"):
+                steps = np.round(np.asarray(add, np.float64) / t0.scale) + t0.offset
+            self._check_offset(steps, name, "bias")
+            terms[0] = Term(t0.expr, steps.astype(np.int64), t0.scale)
         return Lin(terms, lin.rank, name=name)
 
     @staticmethod

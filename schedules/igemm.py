@@ -316,6 +316,10 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
     NK = (GKB + BK - 1) // BK
     CPS = -(-NK // SPLIT)  # K-chunks per split
     PAD = spec.pad_value
+    # the byte stored at a padded position: 4-bit inputs are packed, so the pad value fills both nibbles
+    PAD_BYTE = (PAD & 0xF) * 0x11 if spec.x_bits == 4 else PAD
+    if spec.x_bits == 4 and spec.x_dtype == "int4" and PAD_BYTE > 127:
+        PAD_BYTE -= 256
     use_async = VEC >= 4 and PAD == 0 and ai.has_cp_async
     if WG and kn.stages < 3 + kn.pipe:
         raise NotApplicable("the wgmma loop keeps 1 + pipe MMA groups in flight: stages >= 3 + pipe")
@@ -801,7 +805,7 @@ def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None 
                         As[soff + v] = xf[gidx + v]
                 else:
                     for v in T.unroll(VEC):
-                        As[soff + v] = T.if_then_else(inb, T.Cast(x_st, PAD), T.Cast(x_st, 0))
+                        As[soff + v] = T.if_then_else(inb, T.Cast(x_st, PAD_BYTE), T.Cast(x_st, 0))
         for it in T.unroll(B_IT):
             L = it * LNTH + tid
             slot = T.meta_var(tile_slot(L, BN))

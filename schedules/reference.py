@@ -97,7 +97,8 @@ def requant(acc, bias, M, S, spec: ConvSpec, res=None):
     """acc int [.., K] (int32-range) -> output logical values per the project math (see ConvSpec).
     ``res``: None, or (residual logical values, rq2 int32[5, K]) for the two-stage residual epilogue."""
     t = (acc.astype(np.int64) + bias.astype(np.int64))
-    t = ((t + (1 << 31)) % (1 << 32)) - (1 << 31)  # int32 wrap, as on the device
+    t = ((t + (1 << 31)) % (1 << 32)) - (1 << 31)  # int32 wrap, as the shift_ge33 path adds (the int64 path agrees
+    #                                                wherever t fits int32)
     v = t * M.astype(np.int64)
     S64 = S.astype(np.int64)
     if spec.shift_ge33:

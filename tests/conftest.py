@@ -1,5 +1,6 @@
 import functools
 import os
+import shutil
 import subprocess
 import sys
 
@@ -34,9 +35,24 @@ def gpu_compute_capability() -> int | None:
     return int(r.stdout.strip()) if r.returncode == 0 and r.stdout.strip().isdigit() else None
 
 
+def have_nvcc() -> bool:
+    """Whether nvcc, which every CUDA build runs (``schedules/build.py``), is on PATH."""
+    return shutil.which("nvcc") is not None
+
+
+def pytest_configure(config):
+    # (the one place that says what the `nvcc` marker means; `gpu` is registered in pyproject.toml)
+    config.addinivalue_line("markers", "nvcc: builds CUDA code with nvcc (skipped where nvcc is not on PATH)")
+
+
 def pytest_collection_modifyitems(config, items):
-    gpu_items = [it for it in items if "gpu" in it.keywords]
+    gpu_items = [it for it in items if it.get_closest_marker("gpu")]
     if gpu_items and gpu_compute_capability() is None:
         skip = pytest.mark.skip(reason="needs a CUDA GPU (none found on this host)")
         for it in gpu_items:
+            it.add_marker(skip)
+    nvcc_items = [it for it in items if it.get_closest_marker("nvcc")]
+    if nvcc_items and not have_nvcc():
+        skip = pytest.mark.skip(reason="needs nvcc, the CUDA compiler (not on PATH)")
+        for it in nvcc_items:
             it.add_marker(skip)

@@ -1,12 +1,11 @@
 """The CUDA build path on a machine without a GPU: compiled GPU code embedded, CUDA graph, --emit-cuda."""
 import os
-import shutil
 
 import pytest
 
 from qcompile.driver import CompileOptions, compile_model, emit_cuda
 
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+pytestmark = pytest.mark.nvcc
 
 
 @pytest.fixture(scope="module")

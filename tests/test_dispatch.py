@@ -164,6 +164,7 @@ def _constants(func):
     return out
 
 
+@pytest.mark.nvcc
 def test_dispatch_pools_cuda():
     """On CUDA (IR only) the 8-bit NHWC max pool runs qcompile's pool kernel (4-channel SIMD max on 32-bit words,
     16-byte loads); an NCHW graph keeps the Relax op (legalized, scheduled by the glue rules)."""
@@ -216,11 +217,14 @@ def test_dispatch_packed_4bit_pool_cuda():
 
 def _one_conv(bits: int, seed: int):
     """A QDQ model of one 3x3 conv (64 -> 64 channels, batch 8, 14x14) with ``bits``-bit unsigned activations and signed
-    weights, lowered to integer NHWC (4-bit: unpacked); returns (module, the weights' values [K, C, R, S])."""
+    weights, lowered to integer NHWC (4-bit: unpacked); returns (module, the weights' values [K, C, R, S]). The weights
+    follow a pattern, so the tests can write parts of the buffers the kernels take out by hand: w[k, c, r, s] =
+    (c + 16 k + 3 r + s) wrapped into the signed range (4-bit: ``(c + k + 3 r + s) % 16 - 8``)."""
     from qcompile.qdq import QDQBuilder, qtype
 
     rng = np.random.default_rng(seed)
-    wv = rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), (64, 64, 3, 3))
+    k, c, r, s = np.meshgrid(*(np.arange(n) for n in (64, 64, 3, 3)), indexing="ij")
+    wv = (c + k + 3 * r + s) % 16 - 8 if bits == 4 else (c + 16 * k + 3 * r + s + 128) % 256 - 128
     b = QDQBuilder()
     x = b.input("x", (8, 64, 14, 14))
     ua, sw = qtype(bits, False), qtype(bits, True)
@@ -243,6 +247,12 @@ def test_dispatch_cuda_int4_weights_expanded_for_w8_kernels(monkeypatch):
 
     mi, wv = _one_conv(4, 5)
     ohwi = np.transpose(wv, (0, 2, 3, 1))
+    # by hand: output channel 0, tap (0, 0) holds c % 16 - 8, so expanded (x16, per 32 channels the 16 even values,
+    # then the 16 odd ones) and packed (element 2i in the low nibble); channel 1, tap (0, 1): (c + 2) % 16 - 8
+    ev, od = [-128, -96, -64, -32, 0, 32, 64, 96] * 2, [-112, -80, -48, -16, 16, 48, 80, 112] * 2
+    ev1, od1 = [-96, -64, -32, 0, 32, 64, 96, -128] * 2, [-80, -48, -16, 16, 48, 80, 112, -112] * 2
+    lit_w8 = {(0, 0, 0): (ev + od) * 2, (1, 0, 1): (ev1 + od1) * 2}
+    lit_packed = {(0, 0, 0): [-104, -70, -36, -2, 16, 50, 84, 118] * 4}  # 0x98 0xBA 0xDC 0xFE 0x10 0x32 0x54 0x76
     aw = GemmKnobs(BM=128, BN=64, BK=64, WM=1, WN=1, stages=3, mma="wgmma", pipe=-1, pstages=3, areg=True, awarp=True)
     packed = int4.pack(ohwi).view(np.int8)
     # (the record's knobs, DispatchTensorCore's expand_w4 -- False: `qcompile --packed-int4-weights`, the weights)
@@ -255,6 +265,8 @@ def test_dispatch_cuda_int4_weights_expanded_for_w8_kernels(monkeypatch):
         assert "w: T.Buffer((%s), \"int8\")" % ", ".join(map(str, want.shape)) in f.script()
         ws = [c for c in _constants(md["main"]) if c.dtype == np.int8 and c.shape == want.shape]
         assert len(ws) == 1 and np.array_equal(ws[0], want)
+        for idx, row in (lit_w8 if w8 and expand else lit_packed).items():
+            assert ws[0][idx].tolist() == row, idx
 
 
 def test_dispatch_cuda_int8_weights_kpermuted_for_agl_kernels(monkeypatch):
@@ -272,6 +284,11 @@ def test_dispatch_cuda_int8_weights_kpermuted_for_agl_kernels(monkeypatch):
     agl = GemmKnobs(BM=64, BN=64, BK=64, WM=1, WN=1, stages=3, mma="wgmma", pipe=-1, pstages=3, areg=True,
                     awarp=True, w8=True, agl=True)
     assert not np.array_equal(permute_k8(ohwi, 64), ohwi)
+    # by hand: output channel 0's first 64-byte chunk (tap (0, 0), w = c): out word 8 ks + 4 h + q = word 4 q + 2 ks + h,
+    # 16-bit halves swapped; without agl the plain values
+    lit_k64 = [2, 3, 0, 1, 18, 19, 16, 17, 34, 35, 32, 33, 50, 51, 48, 49, 6, 7, 4, 5, 22, 23, 20, 21, 38, 39, 36, 37,
+               54, 55, 52, 53, 10, 11, 8, 9, 26, 27, 24, 25, 42, 43, 40, 41, 58, 59, 56, 57, 14, 15, 12, 13, 30, 31,
+               28, 29, 46, 47, 44, 45, 62, 63, 60, 61]
     for kn, expand, want, kp in ((agl, True, permute_k8(ohwi, 64), 64), (agl.replace(agl=False), True, ohwi, 0),
                                  (agl, False, permute_k8(ohwi, 64), 64)):
         monkeypatch.setattr(S, "knobs_for", lambda spec, arch, kn=kn: (kn, "tuned"))
@@ -280,3 +297,4 @@ def test_dispatch_cuda_int8_weights_kpermuted_for_agl_kernels(monkeypatch):
         assert w8_kperm(f) == kp and "qcompile.w8" not in f.attrs
         ws = [c for c in _constants(md["main"]) if c.dtype == np.int8 and c.shape == ohwi.shape]
         assert len(ws) == 1 and np.array_equal(ws[0], want)
+        assert ws[0][0, 0, 0].tolist() == (lit_k64 if kp else list(range(64)))

@@ -168,7 +168,7 @@ def test_hawq_matches_pytorch(tmp_path, bits, packed):
     qm = quantized("resnet_tiny", bits, 16)
     path = str(tmp_path / "m.pth")
     export_hawq(qm, path, packed_int4=packed, input_size=16)
-    ck = torch.load(path, weights_only=False)
+    ck = torch.load(path, weights_only=True)
     if packed:
         assert any(v.dtype == torch.uint8 for v in ck["weight_integer"].values())
     res = compile_model(path, CompileOptions(layout="NHWC", net="resnet_tiny", batch=2), log=lambda s: None)

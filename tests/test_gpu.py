@@ -4,15 +4,13 @@ Skipped where the host has no CUDA GPU (tests/conftest.py); needs nvcc for the b
 qcompile targets that the device runs natively (sm_90a kernels only on compute capability 9.0; a newer GPU runs the
 sm_89 build's PTX).
 """
-import shutil
 
 import numpy as np
 import pytest
 
 from conftest import gpu_compute_capability
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")]
+pytestmark = [pytest.mark.gpu, pytest.mark.nvcc]
 
 
 def _arch() -> str:

@@ -361,7 +361,7 @@ def test_hawq_checkpoint(qtiny, xtest, bits, tmp_path):
     qm = qtiny[bits]
     path = str(tmp_path / "m.pth")
     export_hawq(qm, path)
-    ck = torch.load(path, weights_only=False)
+    ck = torch.load(path, weights_only=True)
     assert all(k in ck for k in HAWQ_KEYS) and "bits" in ck
     assert "module.quant_init_block_convbn.weight_integer" in ck["weight_integer"]
     assert "module.stage2.unit1.quant_identity_convbn.convbn_scaling_factor" in ck["convbn_scaling_factor"]
@@ -433,10 +433,10 @@ def test_cli(tmp_path, capsys):
     cfg.write_text(json.dumps({"layer2.0.conv2": [4, 8]}))
     assert main(["resnet_tiny", "--bits", str(cfg), "--format", "hawq", "--calibrate", str(calib),
                  "-o", str(tmp_path / "t.pth"), "-q"]) == 0
-    assert torch.load(tmp_path / "t.pth", weights_only=False)["bits"]["stage2.unit1.quant_convbn2"] == 4
+    assert torch.load(tmp_path / "t.pth", weights_only=True)["bits"]["stage2.unit1.quant_convbn2"] == 4
     for bad in (["resnet19"], ["resnet_tiny", "--bits", "3"], ["resnet_tiny", "--format", "tflite"],
                 ["resnet_tiny", "--bits", "4", "--residual-bits", "2"]):
-        assert main(bad + ["-q", "-o", str(tmp_path / "bad")]) == 2
+        assert main(bad + ["-q", "-o", str(tmp_path / "bad.onnx")]) == 2
     err = capsys.readouterr().err
     assert "resnet19" in err and "'3'" in err and "tflite" in err
 
@@ -452,3 +452,68 @@ def test_train_digits_smoke(tmp_path):
         assert (tmp_path / f).exists(), f
     acc = json.loads((tmp_path / "accuracy.json").read_text())
     assert np.load(tmp_path / "x_test.npy").shape[1:] == (1, 8, 8) and 0 <= acc["int4_fakequant"] <= 100
+
+
+# --------------------------------------------------------------------------- digits
+def test_digits_training_deterministic():
+    """Two trainings from the same seed give the same weights bit for bit, and the split is 1437 / 360 images."""
+    pytest.importorskip("sklearn")
+    from qcompile.models.digits import train
+
+    (m1, d1), (m2, d2) = train(epochs=1), train(epochs=1)
+    s1, s2 = m1.state_dict(), m2.state_dict()
+    assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
+    assert d1["x_train"].shape == (1437, 1, 8, 8) and d1["x_test"].shape == (360, 1, 8, 8)
+    assert np.array_equal(d1["calib"], d2["calib"]) and d1["calib"].shape == (256, 1, 8, 8)
+    m3, _ = train(epochs=1, seed=1)
+    assert not torch.equal(m3.state_dict()["fc.weight"], s1["fc.weight"])
+
+
+def test_qmodel_digits_end_to_end(tmp_path, capsys):
+    """qmodel digits -> qcompile (batch 360) -> the .so's top-1 accuracy on the saved test images and labels, as the
+    README's main job runs it (3 epochs here): the .so classifies the images as PyTorch's simulation of the same
+    quantized model does, far above chance."""
+    pytest.importorskip("sklearn")
+    from qcompile.cli import qcompile_main
+    from qcompile.models.cli import main
+    from qcompile.runtime import Module
+
+    onnx_path, x, y, fq, so = (str(tmp_path / f) for f in ("d.onnx", "x.npy", "y.npy", "fq.npy", "d.so"))
+    assert main(["digits", "--bits", "8", "--epochs", "3", "-o", onnx_path, "--save-input", x,
+                 "--save-labels", y, "--save-output", fq]) == 0
+    said = capsys.readouterr().out
+    assert "float model (PyTorch) test accuracy:" in said and "360 images" in said
+    images, labels = np.load(x), np.load(y)
+    assert images.shape == (360, 1, 8, 8) and images.dtype == np.float32 and 0 <= images.min() <= images.max() <= 1
+    assert labels.shape == (360,) and labels.dtype == np.int64 and set(labels.tolist()) == set(range(10))
+    assert qcompile_main([onnx_path, "-o", so, "--batch", "360"]) == 0
+    logits = Module(so)(images)
+    top1 = logits.argmax(1)
+    assert (top1 != np.load(fq).argmax(1)).sum() <= 3
+    assert (top1 == labels).mean() > 0.5, "3 epochs reach ~75% (chance is 10%)"
+
+
+def test_qmodel_digits_usage_errors(tmp_path, capsys):
+    from qcompile.models.cli import _parser, main
+    from qcompile.models.digits import EPOCHS
+
+    assert _parser().get_default("epochs") == EPOCHS  # (the CLI names the default without importing torch)
+
+    for bad in (["resnet_tiny", "--save-labels", "y.npy"], ["digits", "--in-ch", "3"], ["digits", "--epochs", "0"],
+                ["digits", "--input-size", "16"]):
+        assert main(bad + ["-q", "-o", str(tmp_path / "bad.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "--save-labels needs the digits model" in err and "--epochs must be at least 1" in err
+    assert not (tmp_path / "bad.onnx").exists()
+
+
+def test_digits_table_reproduces_the_docs():
+    """README's and BENCHMARKS' digits tables are what scripts/digits_accuracy.py writes from its results file."""
+    script = os.path.join(ROOT, "scripts", "digits_accuracy.py")
+    spec = importlib.util.spec_from_file_location("digits_accuracy", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    block = mod.table(os.path.join(ROOT, "docs", "bench", "digits_accuracy.json"))
+    for doc in ("README.md", os.path.join("docs", "BENCHMARKS.md")):
+        text = open(os.path.join(ROOT, doc)).read()
+        assert f"<!-- table:digits -->\n{block}<!-- /table:digits -->" in text, f"{doc}: digits table is stale"

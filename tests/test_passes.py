@@ -68,6 +68,24 @@ def test_lower_single_conv_structure():
     tvm.ir.assert_structural_equal(after["main"], expected["main"], map_free_vars=True)
 
 
+def test_lower_weight_layouts_literal():
+    """The conv weights of the integer graph per layout, against buffers written out by hand: a 2x2x1x3 OIHW weight
+    (w[k, c, 0, s] = 1 + 6k + 3c + s) becomes OHWI [K, R, S, C] for NHWC and HWOI [R, S, K, C] for HWNC."""
+    from tvm.ir.expr import Constant
+
+    w_q = np.arange(1, 13).reshape(2, 2, 1, 3)
+    want = {"NCHW": [[[[1, 2, 3]], [[4, 5, 6]]], [[[7, 8, 9]], [[10, 11, 12]]]],
+            "NHWC": [[[[1, 4], [2, 5], [3, 6]]], [[[7, 10], [8, 11], [9, 12]]]],
+            "HWNC": [[[[1, 4], [7, 10]], [[2, 5], [8, 11]], [[3, 6], [9, 12]]]]}
+    for layout, expected in want.items():
+        mi = lower_to_integer(_single_conv(w_q, np.array([0.01, 0.02]), np.array([5, -7])), layout)
+        consts = []
+        relax.analysis.post_order_visit(mi["main"], lambda e: consts.append(e.value.numpy()) if isinstance(
+            e, Constant) and hasattr(e.value, "numpy") and e.value.numpy().ndim == 4 else None)
+        assert len(consts) == 1 and consts[0].dtype == np.int8, layout
+        assert consts[0].tolist() == expected, layout
+
+
 def test_lower_rejects_float_compute_between_qdq():
     b = QDQBuilder()
     x = b.input("x", (1, 2, 4, 4))

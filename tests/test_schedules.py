@@ -145,6 +145,44 @@ def test_pack4_convention():
     np.testing.assert_array_equal(R.from_storage(u, "uint4", 3), [[1, 14, 15]])
 
 
+def test_weight_layouts_literal():
+    """The kernels' weight and input layouts against buffers written out by hand, so a bug in the helpers that make
+    them (reference.expand_w4 / permute_k8, spec.space_to_depth_weights / _input) cannot hide behind a test that
+    uses the helper itself."""
+    from qcompile.schedules.spec import space_to_depth_input, space_to_depth_weights
+
+    # w8 (expand_w4): per 32 channels the 16 even values, then the 16 odd ones, x16; w[c] = c % 16 - 8
+    w = (np.arange(32) % 16 - 8).reshape(1, 32)
+    assert R.expand_w4(w).tolist() == [[-128, -96, -64, -32, 0, 32, 64, 96, -128, -96, -64, -32, 0, 32, 64, 96,
+                                        -112, -80, -48, -16, 16, 48, 80, 112, -112, -80, -48, -16, 16, 48, 80, 112]]
+    # agl (expand_w4 with kperm = BK = 32): in a chunk of 64 values (8 words of 8), out word 4j + q = word 2q + j, so
+    # the words go 0 2 4 6 1 3 5 7, then each 32 is split into evens and odds; word i holds 8 copies of i - 4
+    w = (np.arange(64) // 8 - 4).reshape(1, 1, 1, 64)
+    assert R.expand_w4(w, kperm=32).ravel().tolist() == (
+        [-64] * 4 + [-32] * 4 + [0] * 4 + [32] * 4 + [-64] * 4 + [-32] * 4 + [0] * 4 + [32] * 4
+        + [-48] * 4 + [-16] * 4 + [16] * 4 + [48] * 4 + [-48] * 4 + [-16] * 4 + [16] * 4 + [48] * 4)
+    # agl8 (permute_k8): in a chunk of BK bytes, out word 8 ks + 4 h + q = word q BK/16 + 2 ks + h, its 16-bit halves
+    # swapped; w[c] = c
+    assert R.permute_k8(np.arange(32).reshape(1, 1, 1, 32), 32).ravel().tolist() == [
+        2, 3, 0, 1, 10, 11, 8, 9, 18, 19, 16, 17, 26, 27, 24, 25, 6, 7, 4, 5, 14, 15, 12, 13, 22, 23, 20, 21, 30, 31,
+        28, 29]
+    assert R.permute_k8(np.arange(64).reshape(1, 1, 1, 64), 64).ravel().tolist() == [
+        2, 3, 0, 1, 18, 19, 16, 17, 34, 35, 32, 33, 50, 51, 48, 49, 6, 7, 4, 5, 22, 23, 20, 21, 38, 39, 36, 37, 54, 55,
+        52, 53, 10, 11, 8, 9, 26, 27, 24, 25, 42, 43, 40, 41, 58, 59, 56, 57, 14, 15, 12, 13, 30, 31, 28, 29, 46, 47,
+        44, 45, 62, 63, 60, 61]
+    # space-to-depth of a 3x3 stride-2 pad-1 conv, 4 channels: w2[k, i, j, (2 dr + ds) C + c] = w[k, 2i + dr - 1,
+    # 2j + ds - 1, c] (a zero tap in front: pad 1 is odd); w[0, r, s, c] = 10 (3r + s + 1) + c
+    spec = ConvSpec(N=1, H=6, W=6, C=4, K=1, R=3, S=3, stride=2, padding=1, x_dtype="uint8")
+    w = (10 * (np.arange(9).reshape(1, 3, 3, 1) + 1) + np.arange(4)).astype(np.int64)
+    assert space_to_depth_weights(w, spec).tolist() == [[
+        [[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 10, 11, 12, 13], [0, 0, 0, 0, 0, 0, 0, 0, 20, 21, 22, 23, 30, 31, 32, 33]],
+        [[0, 0, 0, 0, 40, 41, 42, 43, 0, 0, 0, 0, 70, 71, 72, 73],
+         [50, 51, 52, 53, 60, 61, 62, 63, 80, 81, 82, 83, 90, 91, 92, 93]]]]
+    # ... and its input: x2[n, i, j, 2 dr + ds] = x[n, 2i + dr, 2j + ds] (pad value 17 past the odd H, W); x = 1..9
+    assert space_to_depth_input(np.arange(1, 10).reshape(1, 3, 3, 1), 17).tolist() == [
+        [[[1, 2, 4, 5], [3, 17, 6, 17]], [[7, 8, 17, 17], [9, 17, 17, 17]]]]
+
+
 def _src(spec, arch, strategy=None, knobs=None):
     f = conv2d_int_kernel(spec, arch, strategy, knobs)
     return cuda_source(build_cuda(f, arch, mode="ptx"))
@@ -153,6 +191,7 @@ def _src(spec, arch, strategy=None, knobs=None):
 L3 = dict(N=8, H=14, W=14, C=64, K=128, R=3, S=3, padding=1)
 
 
+@pytest.mark.nvcc
 def test_cuda_direct_halo_stem():
     """The stem's space-to-depth conv from a shared-memory halo tile (schedules/stem.py): one register-A wgmma per
     tap pair and output row (m64 = the 64 output channels, n = the 112 pixels of the row), its B operand a
@@ -191,6 +230,7 @@ def test_cuda_direct_halo_stem():
         conv2d_int_kernel(s2d, "sm_90", "direct_halo", HaloKnobs(th=64))
 
 
+@pytest.mark.nvcc
 def test_cuda_implicit_gemm_t():
     """The implicit GEMM with output channels as M (schedules/igemm_t.py): 128 channels x BN pixels per block, both
     operands from a 128-byte-swizzled cp.async ring (ss-form wgmma m64nBN), the weights' rows permuted so that a
@@ -244,6 +284,7 @@ def test_cuda_implicit_gemm_t():
         conv2d_int_kernel(l3, "sm_90", "implicit_gemm_t", packed_weights=True)
 
 
+@pytest.mark.nvcc
 def test_cuda_int8_sm90_mma():
     """sm_90's mma.sync kernel (DEFAULT_KNOBS: what shapes wgmma cannot take get), and the warpgroup-MMA kernel an
     untuned NHWC shape with 16-byte channel vectors gets by default (schedules.default_knobs)."""
@@ -255,6 +296,7 @@ def test_cuda_int8_sm90_mma():
     assert "wgmma.mma_async.sync.aligned.m64n64k32.s32.u8.s8" in src and "mma.sync" not in src
 
 
+@pytest.mark.nvcc
 def test_cuda_int4_sm90_unpacks_to_s8():
     spec = ConvSpec(**L3, x_dtype="int4", w_bits=4, out_dtype="int4", lo=-8, hi=7)
     src = _src(spec, "sm_90", knobs=DEFAULT_KNOBS["sm_90"])
@@ -267,16 +309,19 @@ def test_cuda_int4_sm90_unpacks_to_s8():
 
 @pytest.mark.parametrize("arch,ins", [("sm_86", "m16n8k64.row.col.s32.s4.s4.s32"),
                                       ("sm_75", "m8n8k32.row.col.s32.s4.s4.s32")])
+@pytest.mark.nvcc
 def test_cuda_int4_native(arch, ins):
     src = _src(ConvSpec(**L3, x_dtype="int4", w_bits=4, out_dtype="int8"), arch)
     assert ins in src
 
 
+@pytest.mark.nvcc
 def test_cuda_int8_sm75():
     src = _src(ConvSpec(**L3, x_dtype="int8", out_dtype="int8"), "sm_75")
     assert "m8n8k16.row.col.s32.s8.s8.s32" in src
 
 
+@pytest.mark.nvcc
 def test_sampled_knobs_build():
     rng = random.Random(3)
     kn = GemmKnobs.sample(rng, BM=64, BN=64, WM=2, WN=2)
@@ -287,6 +332,7 @@ def test_sampled_knobs_build():
 WG = GemmKnobs(BM=128, BN=128, BK=128, WM=2, WN=1, stages=3, mma="wgmma")
 
 
+@pytest.mark.nvcc
 def test_cuda_wgmma_sm90():
     """Hopper warpgroup MMA: INT8 tiles by cp.async, INT4 tiles loaded packed and stored unpacked (x16) to shared
     memory; both read by wgmma from 128-byte-swizzled descriptors."""
@@ -299,6 +345,7 @@ def test_cuda_wgmma_sm90():
     assert "st.shared.v4.b32" in src and "cp.async" not in src.split("main_kernel")[-1]
 
 
+@pytest.mark.nvcc
 def test_cuda_wgmma_int4_loaders():
     """4-bit wgmma loaders: the packed ring (cp.async of packed vectors, read back by the thread that copied them)
     and register A (A packed in shared memory, fragments loaded as 32-bit words and unpacked for the register form
@@ -354,6 +401,7 @@ def test_expand_w4_matches_the_kernels_a_unpack():
         R.expand_w4(np.zeros((2, 48), np.int64))
 
 
+@pytest.mark.nvcc
 def test_cuda_wgmma_int4_w8():
     """w8: the register-A kernel takes its weights expanded to 8 bits (int8 [K, R, S, C]) and copies B with cp.async
     into its stages (no packed B slots read back); it needs areg and as many B stages as packed A stages (+ MMA groups
@@ -436,6 +484,7 @@ def test_permute_k8_matches_the_agl8_loads():
         R.permute_k8(np.zeros((2, 3, 3, 64), np.int8), 128)  # 576 bytes: not whole 128-byte chunks
 
 
+@pytest.mark.nvcc
 def test_cuda_wgmma_int8_agl():
     """agl on 8-bit operands: the register-A kernel loads its A fragment words from global memory (ld.global.nc, 16 or
     8 bytes per row and K-chunk) into registers, issues the register-A wgmma (no A descriptor) and says which K-chunk
@@ -461,6 +510,7 @@ def test_cuda_wgmma_int8_agl():
         make_gemm_conv(dataclasses.replace(spec, layout="HWNC"), "sm_90", kn, layout="HWNC", adapt=False)
 
 
+@pytest.mark.nvcc
 def test_cuda_wgmma_narrow_n_tiles():
     """wgmma N tiles of 112 / 96 columns (tile counts of narrow grids): one m64n112 / m64n96 instruction per k-step, 8-
     and 4-bit; the epilogue's lanes must cover a 16-row block in whole passes (ev 16 does not divide 112 columns)."""
@@ -475,6 +525,7 @@ def test_cuda_wgmma_narrow_n_tiles():
     assert not WG.replace(BN=112, WM=1, ev=16).valid() and WG.replace(BN=96, WM=1, ev=16).valid()
 
 
+@pytest.mark.nvcc
 def test_cuda_wgmma_int4_agl():
     """agl: the register-A w8 kernel with warp-owned rows loads its A fragment words from global memory (ld.global.nc,
     16 or 8 bytes) into a register ring -- no A ring in shared memory (no ld.shared.b32 fragment reads) -- and says
@@ -503,6 +554,7 @@ def test_cuda_wgmma_int4_agl():
     assert g1.valid() and "wgmma.wait_group.sync.aligned 1;" in src and "ld.global.nc.v4.b32" in src
 
 
+@pytest.mark.nvcc
 def test_cuda_wgmma_warp_specialized():
     """wsp: producer warpgroups (after the consumers) fill the packed ring and unpack into the stages; named barriers
     1 + s (full) and 1 + STG + s (empty) count every thread; the producers skip the epilogue."""
@@ -523,6 +575,7 @@ def test_cuda_wgmma_warp_specialized():
         make_gemm_conv(ConvSpec(**L3, x_dtype="uint8", out_dtype="uint8", lo=0, hi=255), "sm_90", wsp, adapt=False)
 
 
+@pytest.mark.nvcc
 def test_cuda_epilogue_and_launch_bounds():
     """Requantize with S >= 33 is one multiply-high on the int32 sum; the epilogue syncs per warp; ``minb`` becomes
     __launch_bounds__(threads, minb)."""
@@ -561,6 +614,7 @@ def test_cuda_epilogue_and_launch_bounds():
 
 
 
+@pytest.mark.nvcc
 def test_cuda_4bit_output_words_mask_only_signed_values():
     """A 4-bit output word is summed from shifted values; a value the last stage clips to [0, 15] needs no mask (one
     LEA / IMAD per element: the epilogues of the output-heavy layers are ALU-bound). With a residual add the last stage
@@ -576,6 +630,7 @@ def test_cuda_4bit_output_words_mask_only_signed_values():
         assert words and all(("& (uint)15)" in w) == masked for w in words), (spec, words[:1])
 
 
+@pytest.mark.nvcc
 def test_cuda_residual_stage_off_the_alu():
     """The residual epilogues are ALU-bound (ncu: ALU pipe ~70%, tensor 6%), so their stage 2 takes fewer ALU
     instructions: unsigned residual fields come out of their word by a byte permute (after one mask per word half),
@@ -601,6 +656,7 @@ def test_cuda_residual_stage_off_the_alu():
     assert "* (int64_t)760277)) - (int64_t)13776432) >> (int64_t)20)" in wide
 
 
+@pytest.mark.nvcc
 def test_cuda_residual_words_of_every_row_block():
     """Where a thread holds 128 accumulators (a 128x128 tile on one warpgroup: two m64 row blocks) the residual words
     of both row blocks are loaded at the epilogue's start, before the first staging store (per block, its loop kept
@@ -618,6 +674,7 @@ def test_cuda_residual_words_of_every_row_block():
     assert ld not in epi and epi.index(loop) < epi.index(lds) < epi.index(st) and epi.count(lds) == 4
 
 
+@pytest.mark.nvcc
 def test_cuda_wide_epilogue_vectors():
     """16 epilogue elements per lane (``ev`` 16) with int32 outputs: stored as 16-byte vectors (TVM's CUDA codegen
     cannot print a 64-byte int32x16 store)."""
@@ -627,6 +684,7 @@ def test_cuda_wide_epilogue_vectors():
         assert "int32x" not in src and "*(int4*)(of_ptr + " in src
 
 
+@pytest.mark.nvcc
 def test_cuda_erq_and_persist():
     """erq: stage 1 of the requantize runs on the accumulators and the 8-bit intermediate is staged (2-byte stores,
     one 8-byte read-back per lane); with an unclamped int32 output (wider than a byte) the int32 staging stays. persist: a grid
@@ -661,6 +719,7 @@ def ri_decl(script):
     return tuple(int(v) for v in m.group(1).split(",") if v.strip()) if m else None
 
 
+@pytest.mark.nvcc
 def test_cuda_wgmma_int4_w8_persist():
     """persist on the 4-bit register-A loader with warp-owned rows and expanded weights (awarp + w8): a grid of
     persist x SMs blocks walks the tiles, the packed-A / B chunk stream crossing tile boundaries (im2col rows decoded
@@ -689,6 +748,7 @@ def test_cuda_wgmma_int4_w8_persist():
         assert not bad.valid()
 
 
+@pytest.mark.nvcc
 def test_cuda_pingpong():
     """pp: one block per SM (grid min(tiles, SMs)) of 384 threads -- a producer warpgroup streaming the K-chunks with
     cp.async and two consumer warpgroups taking the block's tiles in turn -- synchronised by named barriers (full per
@@ -766,6 +826,7 @@ def test_cuda_pingpong():
         make_gemm_conv(s4, "sm_90", kn, adapt=False)
 
 
+@pytest.mark.nvcc
 def test_cuda_stream_k():
     """sk: a grid of sk x SMs blocks splits the (tile, K-chunk) iterations evenly; the blocks holding a tile's later
     chunks store int32 partials and count themselves (red.release.gpu), the tile's owner waits for the count
@@ -796,6 +857,7 @@ def test_cuda_stream_k():
     assert streamk_args(conv2d_int_kernel(s4, "sm_90", None, WG.replace(BK=64, sk=1))) is None
 
 
+@pytest.mark.nvcc
 def test_cuda_pointwise_addressing():
     """A 1x1 stride-1 unpadded conv reads A as the input itself (no im2col decode: no division by the P*Q = 196
     pixels per image), with its K loop unrolled by two; a strided 1x1 or a 3x3 still decodes (truncating division)."""
@@ -812,6 +874,7 @@ def test_cuda_pointwise_addressing():
         assert "/ 196)" in body and "#pragma unroll 2" not in body
 
 
+@pytest.mark.nvcc
 def test_wgmma_knobs_fall_back():
     """wgmma knobs on an arch without wgmma, or a shape the 16-byte tile loader cannot take: the mma.sync kernel,
     with a warning that says so."""
@@ -826,6 +889,7 @@ def test_wgmma_knobs_fall_back():
 
 @pytest.mark.skipif(find_tool("cuobjdump") is None or find_tool("nvdisasm") is None,
                     reason="cuobjdump/nvdisasm not installed (pip: nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
+@pytest.mark.nvcc
 def test_sass(tmp_path):
     tool = find_tool("cuobjdump")
     env = dict(os.environ, PATH=os.path.dirname(find_tool("nvdisasm")) + os.pathsep + os.environ.get("PATH", ""))
@@ -861,6 +925,7 @@ def test_sass(tmp_path):
 
 @pytest.mark.skipif(find_tool("cuobjdump") is None or find_tool("nvdisasm") is None,
                     reason="cuobjdump/nvdisasm not installed (pip: nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)")
+@pytest.mark.nvcc
 def test_sass_register_a_fragments_not_overwritten_in_flight(tmp_path):
     """Register-A wgmma: no instruction writes an IGMMA's A fragment registers before the DEPBAR retiring it
     (cuda_tools.wgmma_a_hazards) -- the agl loaders on 8- and 4-bit operands, pipe -1 and 0, one and two warpgroups;
@@ -922,6 +987,7 @@ def test_splitk_epilogue_llvm_matches_numpy(spec):
     _run_llvm_and_compare(func, args, spec, rng, (x, w, b, M, S, res))
 
 
+@pytest.mark.nvcc
 def test_splitk_plan():
     """Small output grids (batch 1, 7x7) are split over K; large ones are not; the partial kernel has no epilogue."""
     from qcompile.schedules import conv2d_int_plan
@@ -968,6 +1034,7 @@ def _legalized(build):
     return [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
 
 
+@pytest.mark.nvcc
 def test_glue_pool_rule():
     """ChannelsLastWindowReduction schedules NHWC pools (the stem's max pool, the global average pool's sum) with
     vector loads and stores of 4 channels per thread, and leaves other reductions, and pools with few outputs (batch 1),
@@ -1004,6 +1071,7 @@ def test_glue_pool_rule():
         assert load in src and store in src, src[-3000:]
 
 
+@pytest.mark.nvcc
 def test_glue_gather_row_rule():
     """GatherRowElementwise: the input quantize fused with the NCHW -> NHWC transpose, the channel pad and the stem's
     space-to-depth (output byte (2 dr + ds) 4 + c of a pixel reads x[n, c, 2i + dr, 2j + ds]) gets a thread per
@@ -1055,7 +1123,7 @@ def _ptxas_stack_bytes(src: str) -> int:
     return int(re.search(r"(\d+) bytes stack frame", r.stderr).group(1))
 
 
-@pytest.mark.skipif(find_tool("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.nvcc
 def test_cuda_erq_4bit_output_and_rolled_epilogue():
     """erq with 4-bit output (no residual): a lane's two adjacent columns packed into one staged byte (st.shared.b8),
     the read-back a plain copy; 8-bit output keeps the 2-byte staging, a residual the 8-bit intermediate. And an erq

@@ -18,15 +18,15 @@ residual add and the logits are computed from the int32 accumulators.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from .. import int4
+from ..checks import torch_load_weights_only
 from ..errors import QCompileError
-from ..qdq import QDQBuilder, qtype
+from ..qdq import QDQBuilder, check_scale, qtype
 
 HAWQ_KEYS = ("weight_integer", "bias_integer", "act_scaling_factor", "convbn_scaling_factor", "fc_scaling_factor")
 
@@ -70,32 +70,52 @@ class _Conv:
 
 
 def _load(path: str) -> dict:
-    import torch
-
-    if not os.path.isfile(path):
-        raise QCompileError(f"model file '{path}' does not exist")
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:
-        raise QCompileError(f"cannot read HAWQ checkpoint '{path}': file is corrupt or truncated ({type(e).__name__})") from None
-    if not isinstance(ck, dict) or not all(k in ck for k in HAWQ_KEYS):
-        missing = [k for k in HAWQ_KEYS if not isinstance(ck, dict) or k not in ck]
+    ck = torch_load_weights_only(path, "HAWQ checkpoint")
+    if not isinstance(ck, dict) or not all(isinstance(ck.get(k), dict) for k in HAWQ_KEYS):
+        missing = [k for k in HAWQ_KEYS if not isinstance(ck, dict) or not isinstance(ck.get(k), dict)]
         raise QCompileError(f"'{path}' is not a HAWQ checkpoint: missing {', '.join(missing)}")
     return ck
 
 
+def expected_weight_shapes(arch: ResNetArch, in_ch: int, classes: int) -> dict:
+    """HAWQ layer name -> weight shape (OIHW; the fc: OI) of network ``arch`` (see ``NETS``)."""
+    stem = "quant_init_convbn" if arch.bottleneck else "quant_init_block_convbn"
+    out = {stem: (arch.widths[0], in_ch, arch.stem_kernel, arch.stem_kernel)}
+    inplanes = arch.widths[0]
+    for si, (planes, n) in enumerate(zip(arch.widths, arch.blocks), start=1):
+        for ui in range(1, n + 1):
+            u = f"stage{si}.unit{ui}"
+            stride = 2 if si > 1 and ui == 1 else 1
+            if arch.bottleneck:
+                out[f"{u}.quant_convbn1"] = (planes, inplanes, 1, 1)
+                out[f"{u}.quant_convbn2"] = (planes, planes, 3, 3)
+                out[f"{u}.quant_convbn3"] = (planes * 4, planes, 1, 1)
+            else:
+                out[f"{u}.quant_convbn1"] = (planes, inplanes, 3, 3)
+                out[f"{u}.quant_convbn2"] = (planes, planes, 3, 3)
+            if stride != 1 or inplanes != planes * arch.expansion:
+                out[f"{u}.quant_identity_convbn"] = (planes * arch.expansion, inplanes, 1, 1)
+            inplanes = planes * arch.expansion
+    out["quant_output"] = (classes, inplanes)
+    return out
+
+
+def _fmt(shape) -> str:
+    return "x".join(str(int(d)) for d in shape)
+
+
 class _Hawq:
-    def __init__(self, ck: dict, net: str, batch: Optional[int], log, input_size: Optional[int] = None):
-        self.ck, self.log = ck, log
+    def __init__(self, ck: dict, net: str, batch: Optional[int], log, input_size: Optional[int] = None,
+                 path: str = ""):
+        self.ck, self.log, self.path = ck, log, path
         self.arch = NETS[net]
-        self.meta = ck.get("meta", {}) or {}
-        self.bits = ck.get("bits", {}) or {}
-        self.signed = ck.get("signed", {}) or {}
-        self.prefix = "module." if any(k.startswith("module.") for k in ck["weight_integer"]) else ""
-        stem = self.prefix + ("quant_init_convbn" if self.arch.bottleneck else "quant_init_block_convbn")
-        if stem + ".weight_integer" not in ck["weight_integer"]:
-            raise QCompileError(f"checkpoint has no '{stem}.weight_integer': does it belong to --net {net}?")
-        self.stem = stem[len(self.prefix):]
+        self.meta, self.bits, self.signed = (ck.get(k) if isinstance(ck.get(k), dict) else {}
+                                             for k in ("meta", "bits", "signed"))
+        self.prefix = "module." if any(str(k).startswith("module.") for k in ck["weight_integer"]) else ""
+        self.net = net
+        self.check_network(net)
+        stem = "quant_init_convbn" if self.arch.bottleneck else "quant_init_block_convbn"
+        self.stem = stem
         shapes = self.meta.get("weight_shapes", {})
         w0 = self.weight_shape(self.stem, shapes)
         size = input_size or self.meta.get("input_size")
@@ -111,6 +131,50 @@ class _Hawq:
             return list(shapes[layer])
         return list(self._get("weight_integer", layer + ".weight_integer").shape)
 
+    def checkpoint_shapes(self) -> dict:
+        """HAWQ layer name -> weight shape, of every layer the checkpoint holds."""
+        shapes = self.meta.get("weight_shapes", {}) or {}
+        out = {}
+        for k in self.ck["weight_integer"]:
+            k = str(k)
+            if k.endswith(".weight_integer"):
+                name = k[len(self.prefix):-len(".weight_integer")] if k.startswith(self.prefix) else k
+                try:
+                    out[name] = tuple(int(d) for d in self.weight_shape(name, shapes))
+                except (TypeError, ValueError):
+                    raise QCompileError(f"HAWQ checkpoint: layer '{name}' has an unreadable weight shape") from None
+        return out
+
+    def _mismatch(self, net: str, have: dict) -> Optional[str]:
+        """Why the checkpoint's layers and shapes do not fit ``net`` (None: they do)."""
+        arch = NETS[net]
+        stem = "quant_init_convbn" if arch.bottleneck else "quant_init_block_convbn"
+        if stem not in have:
+            return f"it has no stem layer '{stem}' (the first convolution of {net})"
+        if len(have[stem]) != 4 or "quant_output" not in have or len(have["quant_output"]) != 2:
+            return "its first layer or its 'quant_output' (fc) layer is missing or not 4-D / 2-D"
+        want = expected_weight_shapes(arch, have[stem][1], have["quant_output"][0])
+        for name, shape in want.items():
+            if name not in have:
+                return f"it has no layer '{name}', which {net} has"
+            if tuple(have[name]) != tuple(shape):
+                return f"layer '{name}' has weights of shape {_fmt(have[name])}; {net} expects {_fmt(shape)}"
+        extra = [n for n in have if n not in want]
+        if extra:
+            return f"it has layers that {net} does not: {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}"
+        return None
+
+    def check_network(self, net: str) -> None:
+        """Refuse a checkpoint of another network than ``net`` (the layer and shapes that differ are named)."""
+        have = self.checkpoint_shapes()
+        why = self._mismatch(net, have)
+        if why is None:
+            return
+        fits = [n for n in NETS if n != net and self._mismatch(n, have) is None]
+        hint = f" (it fits --net {fits[0]})" if fits else ""
+        where = f" '{self.path}'" if self.path else ""
+        raise QCompileError(f"the HAWQ checkpoint{where} does not match --net {net}: {why}{hint}")
+
     def _get(self, d, key):
         full = self.prefix + key
         if full not in self.ck[d]:
@@ -122,7 +186,8 @@ class _Hawq:
         key = self.prefix + name + ".act_scaling_factor"
         if key not in self.ck["act_scaling_factor"]:
             return None
-        s = float(np.asarray(self._get("act_scaling_factor", name + ".act_scaling_factor")).reshape(-1)[0])
+        raw = np.asarray(self._get("act_scaling_factor", name + ".act_scaling_factor")).reshape(-1)
+        s = float(check_scale(raw[:1] if raw.size else raw, f"HAWQ activation '{name}', act_scaling_factor")[0])
         bits = int(self.bits.get(name, 8))
         if bits not in (4, 8):
             raise QCompileError(f"HAWQ activation '{name}': unsupported bit width {bits} (qcompile supports 4 and 8)")
@@ -139,13 +204,17 @@ class _Hawq:
             q = int4.unpack(q, axis=1, first="high", count=shape[1])
         q = np.rint(q.astype(np.float64)).astype(np.int64)  # HAWQ stores integers as float tensors
         sd = "fc_scaling_factor" if conv is None else "convbn_scaling_factor"
-        s_w = self._get(sd, f"{name}.{sd}").astype(np.float32).reshape(-1)
+        s_w = self._get(sd, f"{name}.{sd}").astype(np.float64).reshape(-1)
+        check_scale(s_w, f"HAWQ layer '{name}', {sd}")
+        s_w = s_w.astype(np.float32)
         w = self.b.qweight(q, s_w, wq, name=name + "_w")
         bias = None
         bkey = self.prefix + name + ".bias_integer"
         if bkey in self.ck["bias_integer"]:
-            bias = self.b.qbias(np.rint(self._get("bias_integer", name + ".bias_integer").astype(np.float64)).astype(np.int32).reshape(-1),
-                                np.float32(s_in) * s_w, name + "_b")
+            braw = np.rint(self._get("bias_integer", name + ".bias_integer").astype(np.float64)).reshape(-1)
+            if braw.size not in (1, shape[0]):
+                raise QCompileError(f"HAWQ layer '{name}': {braw.size} bias values for {shape[0]} output channels")
+            bias = self.b.qbias(braw, np.float32(s_in) * s_w, name + "_b")  # (qbias checks the int32 range)
         if conv is None:
             return self.b.dense(x, w, bias, name)
         return self.b.conv2d(x, w, bias, (conv.stride,) * 2, (conv.padding,) * 4, (1, 1), 1, name)
@@ -216,6 +285,10 @@ def from_hawq(path: str, net: Optional[str], batch: Optional[int] = None, log=pr
     if net not in NETS:
         raise QCompileError(f"unknown --net '{net}' (choose from {', '.join(NETS)})")
     ck = _load(path)
-    h = _Hawq(ck, net, batch, log, input_size)
-    mod = h.run()
+    h = _Hawq(ck, net, batch, log, input_size, path=path)
+    try:
+        mod = h.run()
+    except BaseException:
+        h.b.discard()
+        raise
     return mod, {"input_name": "input", "input_shape": h.shape, "format": "hawq"}

@@ -17,7 +17,7 @@ import onnx.version_converter
 from onnx import numpy_helper
 
 from ..errors import QCompileError, UnsupportedOpError
-from ..qdq import QDQBuilder, QTYPES
+from ..qdq import QDQBuilder, QTYPES, check_scale
 
 # ONNX element type -> our quantized type (zero-point dtype decides the quantized type).
 _ONNX_QTYPES = {
@@ -28,18 +28,52 @@ _ONNX_QTYPES = {
 }
 
 
+# The default-domain opset each feature needs (QuantizeLinear/DequantizeLinear exist from opset 10; their `axis`,
+# i.e. per-channel weights, from 13; INT4/UINT4 from 21).
+MIN_OPSET, PER_CHANNEL_OPSET = 10, 13
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def _default_opset(model: onnx.ModelProto) -> Optional[int]:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return int(o.version)
+    return None
+
+
 def load_onnx(path: str) -> onnx.ModelProto:
-    """Read and check an ONNX file; a missing, truncated or corrupt file is a QCompileError."""
+    """Read and check an ONNX file; a missing, truncated, corrupt or invalid file, or one of an opset qcompile does not
+    read, is a QCompileError that says which."""
     if not os.path.isfile(path):
         raise QCompileError(f"model file '{path}' does not exist")
     try:
         model = onnx.load(path)
-        onnx.checker.check_model(model)
-    except Exception as e:  # protobuf DecodeError, checker ValidationError, ...
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise QCompileError(f"cannot read ONNX model '{path}': file is corrupt or truncated ({msg})") from None
+    except Exception as e:  # protobuf DecodeError, ...
+        raise QCompileError(f"cannot read ONNX model '{path}': file is corrupt or truncated "
+                            f"({_first_line(e)})") from None
     if not model.graph.node:
-        raise QCompileError(f"ONNX model '{path}' has an empty graph")
+        raise QCompileError(f"ONNX model '{path}' has an empty graph (is it an ONNX model?)")
+    opset = _default_opset(model)
+    if opset is None:
+        raise QCompileError(f"ONNX model '{path}' imports no default ('ai.onnx') opset")
+    has_qdq = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
+    if has_qdq and opset < MIN_OPSET:
+        raise QCompileError(f"ONNX model '{path}': opset {opset} is not supported (QuantizeLinear/DequantizeLinear "
+                            f"need opset {MIN_OPSET}+, per-channel weights {PER_CHANNEL_OPSET}+; re-export the model "
+                            f"with opset {PER_CHANNEL_OPSET} or newer, or convert it with "
+                            f"onnx.version_converter.convert_version)")
+    newest = onnx.defs.onnx_opset_version()
+    if opset > newest:
+        raise QCompileError(f"ONNX model '{path}' uses opset {opset}; the installed onnx {onnx.__version__} knows "
+                            f"opsets up to {newest} (upgrade the onnx package or export with an older opset)")
+    try:
+        onnx.checker.check_model(model)
+    except Exception as e:  # checker ValidationError
+        raise QCompileError(f"ONNX model '{path}' is not a valid model (opset {opset}): {_first_line(e)}") from None
     return model
 
 
@@ -65,6 +99,7 @@ class _Importer:
         self.const_types: dict[str, int] = {}
         self.vals: dict = {}          # ONNX tensor name -> relax expr
         self.qdq_consts: dict = {}    # name -> (q array, QType, scale, zp, axis) for DQ of an initializer
+        self.opset = _default_opset(model) or PER_CHANNEL_OPSET
         for t in model.graph.initializer:
             self.consts[t.name] = _to_array(t)
             self.const_types[t.name] = t.data_type
@@ -119,7 +154,9 @@ class _Importer:
 
     # -- quantization ---------------------------------------------------------------------------
     def _qparams(self, node):
-        scale = self.const(node.input[1], node).astype("float32")
+        scale = self.const(node.input[1], node)
+        check_scale(scale, f"node '{node.name or node.output[0]}' ({node.op_type}), scale '{node.input[1]}'")
+        scale = scale.astype("float32")
         if len(node.input) > 2 and node.input[2]:
             zp = self.const(node.input[2], node)
             qt = _ONNX_QTYPES.get(self.const_types[node.input[2]])
@@ -135,6 +172,10 @@ class _Importer:
         a = _attrs(node)
         if a.get("block_size", 0):
             raise UnsupportedOpError(node.op_type, node.name, "blocked quantization (block_size) is not supported")
+        if scale.size > 1 and self.opset < PER_CHANNEL_OPSET:
+            raise QCompileError(f"node '{node.name or node.output[0]}' ({node.op_type}): per-channel scale "
+                                f"'{node.input[1]}' needs opset {PER_CHANNEL_OPSET}+; the model is opset "
+                                f"{self.opset}")
         return scale, zp, qt, int(a.get("axis", 1))
 
     def op_QuantizeLinear(self, node):
@@ -287,7 +328,11 @@ def from_onnx(path_or_model, batch: Optional[int] = None, log=print):
     """
     model = load_onnx(path_or_model) if isinstance(path_or_model, str) else path_or_model
     imp = _Importer(model, batch, log)
-    mod = imp.run()
+    try:
+        mod = imp.run()
+    except BaseException:
+        imp.b.discard()
+        raise
     return mod, {"input_name": imp.input_name, "input_shape": imp.input_shape, "format": "onnx"}
 
 
@@ -315,19 +360,20 @@ def quantize_float_onnx(model: onnx.ModelProto, bits: Optional[str], calibrate: 
                             "`qmodel ... --bits mixed` (or HAWQ) and compile the result")
     if not calibrate:
         raise QCompileError(f"the model is a float model: --bits {bits} needs calibration data (--calibrate data.npy, float32 NCHW images)")
-    if not os.path.isfile(calibrate):
-        raise QCompileError(f"calibration file '{calibrate}' does not exist")
-    try:
-        data = np.load(calibrate, allow_pickle=False)
-    except Exception as e:
-        raise QCompileError(f"cannot read calibration data '{calibrate}' ({type(e).__name__})") from None
-    inp = [vi for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}][0]
+    from ..checks import read_image_array
+
+    inits = {t.name for t in model.graph.initializer}
+    inputs = [vi for vi in model.graph.input if vi.name not in inits]
+    if len(inputs) != 1:
+        raise QCompileError(f"expected one graph input (an image batch), found {len(inputs)}: "
+                            f"{[i.name for i in inputs]}")
+    inp = inputs[0]
     dims = [d.dim_value for d in inp.type.tensor_type.shape.dim]
-    if data.ndim != len(dims) or any(d and d != s for d, s in zip(dims[1:], data.shape[1:])):
-        raise QCompileError(f"calibration data '{calibrate}' has shape {data.shape}; the model input '{inp.name}' is {dims}")
-    if not np.issubdtype(data.dtype, np.floating):
-        raise QCompileError(f"calibration data '{calibrate}' has dtype {data.dtype}; expected float32 images")
-    data = data.astype(np.float32)
+    if len(dims) != 4:
+        raise QCompileError(f"the model input '{inp.name}' has rank {len(dims)}; qcompile compiles image models "
+                            f"(N, C, H, W)")
+    data = read_image_array(calibrate, "calibration data", channels=dims[1] or None,
+                            hw=tuple(dims[2:]) if all(dims[2:]) else None, min_images=dims[0] or 1)
     fixed_b = dims[0] or 0
 
     class _Reader(CalibrationDataReader):

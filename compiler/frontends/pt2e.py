@@ -9,13 +9,12 @@ view / reshape, batch norm (inference), dropout / clone (identity).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
 
 from ..errors import QCompileError, UnsupportedOpError
-from ..qdq import QDQBuilder, qtype_from_range
+from ..qdq import QDQBuilder, check_scale, check_zero_point, qtype_from_range
 
 
 def _import_torch():
@@ -40,23 +39,10 @@ def _import_torch():
 
 
 def load_pt2(path: str):
-    torch = _import_torch()
-    if not os.path.isfile(path):
-        raise QCompileError(f"model file '{path}' does not exist")
-    import logging
-    import zipfile
+    _import_torch()
+    from ..checks import torch_export_load
 
-    if not zipfile.is_zipfile(path):
-        raise QCompileError(f"cannot read PT2 program '{path}': file is corrupt or truncated (not a zip archive)")
-    lg = logging.getLogger("torch.export")
-    level, lg.level = lg.level, logging.CRITICAL  # torch logs its own traceback before raising
-    try:
-        return torch.export.load(path)
-    except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise QCompileError(f"cannot read PT2 program '{path}': file is corrupt or truncated ({type(e).__name__}: {msg[:200]})") from None
-    finally:
-        lg.level = level
+    return torch_export_load(path, "PT2 program")
 
 
 def _target_name(t) -> str:
@@ -159,13 +145,20 @@ class _Importer:
 
     def q_quantize_per_tensor(self, node, x, scale, zp, qmin, qmax, dtype, **kw):
         qt = self._qt(node, qmin, qmax, dtype)
-        s, z = float(self._scalar(scale, node)), int(self._scalar(zp, node))
+        s, z = self._sz(node, scale, zp, qt)
         if x.name in self.consts:
             return np.clip(np.round(self.consts[x.name] / s) + z, qt.qmin, qt.qmax).astype(qt.storage)
         return self.b.quantize(self.val(x, node), s, z, qt, name=node.name)
 
+    def _sz(self, node, scale, zp, qt):
+        """The checked scalar scale and zero point of a per-tensor (de)quantize node."""
+        what = f"node '{node.name}' ({_target_name(node.target)})"
+        s = float(check_scale(self._scalar(scale, node), what))
+        z = int(check_zero_point(self._scalar(zp, node), qt.qmin, qt.qmax, what, qt.name))
+        return s, z
+
     def q_dequantize_per_tensor(self, node, q, scale, zp, qmin, qmax, dtype, **kw):
-        s, z = float(self._scalar(scale, node)), int(self._scalar(zp, node))
+        s, z = self._sz(node, scale, zp, self._qt(node, qmin, qmax, dtype))
         if q.name in self.consts:  # a per-tensor quantized weight
             qt = self._qt(node, qmin, qmax, dtype)
             return self.b.qweight(self.consts[q.name], np.float32(s), qt, axis=0, name=node.name)
@@ -178,7 +171,8 @@ class _Importer:
 
     def q_quantize_per_channel(self, node, w, scales, zps, axis, qmin, qmax, dtype, **kw):
         qt = self._qt(node, qmin, qmax, dtype)
-        wv, s = self.const(w, node).astype(np.float64), self.const(scales, node).astype(np.float64)
+        wv = self.const(w, node).astype(np.float64)
+        s = check_scale(self.const(scales, node), f"node '{node.name}' ({_target_name(node.target)})")
         shp = [1] * wv.ndim
         shp[axis] = -1
         return np.clip(np.round(wv / s.reshape(shp)), qt.qmin, qt.qmax).astype(qt.storage)
@@ -293,5 +287,9 @@ def from_pt2(path: str, batch: Optional[int] = None, log=print):
     """Import a saved PT2E program into the QDQ-form Relax module."""
     ep = load_pt2(path)
     imp = _Importer(ep, batch, log)
-    mod = imp.run()
+    try:
+        mod = imp.run()
+    except BaseException:
+        imp.b.discard()
+        raise
     return mod, {"input_name": imp.input_name, "input_shape": imp.input_shape, "format": "pt2"}
