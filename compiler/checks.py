@@ -170,9 +170,15 @@ def atomic_outputs(*paths: str) -> Iterator[list]:
 
 
 def _umask() -> int:
-    m = os.umask(0)
-    os.umask(m)
-    return m
+    """This process's umask, read without changing it (``os.umask`` sets it, which races with other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 @contextlib.contextmanager

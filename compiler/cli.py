@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from .errors import QCompileError
+from .errors import OneLineArgumentParser, QCompileError, report_internal_error  # noqa: F401 (re-exported)
 from .registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, LAYOUTS, TARGETS, format_of
 
 PROG = "qcompile"
@@ -20,7 +20,7 @@ DEBUG_ENV = "QCOMPILE_DEBUG"
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = OneLineArgumentParser(
         prog=PROG,
         description="Compile a quantized CNN (ONNX QDQ, PT2E .pt2, HAWQ checkpoint) into a deployable .so.",
         epilog=f"Exit status: 0 success, 2 a problem with the model, a file or the options (one 'qcompile: error:' "
@@ -102,21 +102,6 @@ def install_warning_printer(prog: str) -> None:
         print(f"{prog}: warning: {text[0] if text else category.__name__}", file=file or sys.stderr, flush=True)
 
     warnings.showwarning = show
-
-
-def report_internal_error(prog: str, e: BaseException, debug_env: str = DEBUG_ENV) -> int:
-    """One line for an unexpected exception (a bug in qcompile or its libraries), exit status 1; the full trace
-    with ``<debug_env>=1``."""
-    if os.environ.get(debug_env, "") not in ("", "0"):
-        import traceback
-
-        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
-    lines = str(e).strip().splitlines()
-    msg = lines[0][:300] if lines else ""
-    print(f"{prog}: internal error: {type(e).__name__}{': ' + msg if msg else ''}", file=sys.stderr)
-    print(f"{prog}: this is a bug in qcompile or a library it uses; please report it with the command line "
-          f"(run with {debug_env}=1 for the stack trace)", file=sys.stderr, flush=True)
-    return 1
 
 
 def _import_driver_without_torch() -> None:

@@ -6,7 +6,10 @@ with status 2. Any other exception is a bug: one ``<prog>: internal error: <type
 files) are in :mod:`qcompile.checks`; the model's quantization parameters are checked where the QDQ form is built
 (:mod:`qcompile.qdq`) and where it is lowered to integers.
 """
+import argparse
 import functools
+import os
+import sys
 import threading
 
 
@@ -54,3 +57,26 @@ def run_pass(p, mod):
         if err is not None:
             raise err from None
         raise
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse with usage errors as one ``<prog>: error: <message>`` line and exit status 2 (argparse prints the
+    whole usage block first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def report_internal_error(prog: str, e: BaseException, debug_env: str = "QCOMPILE_DEBUG") -> int:
+    """One line for an unexpected exception (a bug in qcompile or its libraries), exit status 1; the full trace
+    with ``<debug_env>=1``."""
+    if os.environ.get(debug_env, "") not in ("", "0"):
+        import traceback
+
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+    lines = str(e).strip().splitlines()
+    msg = lines[0][:300] if lines else ""
+    print(f"{prog}: internal error: {type(e).__name__}{': ' + msg if msg else ''}", file=sys.stderr)
+    print(f"{prog}: this is a bug in qcompile or a library it uses; please report it with the command line "
+          f"(run with {debug_env}=1 for the stack trace)", file=sys.stderr, flush=True)
+    return 1

@@ -118,8 +118,9 @@ def check_zero_point(zp, lo: int, hi: int, what: str, type_name: str) -> np.ndar
     """``zp`` as int64, or a :class:`QCompileError` where an element is not an integer in ``[lo, hi]``."""
     z = np.asarray(zp)
     if z.dtype.kind == "f":
-        if not np.all(np.isfinite(z)) or np.any(z != np.round(z)):
-            raise QCompileError(f"{what}: the zero point {z.reshape(-1)[0]} is not an integer")
+        bad_f = np.flatnonzero(~np.isfinite(z.reshape(-1)) | (z.reshape(-1) != np.round(z.reshape(-1))))
+        if bad_f.size:
+            raise QCompileError(f"{what}: the zero point {z.reshape(-1)[bad_f[0]]} is not an integer")
     z64 = z.astype(np.float64)
     bad = np.flatnonzero((z64 < lo) | (z64 > hi))
     if bad.size:

@@ -395,6 +395,10 @@ class Module:
                                f"--device cuda needs a CUDA GPU; this host has none ('{path}' is a CPU module: run it "
                                f"without --device)")
             arch, cc = meta.get("arch"), gpus[0]
+            if target == "cuda" and arch == "sm_90" and cc > 90:
+                raise RunError(f"'{path}' was compiled for sm_90: its warpgroup-MMA kernels are sm_90a code, which runs on "
+                               f"compute capability 9.0 GPUs only (H100, H200); this host's GPU is sm_{cc} -- recompile "
+                               f"with --arch sm_89 (its PTX runs on newer GPUs)")
             if target == "cuda" and arch in CUDA_ARCHS and 0 < cc < int(arch[3:]):  # (older GPUs lack its instructions)
                 fits = [a for a in CUDA_ARCHS if int(a[3:]) <= cc]
                 raise RunError(f"'{path}' was compiled for {arch}; this host's GPU is sm_{cc}, older -- "
@@ -407,7 +411,9 @@ class Module:
         self.device = device
         arrays = []
         if meta.get("weights") == "beside":  # NAME.weights.npz beside NAME.so
-            wp = weights or ((path[:-3] if path.endswith(".so") else path) + ".weights.npz")
+            from qcompile.checks import weights_path
+
+            wp = weights or weights_path(path)
             arrays = _read_weights(wp, meta.get("num_weights"), path)
             if "weights_sha256" in meta and weights_digest(arrays) != meta["weights_sha256"]:
                 raise RunError(f"weights file '{wp}' does not match '{path}': it holds other weights, or those of a "
@@ -544,11 +550,10 @@ def _positive_int(s: str) -> int:
     return n
 
 
-def _open_output(path: str, keep: dict):
-    """Check ``--output`` before any work and create its temporary file beside it: (path as given with ``.npy``,
-    the file it names, fd, temporary path).
+def _check_output(path: str, keep: dict):
+    """Check ``--output`` before any work: (path as given with ``.npy``, the file it names).
     ``keep``: {path: what} of files the output must not replace."""
-    import tempfile
+    from qcompile.checks import _probe_writable
 
     if os.path.isdir(path):
         raise RunError(f"--output '{path}' is a directory; give a file name (e.g. {os.path.join(path, 'y.npy')})")
@@ -567,29 +572,36 @@ def _open_output(path: str, keep: dict):
                 raise RunError(f"--output '{final}' is the {what}; writing it would destroy it -- choose another name")
         if not os.access(final, os.W_OK):
             raise RunError(f"cannot write --output '{final}': the file is read-only")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(final)}.", suffix=".tmp")
-    except OSError as e:
-        raise RunError(f"cannot write --output '{final}': cannot create a file in '{parent}' ({e.strerror})") from None
-    return final, real, fd, tmp
+    why = _probe_writable(parent)
+    if why:
+        raise RunError(f"cannot write --output '{final}': cannot create a file in '{parent}' ({why})")
+    return final, real
 
 
-def _write_output(y, final: str, real: str, fd: int, tmp: str) -> None:
-    """Write ``y`` to the temporary file ``tmp`` (open as ``fd``) and rename it to ``real`` (``final`` resolved): a
-    failure removes the temporary file and leaves the destination as it was."""
+def _write_output(y, final: str, real: str) -> None:
+    """Write ``y`` to a temporary file beside ``real`` (``final`` resolved) and rename it: a failure (or an
+    interrupt) removes the temporary file and leaves the destination as it was."""
+    import tempfile
+
     import numpy as np
 
+    from qcompile.checks import _umask
+
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(real), prefix=f".{os.path.basename(final)}.", suffix=".tmp")
+    except OSError as e:
+        raise RunError(f"cannot write --output '{final}': {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             np.lib.format.write_array(f, np.asanyarray(y), allow_pickle=False)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # the mode numpy.save's open() would give (mkstemp makes it 0600)
+        os.chmod(tmp, 0o666 & ~_umask())  # the mode numpy.save's open() would give (mkstemp makes it 0600)
         os.replace(tmp, real)
-    except OSError as e:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise RunError(f"cannot write --output '{final}': {e.strerror or e}") from None
+        if isinstance(e, OSError):
+            raise RunError(f"cannot write --output '{final}': {e.strerror or e}") from None
+        raise
 
 
 def _read_labels(path: str, batch: int, num_classes: int | None):
@@ -631,14 +643,15 @@ def qrun_main(argv=None) -> int:
                     "the top-1 accuracy over the batch")
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: the module's target")
     ap.add_argument("--time", type=_positive_int, metavar="N", help="also time N further runs (N >= 1) and print "
-                    "the median")
+                    "the median (each run as a call from Python: the input check and the copies to and from the device "
+                    "included)")
     ap.add_argument("--allow-nonfinite", action="store_true", help="run on images holding NaN/Inf (refused by "
                     "default: they quantize to arbitrary integers, so the output looks plausible and means nothing)")
     out = None
     try:
         a = ap.parse_args(argv)
-        if a.output:  # checked before any work; the temporary file is created now, beside the destination
-            out = _open_output(a.output, {a.input: "input file", a.module: "compiled module",
+        if a.output:  # checked before any work; written (through a temporary file beside it) once the result exists
+            out = _check_output(a.output, {a.input: "input file", a.module: "compiled module",
                                           **({a.labels: "labels file"} if a.labels else {})})
         x = read_npy(a.input, "input")
         _import_tvm_ffi_without_torch()
@@ -659,19 +672,21 @@ def qrun_main(argv=None) -> int:
                 ts.append(time.perf_counter() - t0)
             print(f"median {1e3 * sorted(ts)[len(ts) // 2]:.3f} ms over {a.time} runs")
         if out:
-            pending, out = out, None  # _write_output cleans up after itself
-            _write_output(y, *pending)
+            _write_output(y, *out)
     except RunError as e:
         print("qrun: error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
-    finally:
-        if out:  # not written: remove the temporary file
-            os.close(out[2])
-            os.unlink(out[3])
+    except KeyboardInterrupt:
+        print("qrun: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug in qrun or a library it uses: one line, not a stack trace
+        from qcompile.errors import report_internal_error
+
+        return report_internal_error("qrun", e)
     import numpy as np
 
     top1 = np.argmax(y.reshape(y.shape[0], -1), axis=1)
-    dest = f"{pending[0]} " if a.output else ""
+    dest = f"{out[0]} " if a.output else ""
     shown = top1[:16].tolist()
     more = f" ... ({len(top1)} images)" if len(top1) > len(shown) else ""
     print(f"output {dest}shape {tuple(y.shape)} dtype {y.dtype}; top-1 per image: {shown}{more}")

@@ -59,7 +59,9 @@ def _quiet_torch_logs() -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="qmodel", description="Quantize a ResNet (PTQ) and export it.",
+    from qcompile.errors import OneLineArgumentParser
+
+    ap = OneLineArgumentParser(prog="qmodel", description="Quantize a ResNet (PTQ) and export it.",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("model", help=f"one of: {', '.join(MODEL_NAMES)}, digits (resnet_tiny trained on scikit-learn's "
                                   "digits in a few seconds; the others have random weights)")

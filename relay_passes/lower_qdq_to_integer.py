@@ -332,11 +332,11 @@ class _Lowering:
         except ValueError:
             big = max(float(np.max(np.abs(m))) for m in ms)
             raise QCompileError(f"quantize '{name}': the requantize multiplier {big:.6g} (input scale / output scale) "
-                                f"is too large (at most 2^30); the output scale is too small for its input") from None
+                                f"is too large (it must be below 2^30); the output scale is too small for its input") from None
         if all(not np.any(M) for M in mults) and any(np.any(np.asarray(m) != 0) for m in ms):
             big = max(float(np.max(np.abs(m))) for m in ms)
             raise QCompileError(f"quantize '{name}': the requantize multiplier {big:.6g} (input scale / output scale) "
-                                f"is below 2^-{MAX_SHIFT} and rounds to 0: the output would not depend on the input; "
+                                f"is below 2^-{MAX_SHIFT + 1} and rounds to 0: the output would not depend on the input; "
                                 f"the output scale is too large for its input")
         return mults, shift
 

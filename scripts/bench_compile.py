@@ -61,8 +61,7 @@ def cmd_run(a):
             t0 = time.perf_counter()
             r = compile_model(path, CompileOptions(layout=layout), log=log)
             so = os.path.join(d, f"m_{layout}.so")
-            log("[-] exporting the .so ...")
-            r.export(so)
+            r.export(so)  # (logs its own "[4/4] writing ..." step)
             t1 = time.perf_counter()
             marks = [(t, s.split("] ", 1)[1].split(" ...")[0]) for t, s in stamps if s.startswith("[")]
             phases = [(name, round(tb - ta, 2)) for (ta, name), (tb, _) in zip(marks, marks[1:] + [(t1, "")])]
@@ -77,7 +76,7 @@ def cmd_run(a):
 def _phase(name):
     """A phase's column: its progress line without the file name or target details."""
     for key, col in (("import", "import"), ("lowering", "integer lowering + packing"), ("building", "TVM build"),
-                     ("export", "export .so")):
+                     ("export", "export .so"), ("writing", "export .so")):
         if name.startswith(key):
             return col
     return name

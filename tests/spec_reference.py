@@ -152,15 +152,11 @@ class SpecReference:
         return Quantized(np.clip(q, lo, hi).astype(np.int64), scale, zp.astype(np.int64), axis, et)
 
     def op_DequantizeLinear(self, node, env, a):
-        if node.input[0] in env:
-            qv = env[node.input[0]]
-            q, scale, zp, axis = qv.q, qv.scale, qv.zp, qv.axis
-        else:
-            q, _ = self._const(node.input[0])
-            scale = np.asarray(self._const(node.input[1])[0], np.float64)
-            zp = (self._const(node.input[2])[0] if len(node.input) > 2 and node.input[2]
-                  else np.zeros((), np.int64))
-            axis = a.get("axis", 1)
+        # the node's own scale and zero point (they need not be the producing QuantizeLinear's)
+        q = env[node.input[0]].q if node.input[0] in env else self._const(node.input[0])[0]
+        scale = np.asarray(self._const(node.input[1])[0], np.float64)
+        zp = self._const(node.input[2])[0] if len(node.input) > 2 and node.input[2] else np.zeros((), np.int64)
+        axis = a.get("axis", 1)
         q = np.asarray(q, np.int64)
         return Dequantized(q - _along(np.asarray(zp, np.int64), axis, q.ndim), np.asarray(scale, np.float64), axis)
 

@@ -603,3 +603,26 @@ def test_help_imports_nothing_heavy(tmp_path):
     model.write_bytes(b"not read before the output path is refused")
     r = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True)
     assert r.stdout.strip() == "2 []", (r.stdout, r.stderr)
+
+
+def _exit_code(main, argv):
+    """``main(argv)``'s return value, or the status of the SystemExit argparse raises for a usage error."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize("argv,fragment", [([], "required"), (["m.onnx"], "-o/--output"),
+                                           (["m.onnx", "-o", "m.so", "--batch", "abc"], "--batch"),
+                                           (["m.onnx", "-o", "m.so", "--layout", "NCWH"], "--layout")])
+def test_usage_errors_are_one_line(capsys, argv, fragment):
+    """argparse's usage errors (a missing argument, a bad value) are one line too, not the usage block."""
+    expect_error(capsys, lambda a: _exit_code(qcompile_main, a), argv, fragment, before_loading=True)
+
+
+def test_qmodel_usage_errors_are_one_line(capsys):
+    from qcompile.models.cli import main as qmodel_main
+
+    expect_error(capsys, lambda a: _exit_code(qmodel_main, a), ["digits", "--seed", "x"], "--seed", prog="qmodel",
+                 before_loading=True)

@@ -136,15 +136,18 @@ def test_onnx_path_without_torch(models):
 
 def test_runtime_alone(models):
     """qrun and qcompile.runtime.Module with neither torch nor onnx nor onnxruntime importable (the runtime-only
-    install): the module built above runs and gives the same output."""
-    d = models[0]
-    if not (d / "q.so").exists():
-        pytest.skip("needs test_onnx_path_without_torch's module")
+    install): a module built here runs there and gives the output it gives here."""
+    from qcompile.driver import CompileOptions, compile_model
+    from qcompile.runtime import Module
+
+    d, x = models[0], models[1]
+    compile_model(str(d / "q.onnx"), CompileOptions(layout="NHWC"), log=lambda s: None).export(str(d / "q_rt.so"))
+    want = Module(str(d / "q_rt.so"))(x)
     out = _child(RUNTIME_ONLY, """
         import numpy as np
         from qcompile.runtime import Module, qrun_main
-        result = {"rc": qrun_main(["q.so", "--input", "x.npy", "--output", "y_rt.npy"])}
-        result["same"] = bool(np.array_equal(Module("q.so")(np.load("x.npy")), np.load("y_rt.npy")))
+        result = {"rc": qrun_main(["q_rt.so", "--input", "x.npy", "--output", "y_rt.npy"])}
+        result["same"] = bool(np.array_equal(Module("q_rt.so")(np.load("x.npy")), np.load("y_rt.npy")))
     """, cwd=d)
     assert out == {"rc": 0, "same": True}
-    assert np.array_equal(np.load(d / "y_rt.npy"), np.load(d / "y_q.npy"))
+    assert len(np.unique(want)) > 5 and np.array_equal(np.load(d / "y_rt.npy"), want)

@@ -158,8 +158,8 @@ def test_device_cuda_on_this_host(tiny):
 
 
 def test_cuda_module_without_gpu(tiny, tmp_path, capsys, monkeypatch):
-    """A CUDA module (the metadata says target cuda, arch sm_90) on a host whose driver reports no GPU, or an older
-    GPU; and --device cpu for it. Refused before the file is loaded (this file holds llvm code)."""
+    """A CUDA module (the metadata says target cuda, arch sm_90) on a host whose driver reports no GPU, an older
+    GPU, or a newer one (sm_90a code runs on 9.0 only); and --device cpu for it. Refused before the file is loaded (this file holds llvm code)."""
     cuda = _patched(tiny["so"], tmp_path / "gpu.so", (b'"target": "llvm", "arch": null, "source": "tin',
                                                      b'"target": "cuda", "arch": "sm_90", "source": "'))
     os.symlink(tiny["weights"], tmp_path / "gpu.weights.npz")
@@ -169,6 +169,8 @@ def test_cuda_module_without_gpu(tiny, tmp_path, capsys, monkeypatch):
     _qrun(capsys, tiny["so"], "--input", tiny["x"], "--device", "cuda", frags=("needs a CUDA GPU; this host has none",))
     monkeypatch.setattr(rt, "cuda_gpus", lambda: [80])
     _qrun(capsys, cuda, "--input", tiny["x"], frags=("compiled for sm_90", "sm_80", "--arch sm_80"))
+    monkeypatch.setattr(rt, "cuda_gpus", lambda: [120])  # sm_90a code runs on compute capability 9.0 only
+    _qrun(capsys, cuda, "--input", tiny["x"], frags=("compiled for sm_90", "sm_120", "--arch sm_89"))
     monkeypatch.setattr(rt, "cuda_gpus", lambda: [90])
     _qrun(capsys, cuda, "--input", tiny["x"], "--device", "cpu", frags=("cannot run with --device cpu",))
     _qrun(capsys, tiny["so"], "--input", tiny["x"], "--device", "cuda", frags=("compiled for the CPU",))

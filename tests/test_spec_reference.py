@@ -8,7 +8,7 @@ The one-step allowance covers rounding ties only: qcompile rounds half up in fix
 quantizes its float32 input in float32; the specification rounds half to even in exact arithmetic (float64 here).
 The models have non-zero zero points (onnxruntime's asymmetric uint8 activations) and 4-bit / mixed layers.
 """
-import functools
+import zlib
 
 import numpy as np
 import onnx
@@ -20,7 +20,6 @@ from spec_reference import SpecReference, quantized_outputs
 EXACT_FRACTION = 0.999
 
 
-@functools.lru_cache(maxsize=None)
 def _model(kind: str, tmp: str) -> str:
     import torch
 
@@ -78,7 +77,7 @@ def test_every_layer_matches_the_onnx_spec(kind, tmp_path_factory):
     if kind == "ort_u8":
         zps = [numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith("zero_point")]
         assert any(np.any(z != 0) for z in zps if z.dtype == np.uint8), "expected non-zero activation zero points"
-    x = np.random.default_rng(hash(kind) % 2**32).standard_normal((2, 3, 16, 16)).astype("float32")
+    x = np.random.default_rng(zlib.crc32(kind.encode())).standard_normal((2, 3, 16, 16)).astype("float32")
     ref = SpecReference(model)(x)
     layers = quantized_outputs(model)
     assert len(layers) >= 8

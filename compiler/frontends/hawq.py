@@ -138,7 +138,7 @@ class _Hawq:
         for k in self.ck["weight_integer"]:
             k = str(k)
             if k.endswith(".weight_integer"):
-                name = k[len(self.prefix):-len(".weight_integer")] if k.startswith(self.prefix) else k
+                name = (k[len(self.prefix):] if k.startswith(self.prefix) else k)[:-len(".weight_integer")]
                 try:
                     out[name] = tuple(int(d) for d in self.weight_shape(name, shapes))
                 except (TypeError, ValueError):
