@@ -94,6 +94,24 @@ def check_input_file(path: str, what: str) -> str:
     return path
 
 
+def check_tuning_logs(paths: Sequence[str], gpu: Optional[str], target: str) -> None:
+    """Refuse ``--tuning-log`` paths that are missing, unreadable, or folders without a ``.jsonl`` log, and
+    ``--tuning-log`` / ``--gpu`` for a target without tensor-core kernels."""
+    for flag, given in (("--tuning-log", bool(paths)), ("--gpu", gpu is not None)):
+        if given and target != "cuda":
+            raise QCompileError(f"{flag} applies to --target cuda only (this build is for {target})")
+    if gpu is not None and not gpu.strip():
+        raise QCompileError("--gpu: empty GPU name (give the name nvidia-smi prints, e.g. 'NVIDIA H100 80GB HBM3')")
+    for path in paths:
+        if not os.path.exists(path):
+            raise QCompileError(f"--tuning-log '{path}' does not exist")
+        if os.path.isdir(path):
+            if not any(n.endswith(".jsonl") for n in os.listdir(path)):
+                raise QCompileError(f"--tuning-log '{path}' is a folder with no .jsonl tuning log in it")
+        elif not os.access(path, os.R_OK):
+            raise QCompileError(f"--tuning-log '{path}' is not readable (permission denied)")
+
+
 WEIGHTS_SUFFIX = ".weights.npz"
 
 

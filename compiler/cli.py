@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="write the weights to NAME.weights.npz beside NAME.so (one file for every batch size) "
                          "instead of compiling them into the .so; each call then passes them as arguments, which "
                          "costs host time (~0.4 ms per ResNet-50 call on an H100 host: keep the default for latency)")
+    ap.add_argument("--tuning-log", action="append", default=[], metavar="PATH",
+                    help="tuning log (.jsonl) or folder of them, searched before the packaged logs (cuda; repeatable, "
+                         "first named first; tuning_logs/README.md)")
+    ap.add_argument("--gpu", metavar="NAME",
+                    help="the GPU the build is for, as nvidia-smi names it (e.g. 'NVIDIA H100 80GB HBM3'): its own "
+                         "tuning records win over other GPUs' of the arch (default: arch-level matching)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     return ap
 
@@ -55,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
 def _check_args(a) -> None:
     """Everything that can be refused before TVM is loaded: the model file, the option combinations, the output
     paths and the tools. Raises QCompileError."""
-    from .checks import check_input_file, check_output_dir, check_output_path, check_toolchain, weights_path
+    from .checks import (check_input_file, check_output_dir, check_output_path, check_toolchain, check_tuning_logs,
+                         weights_path)
 
     check_input_file(a.model, "model file")
     try:
@@ -83,6 +90,7 @@ def _check_args(a) -> None:
             raise QCompileError(f"--calibrate applies to float ONNX models only; '{a.model}' is a quantized "
                                 f"{fmt.upper()} model")
         check_input_file(a.calibrate, "calibration file")
+    check_tuning_logs(a.tuning_log, a.gpu, a.target)
     inputs = [("input model", a.model), ("calibration data", a.calibrate)]
     check_output_path(a.output, "-o", inputs, suffixes=(".so",))
     if a.weights_beside:
@@ -150,7 +158,7 @@ def _run(a, log) -> int:
     opts = CompileOptions(bits=a.bits, layout=a.layout, target=a.target, arch=a.arch, batch=a.batch,
                           calibrate=a.calibrate, net=a.net, input_size=a.input_size, pack_int4=not a.no_pack_int4,
                           dump_ir=a.dump_ir, weights_beside=a.weights_beside,
-                          packed_int4_weights=a.packed_int4_weights)
+                          packed_int4_weights=a.packed_int4_weights, tuning_logs=tuple(a.tuning_log), gpu=a.gpu)
     res = compile_model(a.model, opts, log)
     if a.emit_cuda:
         from .driver import emit_cuda

@@ -10,7 +10,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .checks import WEIGHTS_SUFFIX, atomic_outputs, check_input_file, check_output_path, check_toolchain, weights_path
+from .checks import (WEIGHTS_SUFFIX, atomic_outputs, check_input_file, check_output_path, check_toolchain,
+                     check_tuning_logs, weights_path)
 from .errors import QCompileError
 from .registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, LAYOUTS, TARGETS, format_of
 
@@ -33,6 +34,8 @@ class CompileOptions:
     weights_beside: bool = False        # weights in NAME.weights.npz beside NAME.so instead of inside it
     cuda_graph: bool = True             # replay the forward pass as one CUDA graph (off: per-kernel profiling)
     packed_int4_weights: bool = False   # 4-bit weights always packed (not expanded for the tuned w8 kernels)
+    tuning_logs: tuple = ()             # tuning log files / folders searched before the packaged logs (cuda)
+    gpu: Optional[str] = None           # GPU name matched against the records' device (None: arch-level matching)
 
 
 @dataclass
@@ -46,6 +49,7 @@ class LayerInfo:
     a_bits: int
     layout: str
     kernel: str = ""
+    knobs: str = ""   # where an implicit-GEMM kernel's knobs come from: device / arch / nearest / default
 
 
 class _Progress:
@@ -195,12 +199,13 @@ def _layers(mod_int: tvm.IRModule, layout: str) -> list:
 
 
 def format_summary(layers: list) -> str:
-    rows = [("layer", "op", "input", "weight", "output", "w", "a", "layout", "kernel")]
+    rows = [("layer", "op", "input", "weight", "output", "w", "a", "layout", "kernel", "knobs")]
     for l in layers:
         rows.append((l.name, l.op, "x".join(map(str, l.in_shape)), "x".join(map(str, l.w_shape)),
-                     "x".join(map(str, l.out_shape)), str(l.w_bits), str(l.a_bits), l.layout, l.kernel or "llvm"))
+                     "x".join(map(str, l.out_shape)), str(l.w_bits), str(l.a_bits), l.layout, l.kernel or "llvm",
+                     l.knobs))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -224,6 +229,8 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
             raise QCompileError(f"unknown CUDA arch '{opts.arch}' (choose from {', '.join(CUDA_ARCHS)})")
     elif opts.arch:
         raise QCompileError(f"--arch {opts.arch} applies to --target cuda only (this build is for {opts.target})")
+    opts.tuning_logs = tuple(opts.tuning_logs or ())
+    check_tuning_logs(opts.tuning_logs, opts.gpu, opts.target)
     if opts.batch is not None and opts.batch < 1:
         raise QCompileError(f"--batch must be a positive integer, got {opts.batch}")
     if opts.input_size is not None and opts.input_size < 1:
@@ -270,13 +277,14 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
             if opts.target == "cuda":
                 for l in layers:
                     l.kernel = record.kernels.get(l.name, "generic")
+                    l.knobs = record.knobs.get(l.name, "")
             prog.done(f"{len(layers)} conv/dense layers")
             prog.step(f"building for {opts.target}{(' ' + opts.arch) if opts.arch else ''}")
 
     target = {"kind": "llvm"} if opts.target == "llvm" else {"kind": "cuda", "arch": opts.arch}
     pipeline = qcompile_pipeline(target, layout, pack_int4=opts.pack_int4, expand_w4=not opts.packed_int4_weights,
                                  weights_beside=opts.weights_beside, meta=meta, dump_dir=opts.dump_ir, record=record,
-                                 on_phase=on_phase)
+                                 on_phase=on_phase, tuning_logs=opts.tuning_logs, gpu=opts.gpu)
     prog.step(f"lowering to integer compute ({layout})")
     if opts.target == "cuda":
         from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options
@@ -292,11 +300,12 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
 
 
 def _log_kernel_notes(record, arch: str, log):
-    """The notes after the tensor-core dispatch: layers without a tuning record for their shape, layers on the
-    generic kernel."""
+    """The notes after the tensor-core dispatch: implicit-GEMM layers (the kernels tuning records serve) without a
+    record for their shape, layers on the generic kernel."""
     src = record.knob_sources
-    if src and src.count("tuned") < len(src):  # (compiled models take tuned knobs wherever the log has the shape)
-        log(f"note: {len(src) - src.count('tuned')} of {len(src)} tensor-core layers have no tuning record for their "
+    own = src.count("device") + src.count("arch")
+    if src and own < len(src):  # (compiled models take a record's knobs wherever a log has the shape)
+        log(f"note: {len(src) - own} of {len(src)} implicit-GEMM layers have no tuning record for their "
             f"shape on {arch} ({src.count('nearest')} take the layer's record at the nearest batch size, "
             f"{src.count('default')} the {arch} defaults); scripts/tune_layers.py measures records")
     fb = [n for n, s in record.kernels.items() if s == "fallback"]

@@ -44,7 +44,8 @@ class PipelineRecord:
     """What a pipeline run leaves for its caller."""
     integer_mod: Optional[tvm.IRModule] = None  # after phase 2 (what qcompile.reference.Reference interprets)
     kernels: dict = field(default_factory=dict)  # conv/dense binding name -> tensor-core strategy (or "fallback")
-    knob_sources: list = field(default_factory=list)  # per tensor-core layer: tuned / nearest / default / user
+    knob_sources: list = field(default_factory=list)  # per implicit-GEMM layer: device / arch / nearest / default
+    knobs: dict = field(default_factory=dict)  # conv/dense binding name -> its knobs source (implicit-GEMM layers)
     weights: list = field(default_factory=list)  # values of main's lifted weight parameters (weights_beside)
 
 
@@ -79,7 +80,7 @@ def _record_integer(record: PipelineRecord) -> tvm.transform.Pass:
     return _rec
 
 
-def _tensor_cores(arch: str, expand_w4: bool, record: PipelineRecord) -> tvm.transform.Pass:
+def _tensor_cores(arch: str, expand_w4: bool, record: PipelineRecord, tuning_logs=(), gpu=None) -> tvm.transform.Pass:
     """Phase 3: each requantized conv/dense on a tensor-core kernel (``DispatchTensorCore``), 8-bit NHWC max pools on
     qcompile's pool kernel (``DispatchPools``); ``record.kernels`` names each layer's kernel by its conv/dense binding
     (the dispatcher reports requantize outputs)."""
@@ -87,14 +88,16 @@ def _tensor_cores(arch: str, expand_w4: bool, record: PipelineRecord) -> tvm.tra
 
     @tvm.transform.module_pass(opt_level=0, name="qcompile.tensor_cores")
     def _dispatch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        p = DispatchTensorCore(arch, expand_w4=expand_w4)
+        p = DispatchTensorCore(arch, expand_w4=expand_w4, tuning_logs=tuning_logs, device=gpu)
         out = DispatchPools()(p(mod))
         func = mod["main"]
-        chosen = dict(p.chosen)
+        chosen, sources = dict(p.chosen), dict(p.sources)
         for acc_out, g in find_groups(func).items():
             name = [b.var.name for blk in func.body.blocks for b in blk.bindings if b.value.same_as(g.acc_call)]
             if name and acc_out.name in chosen:
                 record.kernels[name[0]] = chosen[acc_out.name]
+            if name and acc_out.name in sources:
+                record.knobs[name[0]] = sources[acc_out.name]
         record.knob_sources = [s for _, s in p.sources]
         return out
 
@@ -172,14 +175,17 @@ def cuda_pipeline(target) -> tvm.transform.Pass:
 def qcompile_pipeline(target="llvm", layout: str = "NCHW", *, pack_int4: bool = True, expand_w4: bool = True,
                       weights_beside: bool = False, meta: Optional[dict] = None, integer: bool = True,
                       backend: bool = True, dump_dir: Optional[str] = None, record: Optional[PipelineRecord] = None,
-                      on_phase: Optional[Callable] = None) -> tvm.transform.Pass:
+                      on_phase: Optional[Callable] = None, tuning_logs=(), gpu: Optional[str] = None
+                      ) -> tvm.transform.Pass:
     """The whole pass order (see the module docstring) as one pass over a QDQ-form module.
 
     ``target``: a kind ("llvm", "cuda"), a JSON-dict target or a ``tvm.target.Target`` (cuda: its ``arch`` picks the
     kernels). ``expand_w4``: 4-bit weights of the layers whose tuning record says so expanded to 8 bits (tensor-core
     kernels). ``meta``: the metadata the ``.so`` carries (phase 4; None: no metadata function). ``integer=False``:
     the module is already in integer form, run the backend only; ``backend=False``: stop before it (the result is
-    integer Relax). ``on_phase(name, mod)`` is called after each phase, with its dump's name."""
+    integer Relax). ``on_phase(name, mod)`` is called after each phase, with its dump's name. ``tuning_logs`` (files
+    or folders searched before the packaged logs) and ``gpu`` (the GPU name records are matched against) choose the
+    tensor-core kernels' knobs."""
     tgt = _target(target)
     dump_dir = dump_dir or os.environ.get("QCOMPILE_DUMP_IR")
     record = record if record is not None else PipelineRecord()
@@ -189,7 +195,8 @@ def qcompile_pipeline(target="llvm", layout: str = "NCHW", *, pack_int4: bool = 
         passes += [after("1_qdq"),
                    LowerQDQToInteger(layout), _record_integer(record), after("2_integer")]
         if tgt.kind.name == "cuda" and layout != "NCHW":
-            passes += [_tensor_cores(str(tgt.attrs["arch"]), expand_w4, record), after("3_dispatched")]
+            passes += [_tensor_cores(str(tgt.attrs["arch"]), expand_w4, record, tuple(tuning_logs or ()), gpu),
+                       after("3_dispatched")]
         if pack_int4:
             passes += [_pack_int4(record), after("3_packed")]
         deploy = [_lift_weights(record)] if weights_beside else []

@@ -290,8 +290,10 @@ def find_fusions(func: relax.Function, packed_pools: bool = False):
 
 @mutator
 class _Dispatcher(PyExprMutator):
-    def __init__(self, mod, groups, residuals, arch, log, target_kind="cuda", s2d=None, expand_w4=True):
+    def __init__(self, mod, groups, residuals, arch, log, target_kind="cuda", s2d=None, expand_w4=True,
+                 tuning_logs=(), device=None):
         super().__init__(mod)
+        self.tuning_logs, self.device = tuple(tuning_logs), device
         self.mod_, self.groups, self.arch, self.log, self.kind = mod, groups, arch, log, target_kind
         self.s2d = target_kind == "cuda" if s2d is None else s2d
         self.expand_w4 = expand_w4
@@ -299,7 +301,7 @@ class _Dispatcher(PyExprMutator):
         self.var2val = relax.analysis.get_var2val(mod["main"])
         self.packed: dict = {}   # original var -> new var holding its packed 4-bit form
         self.chosen: list = []   # (conv output, strategy)
-        self.sources: list = []  # (conv output, knobs source: tuned / nearest / default / user; kind cuda only)
+        self.sources: list = []  # (conv output, knobs source: device / arch / nearest / default; implicit GEMMs)
         self.fused: list = []    # (conv output, residual add output) fused into one kernel
         self.pools4: dict = {}   # packed 4-bit max pools: key -> GlobalVar
         self.pooled4: list = []  # one key per pool run on packed bytes
@@ -397,8 +399,9 @@ class _Dispatcher(PyExprMutator):
         if self.kind == "cuda":
             strategy = select_strategy(spec, self.arch)
             # (4-bit weights kept packed: a w8 kernel runs as the register-A kernel that unpacks B itself)
-            funcs = conv2d_int_plan(spec, self.arch, strategy, packed_weights=not self.expand_w4)
-            if strategy != "fallback":
+            funcs = conv2d_int_plan(spec, self.arch, strategy, packed_weights=not self.expand_w4,
+                                    tuning_logs=self.tuning_logs, device=self.device)
+            if strategy == "implicit_gemm":  # (the strategy whose knobs tuning records hold)
                 self.sources.append((g.out.name, str(funcs[0].attrs["qcompile.knobs_source"])))
         else:  # the kernels' own TE compute (same epilogue and packing) for checking this pass on a CPU
             from qcompile.schedules.fallback import make_fallback
@@ -469,12 +472,15 @@ class DispatchTensorCore:
     """Replace requantized integer conv2d/dense in ``main`` by tensor-core kernels for ``arch``.
     ``space_to_depth``: run the stem in its space-to-depth form (None: on CUDA, not with the CPU kernels).
     ``expand_w4``: 4-bit weights go to the kernels whose tuning record says ``w8`` expanded to 8 bits
-    (``reference.expand_w4``); False keeps every 4-bit weight packed (those kernels unpack B themselves)."""
+    (``reference.expand_w4``); False keeps every 4-bit weight packed (those kernels unpack B themselves).
+    ``tuning_logs`` (files or folders searched before the packaged log) and ``device`` (the GPU name records are
+    matched against; None: arch-level matching) choose the knobs (``schedules.tuning.knobs_for``)."""
 
     def __init__(self, arch: str = "sm_90", log=None, target_kind: str = "cuda", space_to_depth=None,
-                 expand_w4: bool = True):
+                 expand_w4: bool = True, tuning_logs=(), device=None):
         self.arch, self.log, self.kind, self.s2d = arch, log, target_kind, space_to_depth
         self.expand_w4 = expand_w4
+        self.tuning_logs, self.device = tuple(tuning_logs or ()), device
         self.chosen: list = []
         self.sources: list = []
         self.fused: list = []
@@ -483,7 +489,8 @@ class DispatchTensorCore:
     @keeps_user_errors
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         groups, residuals = find_fusions(mod["main"], packed_pools=self.kind == "cuda")
-        d = _Dispatcher(mod, groups, residuals, self.arch, self.log, self.kind, self.s2d, self.expand_w4)
+        d = _Dispatcher(mod, groups, residuals, self.arch, self.log, self.kind, self.s2d, self.expand_w4,
+                        self.tuning_logs, self.device)
         func = d.visit_expr(mod["main"])
         self.chosen, self.fused, self.sources, self.pooled4 = d.chosen, d.fused, d.sources, d.pooled4
         out = d.builder_.get()

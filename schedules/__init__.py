@@ -4,9 +4,10 @@ Public interface (see docs/SCHEDULES.md):
     conv2d_int_kernel(spec, arch="sm_90", strategy=None, knobs=None) -> tvm.tirx.PrimFunc
     conv2d_int_plan(spec, arch="sm_90", strategy=None, knobs=None) -> [PrimFunc] (one kernel, or a split-K pair)
     select_strategy(spec, arch) -> "direct_hwnc" | "direct_halo" | "implicit_gemm_t" | "implicit_gemm" | "fallback"
-    tuned_knobs(spec, arch) -> GemmKnobs | None   (measured best knobs from tuning_logs/<arch>.json)
-    knobs_for(spec, arch) -> (GemmKnobs, source)   (what kernels get: that record, the layer's record at the nearest
-                                                    batch size, or default_knobs(spec, arch))
+    tuned_knobs(spec, arch, device=None, logs=()) -> GemmKnobs | None   (measured best knobs from
+                                                    tuning_logs/<arch>.jsonl and the logs named)
+    knobs_for(spec, arch, device=None, logs=()) -> (GemmKnobs, source)   (what kernels get: the GPU's record, the
+                              arch's, the layer's record at the nearest batch size, or default_knobs(spec, arch))
     MMA_SHAPES, ConvSpec, GemmKnobs, DEFAULT_KNOBS
 """
 from __future__ import annotations
@@ -102,14 +103,15 @@ def select_strategy(spec: ConvSpec, arch: str = "sm_90") -> str:
 
 
 def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
-                      allow_split: bool = False, packed_weights: bool = False):
+                      allow_split: bool = False, packed_weights: bool = False, tuning_logs=(), device=None):
     """PrimFunc for one quantized conv layer. Params: x, w, bias, M, S, [res], out.
     ``strategy`` forces a rule (ValueError when it cannot take the spec); ``knobs`` a GemmKnobs (with no strategy:
     the implicit GEMM's, where the selector would take implicit_gemm_t), or the HaloKnobs / KtKnobs of those rules. With
-    ``knobs=None`` the tensor-core rules use ``knobs_for``: the measured best knobs from ``tuning_logs/<arch>.json``
-    when it has a record for this shape, else its record for the same layer at the nearest batch size, else the
-    arch's defaults (``default_knobs``). The PrimFunc's ``qcompile.knobs_source`` attribute says which ("user" |
-    "tuned" | "nearest" | "default"). ``packed_weights`` (4-bit weights kept packed, ``qcompile
+    ``knobs=None`` the tensor-core rules use ``knobs_for(spec, arch, device, tuning_logs)``: the measured best knobs
+    for this shape on ``device`` (a GPU name), else on the arch, else its record for the same layer at the nearest
+    batch size, else the arch's defaults (``default_knobs``); ``tuning_logs`` (files or folders) are searched before
+    ``tuning_logs/<arch>.jsonl``. The PrimFunc's ``qcompile.knobs_source`` attribute says which ("user" | "device" |
+    "arch" | "nearest" | "default"). ``packed_weights`` (4-bit weights kept packed, ``qcompile
     --packed-int4-weights``): ``knobs_for``'s knobs in the form that takes them packed (``packed_weight_knobs``: a
     ``w8`` kernel becomes the register-A kernel that unpacks B itself), the source unchanged."""
     if strategy is None:
@@ -123,7 +125,7 @@ def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None 
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
     source = "user" if knobs is not None else "default"
     if knobs is None and strategy not in ("fallback", "direct_halo", "implicit_gemm_t"):
-        knobs, source = knobs_for(spec, arch)
+        knobs, source = knobs_for(spec, arch, device, tuning_logs)
         if packed_weights and spec.w_bits == 4:
             from .spec import packed_weight_knobs
 
@@ -135,15 +137,16 @@ def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None 
 
 
 def conv2d_int_plan(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
-                    packed_weights: bool = False) -> list:
+                    packed_weights: bool = False, tuning_logs=(), device=None) -> list:
     """The kernels one conv layer runs, in order, as PrimFuncs: ``[conv]`` (params as conv2d_int_kernel), or
     where the output tile grid is too small for the GPU a split-K pair (schedules/splitk.py)
     ``[gemm (x, w, ws int32[split, M, K]), epilogue (ws, bias, M, S, [res, rq2], out)]`` with the same result
-    bit for bit. The split comes from the knobs (``split_k``; 0 = automatic). ``packed_weights``: as in
-    ``conv2d_int_kernel``."""
+    bit for bit. The split comes from the knobs (``split_k``; 0 = automatic). ``packed_weights``, ``tuning_logs``,
+    ``device``: as in ``conv2d_int_kernel``."""
     from .splitk import make_splitk_epilogue
 
-    f = conv2d_int_kernel(spec, arch, strategy, knobs, allow_split=True, packed_weights=packed_weights)
+    f = conv2d_int_kernel(spec, arch, strategy, knobs, allow_split=True, packed_weights=packed_weights,
+                          tuning_logs=tuning_logs, device=device)
     split = int(f.attrs["qcompile.split_k"]) if f.attrs and "qcompile.split_k" in f.attrs else 1
     if split == 1:
         return [f]

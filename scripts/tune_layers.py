@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Knob tuning of the tensor-core conv kernels, per ResNet-18/50 conv shape: candidates built on a machine without a
-GPU, checked bit-exactly and timed on a GPU host, the fastest exact knobs merged into tuning_logs/sm_90.json.
+GPU, checked bit-exactly and timed on a GPU host, the fastest exact knobs merged into tuning_logs/sm_90.jsonl.
 
   1. build (no GPU needed; nvcc):
        python scripts/tune_layers.py build [--dir build/gpu/tune] [--batches 64 256] [--variants 6 4] [--jobs 2]
@@ -25,7 +25,7 @@ GPU, checked bit-exactly and timed on a GPU host, the fastest exact knobs merged
          OUT_DIR/results.json, OUT_DIR/ncu_*.txt, OUT_DIR/tune_log.txt (OUT_DIR: --out, default DIR). Where TVM does
          not import, the runtime bundle is unpacked from build/runtime_bundle ($QC_RUNTIME_BUNDLE overrides).
   3. back on the build machine:
-       python scripts/tune_layers.py log OUT_DIR/tune_results.json --merge   -> tuning_logs/sm_90.json
+       python scripts/tune_layers.py log OUT_DIR/tune_results.json --merge   -> tuning_logs/sm_90.jsonl
        python scripts/tune_layers.py table OUT_DIR/results.json              -> the layer table (Markdown)
 """
 from __future__ import annotations
@@ -1254,7 +1254,8 @@ def cmd_device(a):
     tune_layers = [k for k, rs in by_layer.items() if rs[0]["kind"] == "tune"]
     # batch 64 first (then 256): the time guard drops the tail, never the main batch
     tune_layers.sort(key=lambda k: (0 if "_b64_" in k else 1))
-    results = {"device": dev_name, "date": time.strftime("%Y-%m-%d"), "tune": [], "bench": [], "ncu": None}
+    results = {"device": dev_name, "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+               "date": time.strftime("%Y-%m-%d"), "tune": [], "bench": [], "ncu": None}
 
     def save():
         (out / "tune_results.json").write_text(json.dumps(results, indent=1))
@@ -1510,19 +1511,48 @@ def _tkey(variants):
     return lambda v: v["ms"]
 
 
+def _log_sms(res: dict, sms) -> int:
+    """The SM count of the GPU the results were measured on: the results file's ``sms``, else ``--sms``, else 132 for
+    an H100 SXM / NVL (its name has "H100" and not "PCIe"); else the option is required."""
+    n = res.get("sms") or sms
+    if n is None and "H100" in res["device"] and "PCIe" not in res["device"]:
+        n = 132
+    if not isinstance(n, int) or n < 1:
+        raise SystemExit(f"the results file names no SM count for {res['device']!r}; pass --sms N (the GPU's "
+                         f"multiprocessor count)")
+    return n
+
+
+def read_log_lines(path: pathlib.Path) -> list:
+    """The records (dicts) of a JSON-lines log, in order; lines that are not JSON objects are dropped (reported)."""
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict) and isinstance(rec.get("key"), str):
+            out.append(rec)
+        else:
+            print(f"{path}:{i}: not a tuning record, dropped")
+    return out
+
+
 def cmd_log(a):
-    from qcompile.schedules.tuning import KEY_FIELDS, KNOB_FIELDS, LOG_FORMAT, knobs_from_dict
+    from qcompile.schedules.tuning import LOG_SUFFIX, RECORD_STRATEGY, knobs_from_dict
 
     res = json.loads(pathlib.Path(a.results).read_text())
-    dst = ROOT / "tuning_logs" / f"{ARCH}.json"
-    recs = {}
-    gen = ("python scripts/tune_layers.py build && python3 scripts/tune_layers.py device (GPU host) "
-           "&& python scripts/tune_layers.py log tune_results.json")
-    if a.merge and dst.is_file():  # keep the records of shapes this run did not measure, and how the log was made
-        old = json.loads(dst.read_text())
-        recs, gen = old["records"], old.get("generated_by", gen)
-    if a.note:
-        gen = f"{gen}; {a.note}"
+    dev, sms = res["device"], _log_sms(res, getattr(a, "sms", None))
+    dst = ROOT / "tuning_logs" / f"{ARCH}{LOG_SUFFIX}"
+    others, recs = [], {}  # (other GPUs' and other arches' records; this GPU's by key)
+    if a.merge and dst.is_file():  # keep the records of shapes this run did not measure, and other GPUs' records
+        for r in read_log_lines(dst):
+            if r.get("device") == dev and r.get("arch") == ARCH:
+                recs[r["key"]] = r
+            else:
+                others.append(r)
     run_ms = {}
     for row in res["tune"]:
         vs = row["variants"]
@@ -1549,15 +1579,14 @@ def cmd_log(a):
         if knobs_from_dict(chosen["knobs"]) is None:  # (a record tuned_knobs would refuse: compiled models ignore it)
             raise SystemExit(f"{row['layer']}: variant {chosen['variant']} has knobs outside GemmKnobs.SPACE or "
                              f"invalid ({chosen['knobs']}); widen the space or drop the variant")
-        recs[row["key"]] = dict(knobs=chosen["knobs"], variant=chosen["variant"], ms=round(tk(chosen), 5),
+        recs[row["key"]] = dict(arch=ARCH, device=dev, sms=sms, key=row["key"], strategy=RECORD_STRATEGY,
+                                knobs=chosen["knobs"], variant=chosen["variant"], ms=round(tk(chosen), 5),
                                 default_ms=round(tk(dflt), 5), speedup=round(tk(dflt) / tk(chosen), 3),
-                                variants_tried=len(vs), variants_exact=len(ok), layer=row["layer"],
-                                date=res["date"], device=res["device"])
-    data = {"format": LOG_FORMAT, "arch": ARCH, "key_fields": list(KEY_FIELDS), "knob_fields": list(KNOB_FIELDS),
-            "generated_by": gen, "records": dict(sorted(recs.items()))}
-    dst.write_text(json.dumps(data, indent=1) + "\n")
-    ntuned = sum(r["variant"] != "default" for r in recs.values())
-    print(f"wrote {dst}: {len(recs)} records, {ntuned} with non-default knobs")
+                                variants_tried=len(vs), variants_exact=len(ok), layer=row["layer"], date=res["date"])
+    lines = sorted(others + list(recs.values()), key=lambda r: (r["key"], str(r.get("device")), str(r.get("arch"))))
+    dst.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    ntuned = sum(r.get("variant") != "default" for r in recs.values())
+    print(f"wrote {dst}: {len(lines)} records, {len(recs)} of {dev} ({ntuned} with non-default knobs)")
 
 
 def cmd_table(a):
@@ -1699,13 +1728,14 @@ def main():
     n = sub.add_parser("ncu-target", help="(run under ncu by `device`) launch the named kernels once each")
     n.add_argument("dir")
     n.add_argument("funcs", nargs="+")
-    lg = sub.add_parser("log", help="write the fastest exact knobs of tune_results.json to tuning_logs/sm_90.json")
+    lg = sub.add_parser("log", help="write the fastest exact knobs of tune_results.json to tuning_logs/sm_90.jsonl")
     lg.add_argument("results", help="the device run's tune_results.json")
     lg.add_argument("--min-gain", type=float, default=0.02,
                     help="a record keeps the default knobs unless the best variant is this fraction faster")
-    lg.add_argument("--note", default="", help="appended to the log's generated_by (e.g. the build command this run "
-                    "measured)")
-    lg.add_argument("--merge", action="store_true", help="update the existing log instead of replacing it")
+    lg.add_argument("--sms", type=int, default=None,
+                    help="the GPU's SM count, where the results file has none (default: 132 for an H100 SXM / NVL)")
+    lg.add_argument("--merge", action="store_true", help="update the existing log instead of replacing it: a record "
+                    "replaces the one of the same GPU and key, the others stay")
     t = sub.add_parser("table", help="print the layer table (Markdown) of the device run's results.json")
     t.add_argument("results", help="the device run's results.json")
     t.add_argument("--device", default=None, help="the GPU named in the table where the results file has none")

@@ -1,1 +1,1 @@
-"""Measured tuning logs (``<arch>.json``) for qcompile.schedules; see README.md beside this file."""
+"""Measured tuning logs (``<arch>.jsonl``, JSON lines) for qcompile.schedules; see README.md beside this file."""
