@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from .errors import OneLineArgumentParser, QCompileError, report_internal_error  # noqa: F401 (re-exported)
+from .errors import OneLineArgumentParser, QCompileError, run_cli
 from .registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, LAYOUTS, TARGETS, format_of
 
 PROG = "qcompile"
@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--weights-beside", action="store_true",
                     help="write the weights to NAME.weights.npz beside NAME.so (one file for every batch size) "
                          "instead of compiling them into the .so; each call then passes them as arguments, which "
-                         "costs host time (~0.4 ms per ResNet-50 call on an H100 host: keep the default for latency)")
+                         "costs host time on every call (keep the default for latency)")
     ap.add_argument("--tuning-log", action="append", default=[], metavar="PATH",
                     help="tuning log (.jsonl) or folder of them, searched before the packaged logs (cuda; repeatable, "
                          "first named first; tuning_logs/README.md)")
@@ -101,17 +101,6 @@ def _check_args(a) -> None:
     check_toolchain(a.target)
 
 
-def install_warning_printer(prog: str) -> None:
-    """Print every Python warning as one line ``<prog>: warning: <message>`` (no source line, no file:line)."""
-    import warnings
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        text = str(message).strip().splitlines()
-        print(f"{prog}: warning: {text[0] if text else category.__name__}", file=file or sys.stderr, flush=True)
-
-    warnings.showwarning = show
-
-
 def _import_driver_without_torch() -> None:
     """Import the compiler without the optional ``import torch`` that tvm_ffi and tvm.relax attempt (1.5-2.5 s; both
     tolerate its absence): the compiler needs torch only for PT2E programs and HAWQ checkpoints, whose frontends
@@ -127,28 +116,13 @@ def _import_driver_without_torch() -> None:
 
 
 def qcompile_main(argv=None) -> int:
-    import warnings
-
     a = _parser().parse_args(argv)
     log = (lambda *_: None) if a.quiet else (lambda s: print(s, flush=True))
-    saved = warnings.showwarning
-    try:
-        return _run(a, log)
-    except QCompileError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted (outputs are written only when complete)", file=sys.stderr, flush=True)
-        return 130
-    except Exception as e:  # noqa: BLE001  (a bug: one line, not a stack trace)
-        return report_internal_error(PROG, e)
-    finally:
-        warnings.showwarning = saved
+    return run_cli(PROG, lambda: _run(a, log))
 
 
 def _run(a, log) -> int:
     _check_args(a)
-    install_warning_printer(PROG)
     t0 = time.time()
     log("loading the compiler (TVM) ...")
     _import_driver_without_torch()

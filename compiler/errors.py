@@ -80,3 +80,36 @@ def report_internal_error(prog: str, e: BaseException, debug_env: str = "QCOMPIL
     print(f"{prog}: this is a bug in qcompile or a library it uses; please report it with the command line "
           f"(run with {debug_env}=1 for the stack trace)", file=sys.stderr, flush=True)
     return 1
+
+
+def install_warning_printer(prog: str) -> None:
+    """Print every Python warning as one line ``<prog>: warning: <message>`` (no source line, no file:line)."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message).strip().splitlines()
+        print(f"{prog}: warning: {text[0] if text else category.__name__}", file=file or sys.stderr, flush=True)
+
+    warnings.showwarning = show
+
+
+def run_cli(prog: str, body, user_errors=(QCompileError,)) -> int:
+    """Run a command's ``body()`` the way every qcompile CLI does: Python warnings as one ``<prog>: warning:`` line
+    each; a user error (``user_errors``) as one ``<prog>: error:`` line, exit status 2; Ctrl-C exit status 130; any
+    other exception as one internal-error line, exit status 1 (:func:`report_internal_error`)."""
+    import warnings
+
+    saved = warnings.showwarning
+    install_warning_printer(prog)
+    try:
+        return body()
+    except user_errors as e:
+        print(f"{prog}: error: " + " ".join(str(e).split()), file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (outputs are written only when complete)", file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001  (a bug: one line, not a stack trace)
+        return report_internal_error(prog, e)
+    finally:
+        warnings.showwarning = saved

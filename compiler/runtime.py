@@ -647,42 +647,37 @@ def qrun_main(argv=None) -> int:
                     "included)")
     ap.add_argument("--allow-nonfinite", action="store_true", help="run on images holding NaN/Inf (refused by "
                     "default: they quantize to arbitrary integers, so the output looks plausible and means nothing)")
+    from qcompile.errors import run_cli  # (a light module: argparse, os, sys)
+
+    return run_cli("qrun", lambda: _qrun(ap, argv), user_errors=(RunError,))
+
+
+def _qrun(ap, argv) -> int:
     out = None
-    try:
-        a = ap.parse_args(argv)
-        if a.output:  # checked before any work; written (through a temporary file beside it) once the result exists
-            out = _check_output(a.output, {a.input: "input file", a.module: "compiled module",
-                                          **({a.labels: "labels file"} if a.labels else {})})
-        x = read_npy(a.input, "input")
-        _import_tvm_ffi_without_torch()
-        m = Module(a.module, a.device)
-        x = m.check_input(x, a.allow_nonfinite)
-        labels = None
-        if a.labels:
-            shape = m.meta.get("output_shape") or []
-            labels = _read_labels(a.labels, x.shape[0], shape[-1] if len(shape) == 2 else None)
-        y = m(x, allow_nonfinite=a.allow_nonfinite)
-        if a.time:
-            import time
+    a = ap.parse_args(argv)  # (a usage error raises RunError: one line)
+    if a.output:  # checked before any work; written (through a temporary file beside it) once the result exists
+        out = _check_output(a.output, {a.input: "input file", a.module: "compiled module",
+                                      **({a.labels: "labels file"} if a.labels else {})})
+    x = read_npy(a.input, "input")
+    _import_tvm_ffi_without_torch()
+    m = Module(a.module, a.device)
+    x = m.check_input(x, a.allow_nonfinite)
+    labels = None
+    if a.labels:
+        shape = m.meta.get("output_shape") or []
+        labels = _read_labels(a.labels, x.shape[0], shape[-1] if len(shape) == 2 else None)
+    y = m(x, allow_nonfinite=a.allow_nonfinite)
+    if a.time:
+        import time
 
-            ts = []
-            for _ in range(a.time):
-                t0 = time.perf_counter()
-                m(x, allow_nonfinite=a.allow_nonfinite)
-                ts.append(time.perf_counter() - t0)
-            print(f"median {1e3 * sorted(ts)[len(ts) // 2]:.3f} ms over {a.time} runs")
-        if out:
-            _write_output(y, *out)
-    except RunError as e:
-        print("qrun: error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("qrun: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # a bug in qrun or a library it uses: one line, not a stack trace
-        from qcompile.errors import report_internal_error
-
-        return report_internal_error("qrun", e)
+        ts = []
+        for _ in range(a.time):
+            t0 = time.perf_counter()
+            m(x, allow_nonfinite=a.allow_nonfinite)
+            ts.append(time.perf_counter() - t0)
+        print(f"median {1e3 * sorted(ts)[len(ts) // 2]:.3f} ms over {a.time} runs")
+    if out:
+        _write_output(y, *out)
     import numpy as np
 
     top1 = np.argmax(y.reshape(y.shape[0], -1), axis=1)

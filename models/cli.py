@@ -93,31 +93,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    import warnings
-
-    from qcompile.cli import install_warning_printer, report_internal_error
+    from qcompile.errors import run_cli
 
     args = _parser().parse_args(argv)
     say = (lambda *a: None) if args.quiet else (lambda *a: print("[qmodel]", *a, flush=True))
-    saved = warnings.showwarning
-    install_warning_printer(PROG)
-    try:
-        return _run(args, say)
-    except (QCompileError, ValueError, FileNotFoundError) as e:  # (ValueError: the quantizer's --bits JSON checks)
-        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except ImportError as e:
-        if "pip install" not in str(e):  # (a missing optional package says how to get it: a usage error)
-            return report_internal_error(PROG, e)
-        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted (outputs are written only when complete)", file=sys.stderr, flush=True)
-        return 130
-    except Exception as e:  # noqa: BLE001  (a bug: one line, not a stack trace)
-        return report_internal_error(PROG, e)
-    finally:
-        warnings.showwarning = saved
+
+    def body():
+        try:
+            return _run(args, say)
+        except ImportError as e:
+            if "pip install" in str(e):  # (a missing optional package says how to get it: a usage error)
+                raise QCompileError(str(e)) from None
+            raise
+
+    # (ValueError: the quantizer's --bits JSON checks)
+    return run_cli(PROG, body, user_errors=(QCompileError, ValueError, FileNotFoundError))
 
 
 def _load_weights(path: str) -> dict:

@@ -116,9 +116,7 @@ def main(argv=None):
     r.add_argument("--size", type=int, default=224)
     r.add_argument("--layout", nargs="+", default=["NCHW", "NHWC"])
     r.add_argument("--out", default=str(ROOT / "build" / "bench"), help="results folder (default: %(default)s)")
-    t = sub.add_parser("table", help="the Markdown table of a results file")
-    t.add_argument("results")
-    e2e_table.add_write_args(t, "compile_time")
+    e2e_table.add_table_command(sub, "compile_time")
     a = ap.parse_args(argv)
     if a.cmd == "run":
         cmd_run(a)

@@ -250,11 +250,9 @@ def main(argv=None):
     r.add_argument("dir", nargs="?", default=str(DEFAULT_DIR), help="build_e2e.py's output (default: %(default)s)")
     r.add_argument("tags", nargs="*", help="only these NET_BITS folders (default: all in the manifest)")
     r.add_argument("--out", help="where bench_e2e.json goes (default: DIR)")
-    t = sub.add_parser("table", help="the Markdown table of results files (scripts/e2e_table.py)")
-    t.add_argument("results", nargs="+")
     import e2e_table
 
-    e2e_table.add_write_args(t, "e2e")
+    e2e_table.add_table_command(sub, "e2e", "the Markdown table of results files (scripts/e2e_table.py)", many=True)
     a = ap.parse_args(argv)
     if a.cmd == "run":
         cmd_run(a)

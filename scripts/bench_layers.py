@@ -117,11 +117,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("build", help="scripts/device_build.py (its options follow)")
-    t = sub.add_parser("table", help="the layer table of a results file")
-    t.add_argument("results")
+    t = e2e_table.add_table_command(sub, "layers (layers_int4_vs_int8 with --paired)", "the layer table of a results file")
     t.add_argument("--paired", action="store_true", help="the INT4-against-INT8 summary instead")
     t.add_argument("--device", help="device name where the results file has none")
-    e2e_table.add_write_args(t, "layers (layers_int4_vs_int8 with --paired)")
     a = ap.parse_args(argv)
     if a.paired:
         name = "layers_int4_vs_int8" if a.name.startswith("layers (") else a.name

@@ -201,14 +201,8 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="build the cases and baselines (build host)")
-    b.add_argument("--dir", default=str(DIR), help="output folder (default: %(default)s)")
-    d = sub.add_parser("device", help="check and time them (GPU host)")
-    d.add_argument("--dir", default=str(DIR), help="the build folder (default: %(default)s)")
-    d.add_argument("--out", help="results folder (default: --dir)")
-    t = sub.add_parser("table", help="the Markdown table of a results file")
-    t.add_argument("results")
-    e2e_table.add_write_args(t, "pools")
+    e2e_table.add_gpu_host_commands(sub, DIR, "build the cases and baselines")
+    e2e_table.add_table_command(sub, "pools")
     a = ap.parse_args(argv)
     if a.cmd == "table":
         e2e_table.write_block(a.name, table(a.results), a.write)

@@ -117,9 +117,7 @@ def main(argv=None):
     r.add_argument("--layout", default="NHWC")
     r.add_argument("--epochs", type=int, default=EPOCHS, help="training epochs (default: qmodel's, %(default)s)")
     r.add_argument("--seed", type=int, default=0)
-    t = sub.add_parser("table", help="the Markdown table of a results file")
-    t.add_argument("results")
-    e2e_table.add_write_args(t, "digits")
+    e2e_table.add_table_command(sub, "digits")
     a = ap.parse_args(argv)
     if a.cmd == "run":
         cmd_run(a)

@@ -54,6 +54,23 @@ def write_block(name: str, block: str, paths) -> None:
         print(f"{p}: table {name} {'updated' if new != old else 'unchanged'}", file=sys.stderr)
 
 
+def add_table_command(sub, default_name: str, what: str = "the Markdown table of a results file", many=False):
+    """The ``table RESULTS [--write FILE ...] [--name NAME]`` subcommand every benchmark script has."""
+    t = sub.add_parser("table", help=what)
+    t.add_argument("results", nargs="+" if many else None)
+    add_write_args(t, default_name)
+    return t
+
+
+def add_gpu_host_commands(sub, build_dir, build_help: str):
+    """``build [--dir]`` (build host) and ``device [--dir] [--out]`` (GPU host) of the check scripts."""
+    b = sub.add_parser("build", help=f"{build_help} (build host)")
+    b.add_argument("--dir", default=str(build_dir), help="output folder (default: %(default)s)")
+    d = sub.add_parser("device", help="check and time them (GPU host)")
+    d.add_argument("--dir", default=str(build_dir), help="the build folder (default: %(default)s)")
+    d.add_argument("--out", help="results folder (default: --dir)")
+
+
 def add_write_args(ap: argparse.ArgumentParser, default_name: str) -> None:
     """The options every ``table`` command takes."""
     ap.add_argument("--write", nargs="+", metavar="FILE",
