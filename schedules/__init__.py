@@ -3,6 +3,8 @@
 Public interface (see docs/SCHEDULES.md):
     conv2d_int_kernel(spec, arch="sm_90", strategy=None, knobs=None) -> tvm.tirx.PrimFunc
     conv2d_int_plan(spec, arch="sm_90", strategy=None, knobs=None) -> [PrimFunc] (one kernel, or a split-K pair)
+    plan_conv(spec, arch="sm_90", strategy=None, knobs=None, ...) -> PlannedKernel (the kernels with their calling
+                              convention and weight format: schedules/planned.py; what the compiler and tuner use)
     select_strategy(spec, arch) -> "direct_hwnc" | "direct_halo" | "implicit_gemm_t" | "implicit_gemm" | "fallback"
     tuned_knobs(spec, arch, device=None, logs=()) -> GemmKnobs | None   (measured best knobs from
                                                     tuning_logs/<arch>.jsonl and the logs named)
@@ -153,6 +155,26 @@ def conv2d_int_plan(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = 
     return [f, make_splitk_epilogue(spec, split).with_attr("qcompile.split_k", split)]
 
 
-__all__ = ["conv2d_int_kernel", "conv2d_int_plan", "select_strategy", "MMA_SHAPES", "ConvSpec", "GemmKnobs",
+def plan_conv(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
+              packed_weights: bool = False, tuning_logs=(), device=None):
+    """The kernels of one conv layer with their calling convention (``planned.PlannedKernel``). Arguments as in
+    ``conv2d_int_kernel``; ``strategy`` None: ``select_strategy``'s."""
+    from .igemm import streamk_args, w8_kperm, w8_weights
+    from .planned import PlannedKernel
+
+    strategy = strategy or select_strategy(spec, arch)
+    funcs = conv2d_int_plan(spec, arch, strategy, knobs, packed_weights=packed_weights, tuning_logs=tuning_logs,
+                            device=device)
+    a = funcs[0].attrs
+    kn = knobs
+    if kn is None and strategy in ("implicit_gemm", "direct_hwnc"):
+        kn, _ = knobs_for(spec, arch, device, tuning_logs)
+    sk = streamk_args(funcs[0])
+    return PlannedKernel(spec=spec, arch=arch, strategy=strategy, knobs=kn, source=str(a["qcompile.knobs_source"]),
+                         funcs=tuple(funcs), split_k=int(a["qcompile.split_k"]) if "qcompile.split_k" in a else 1,
+                         streamk=tuple(sk) if sk else None, w_expand=w8_weights(funcs[0]), w_kperm=w8_kperm(funcs[0]))
+
+
+__all__ = ["conv2d_int_kernel", "conv2d_int_plan", "plan_conv", "select_strategy", "MMA_SHAPES", "ConvSpec", "GemmKnobs",
            "MMAShape", "ArchMMA", "DEFAULT_KNOBS", "arch_info", "STRATEGIES", "RULES", "tuned_knobs", "tuning_key",
            "knobs_for", "default_knobs"]
