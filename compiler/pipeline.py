@@ -47,6 +47,7 @@ class PipelineRecord:
     knob_sources: list = field(default_factory=list)  # per implicit-GEMM layer: device / arch / nearest / default
     knobs: dict = field(default_factory=dict)  # conv/dense binding name -> its knobs source (implicit-GEMM layers)
     weights: list = field(default_factory=list)  # values of main's lifted weight parameters (weights_beside)
+    planned: list = field(default_factory=list)  # (conv/dense binding name, PlannedKernel) per tensor-core layer
 
 
 def _target(target) -> tvm.target.Target:
@@ -99,6 +100,11 @@ def _tensor_cores(arch: str, expand_w4: bool, record: PipelineRecord, tuning_log
             if name and acc_out.name in sources:
                 record.knobs[name[0]] = sources[acc_out.name]
         record.knob_sources = [s for _, s in p.sources]
+        by_out = dict(p.planned)
+        for acc_out, g in find_groups(func).items():
+            name = [b.var.name for blk in func.body.blocks for b in blk.bindings if b.value.same_as(g.acc_call)]
+            if name and acc_out.name in by_out:
+                record.planned.append((name[0], by_out[acc_out.name]))
         return out
 
     return _dispatch

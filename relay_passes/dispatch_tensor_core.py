@@ -36,7 +36,6 @@ from tvm import relax
 from tvm.ir.expr import Constant
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from qcompile import int4
 from qcompile.errors import keeps_user_errors
 from .pack_int4 import pack_int4, unpack_int4
 
@@ -302,6 +301,7 @@ class _Dispatcher(PyExprMutator):
         self.packed: dict = {}   # original var -> new var holding its packed 4-bit form
         self.chosen: list = []   # (conv output, strategy)
         self.sources: list = []  # (conv output, knobs source: device / arch / nearest / default; implicit GEMMs)
+        self.planned: list = []  # (conv output, schedules.planned.PlannedKernel): what each tensor-core layer runs
         self.fused: list = []    # (conv output, residual add output) fused into one kernel
         self.pools4: dict = {}   # packed 4-bit max pools: key -> GlobalVar
         self.pooled4: list = []  # one key per pool run on packed bytes
@@ -356,9 +356,7 @@ class _Dispatcher(PyExprMutator):
         self._emit_kernel(binding.var, g, r)
 
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
-        from qcompile.schedules import ConvSpec, conv2d_int_plan, select_strategy
-        from qcompile.schedules.igemm import streamk_args, w8_kperm, w8_weights
-        from qcompile.schedules.reference import expand_w4, permute_k8
+        from qcompile.schedules import ConvSpec, plan_conv, select_strategy
         from qcompile.schedules.spec import operand_plan, space_to_depth, space_to_depth_weights
 
         x_dtype = _x_dtype(g.x, self.var2val)
@@ -399,14 +397,18 @@ class _Dispatcher(PyExprMutator):
         if self.kind == "cuda":
             strategy = select_strategy(spec, self.arch)
             # (4-bit weights kept packed: a w8 kernel runs as the register-A kernel that unpacks B itself)
-            funcs = conv2d_int_plan(spec, self.arch, strategy, packed_weights=not self.expand_w4,
-                                    tuning_logs=self.tuning_logs, device=self.device)
+            pk = plan_conv(spec, self.arch, strategy, packed_weights=not self.expand_w4,
+                           tuning_logs=self.tuning_logs, device=self.device)
+            self.planned.append((g.out.name, pk))
+            funcs = list(pk.funcs)
             if strategy == "implicit_gemm":  # (the strategy whose knobs tuning records hold)
-                self.sources.append((g.out.name, str(funcs[0].attrs["qcompile.knobs_source"])))
+                self.sources.append((g.out.name, pk.source))
         else:  # the kernels' own TE compute (same epilogue and packing) for checking this pass on a CPU
             from qcompile.schedules.fallback import make_fallback
+            from qcompile.schedules.planned import PlannedKernel
 
             strategy, funcs = "te-compute", [make_fallback(spec, self.kind)]
+            pk = PlannedKernel(spec, self.arch, strategy, None, "default", tuple(funcs))
         gvs = []
         for i, func in enumerate(funcs):
             func = func.with_attr("op_pattern", 8)  # opaque: nothing is fused into it
@@ -414,10 +416,7 @@ class _Dispatcher(PyExprMutator):
                 func = func.with_attr("tirx.is_scheduled", True)  # dlight leaves it alone
             fname = f"qconv_{g.out.name}" + ("_resadd" if r is not None else "") + ("_splitk_epilogue" if i else "")
             gvs.append(self.builder_.add_func(func.with_attr("global_symbol", fname), fname))
-        self.chosen.append((g.out.name, strategy + ("+s2d" if s2d is not None else "")
-                            + (f"+splitk{int(funcs[0].attrs['qcompile.split_k'])}"
-                                                    if len(funcs) > 1 else "")
-                            + ("+streamk" if streamk_args(funcs[0]) else "")))
+        self.chosen.append((g.out.name, pk.strategy + ("+s2d" if s2d is not None else "") + pk.label[len(pk.strategy):]))
         if r is not None:
             self.fused.append((g.out.name, var.name))
         x = self._data(g.x, x_dtype, 3)
@@ -433,19 +432,13 @@ class _Dispatcher(PyExprMutator):
             x = self.builder_.emit(x, var.name + "_s2d")
         if g.dense:
             x = self.builder_.emit(relax.op.reshape(x, (N, 1, 1, int(x.ty.shape[-1]))), var.name + "_x4d")
-        wq = w.astype(np.int8)
-        if w_bits == 4 and w8_weights(funcs[0]):  # 4-bit weights expanded (GemmKnobs.w8; agl: k-permuted too)
-            wq = expand_w4(w, w8_kperm(funcs[0]))
-        elif w_bits == 4:
-            wq = int4.pack(wq, 3).view(np.int8)
-        elif w8_kperm(funcs[0]):  # 8-bit agl: the reduction k-permuted per K-chunk
-            wq = permute_k8(wq, w8_kperm(funcs[0]))
+        wq = pk.weights(w)  # (packed 4-bit, or expanded to 8 bits / k-permuted as the kernel takes them)
         epi = [relax.const(g.bias, "int32"), relax.const(g.M, "int32"), relax.const(g.S, "int32")]
         if r is not None:
             epi += [self._data(r.res, res["res_dtype"], 3), relax.const(r.rq2, "int32")]
         _, _, out_shape = spec.shapes()
         out_ty = relax.TensorType(list(out_shape), ConvSpec.storage(out_dtype))
-        sk = streamk_args(funcs[0])
+        sk = pk.streamk
         if sk is not None:  # stream-K: tile counters (zeros, left zero by the kernel) and a scratch workspace output
             call = relax.call_tir(gvs[0], [x, relax.const(wq, "int8"), *epi, relax.const(np.zeros(sk[0], np.int32))],
                                   [out_ty, relax.TensorType([sk[1]], "int32")])
@@ -455,7 +448,7 @@ class _Dispatcher(PyExprMutator):
         else:  # split-K: int32 partial sums, then the epilogue kernel
             from qcompile.schedules.splitk import workspace_shape
 
-            wsh = workspace_shape(spec, int(funcs[0].attrs["qcompile.split_k"]))
+            wsh = workspace_shape(spec, pk.split_k)
             part = self.builder_.emit(relax.call_tir(gvs[0], [x, relax.const(wq, "int8")],
                                                      relax.TensorType(list(wsh), "int32")), var.name + "_partial")
             out = self.builder_.emit(relax.call_tir(gvs[1], [part, *epi], out_ty), var.name + "_tc")
