@@ -519,16 +519,75 @@ class Module:
 
     def __call__(self, x, allow_nonfinite: bool = False):
         """The module's output (float logits) for images ``x`` (float32 NCHW, the compiled batch size); NaN/Inf pixels
-        are refused unless ``allow_nonfinite``."""
+        are refused unless ``allow_nonfinite``.
+
+        ``x`` a NumPy array (or anything ``np.asarray`` takes): a NumPy array out. ``x`` a tensor of another array
+        library that speaks DLPack (a torch or CuPy CUDA tensor), on the module's device: the module reads it in
+        place and returns a tensor of the same library on the same device -- no copy through the host::
+
+            m = Module("resnet50_int8.so")                 # --target cuda
+            x = torch.randn(m.meta["input_shape"], device="cuda")
+            logits = m(x)                                  # a torch CUDA tensor
+
+        The kernels run on the GPU's default stream (PyTorch's and CuPy's unless you set another: synchronize it
+        first). The finiteness check of a torch or CuPy tensor runs on its device with that library's own ops; for
+        other DLPack producers it copies the input to the host (pass ``allow_nonfinite=True`` to skip it)."""
         import numpy as np
 
+        if not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+            return self._call_dlpack(x, allow_nonfinite)
         x = self.check_input(np.asarray(x), allow_nonfinite)
+        return self._numpy(self._run(self._tensor(x)))
+
+    def _run(self, t):
         try:
-            out = self._main(self._tensor(x), *self.weights)
+            return self._main(t, *self.weights)
         except Exception as e:  # a device failure (e.g. a CUDA error) comes from the runtime
             raise RunError(f"running '{self.path}' on {self.device} failed: "
                            f"{(str(e).strip().splitlines() or [type(e).__name__])[-1]}") from None
-        return self._numpy(out)
+
+    def _call_dlpack(self, x, allow_nonfinite: bool):
+        """``__call__`` for a DLPack tensor: checked, run in place, the output handed back through DLPack."""
+        import importlib
+
+        import numpy as np
+        import tvm_ffi
+
+        name, want = self.meta["input_name"], tuple(self.meta["input_shape"])
+        lib = type(x).__module__.split(".")[0]
+        dev_type, dev_id = x.__dlpack_device__()
+        mine = tvm_ffi.device(self.device, 0).dlpack_device_type()
+        if int(dev_type) != int(mine) or int(dev_id) != 0:
+            where = {1: "the CPU", 2: f"CUDA GPU {dev_id}"}.get(int(dev_type), f"DLPack device {dev_type}:{dev_id}")
+            raise RunError(f"input '{name}' ({lib} tensor) is on {where}; this module runs on "
+                           f"{'CUDA GPU 0' if self.device == 'cuda' else 'the CPU'} -- move the tensor there first")
+        try:
+            t = tvm_ffi.from_dlpack(x, require_contiguous=True)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise RunError(f"input '{name}' ({lib} tensor) cannot be read in place: "
+                           f"{(str(e).strip().splitlines() or [type(e).__name__])[-1]} (pass a contiguous tensor)") \
+                from None
+        if str(t.dtype) != "float32":
+            raise RunError(f"input '{name}' must be float32 NCHW images, got dtype {t.dtype}")
+        if tuple(t.shape) != want:
+            raise RunError(f"input '{name}' has shape {tuple(t.shape)}, the module was compiled for {want} (float32 "
+                           f"NCHW; recompile with --batch N for another batch size)")
+        if not allow_nonfinite:
+            if lib in ("torch", "cupy"):
+                ok = bool(importlib.import_module(lib).isfinite(x).all())
+            else:
+                ok = bool(np.isfinite(self._numpy(t)).all())
+            if not ok:
+                raise RunError(f"input '{name}' holds non-finite values (NaN or Inf): quantizing them gives arbitrary "
+                               f"integers, so the output would look plausible and mean nothing; fix the images, or "
+                               f"pass allow_nonfinite=True to run anyway")
+        out = self._run(t)
+        if lib in ("torch", "cupy"):
+            try:
+                return importlib.import_module(lib).from_dlpack(out)
+            except (ImportError, AttributeError):
+                pass
+        return out  # a tvm_ffi Tensor (itself a DLPack producer)
 
 
 # ------------------------------------------------------------------------------------------------------------------

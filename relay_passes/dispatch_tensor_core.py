@@ -476,6 +476,7 @@ class DispatchTensorCore:
         self.tuning_logs, self.device = tuple(tuning_logs or ()), device
         self.chosen: list = []
         self.sources: list = []
+        self.planned: list = []  # (conv output, PlannedKernel) per tensor-core layer
         self.fused: list = []
         self.pooled4: list = []  # max pools run on packed 4-bit bytes (on CUDA: the INT4 models' stem pool)
 
@@ -486,6 +487,7 @@ class DispatchTensorCore:
                         self.tuning_logs, self.device)
         func = d.visit_expr(mod["main"])
         self.chosen, self.fused, self.sources, self.pooled4 = d.chosen, d.fused, d.sources, d.pooled4
+        self.planned = d.planned
         out = d.builder_.get()
         out["main"] = func
         out = relax.transform.DeadCodeElimination(["main"])(out)

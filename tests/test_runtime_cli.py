@@ -405,3 +405,28 @@ def test_qrun_imports_the_runtime_only(tiny):
                        capture_output=True, text=True)
     assert h.returncode == 0 and h.stdout.strip().splitlines()[-1] == "[]", h.stdout + h.stderr
     assert "--labels" in h.stdout and "--allow-nonfinite" in h.stdout
+
+
+def test_dlpack_tensors_in_and_out(tiny):
+    """A torch tensor goes in through DLPack and a torch tensor of the same device comes out, equal to the NumPy path;
+    bad tensors get the same one-line RunErrors."""
+    torch = pytest.importorskip("torch")
+    m, x = Module(tiny["so"]), np.load(tiny["x"])
+    y = m(torch.from_numpy(x))
+    assert isinstance(y, torch.Tensor) and y.device.type == "cpu"
+    np.testing.assert_array_equal(y.numpy(), tiny["logits"])  # (the same kernels on the same bytes: bit for bit)
+    with pytest.raises(RunError, match="dtype float64"):
+        m(torch.from_numpy(x.astype(np.float64)))
+    with pytest.raises(RunError, match=r"shape \(2, 3, 16, 16\)"):
+        m(torch.from_numpy(x[:2]))
+    with pytest.raises(RunError, match="contiguous"):
+        m(torch.from_numpy(x).transpose(2, 3))
+    nan = torch.from_numpy(x.copy())
+    nan[0, 0, 0, 0] = float("nan")
+    with pytest.raises(RunError, match="non-finite"):
+        m(nan)
+    assert m(nan, allow_nonfinite=True).shape == (4, 10)
+    from tvm_ffi import from_dlpack  # another DLPack producer: a tvm_ffi tensor comes back
+
+    out = m(from_dlpack(torch.from_numpy(x)))
+    np.testing.assert_array_equal(torch.from_dlpack(out).numpy(), tiny["logits"])
