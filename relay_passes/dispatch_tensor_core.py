@@ -37,6 +37,7 @@ from tvm.ir.expr import Constant
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from qcompile.errors import keeps_user_errors
+from .lift_weights import STATE_INPUT_ATTR
 from .pack_int4 import pack_int4, unpack_int4
 
 
@@ -302,6 +303,7 @@ class _Dispatcher(PyExprMutator):
         self.chosen: list = []   # (conv output, strategy)
         self.sources: list = []  # (conv output, knobs source: device / arch / nearest / default; implicit GEMMs)
         self.planned: list = []  # (conv output, schedules.planned.PlannedKernel): what each tensor-core layer runs
+        self.state_funcs: set = set()  # kernels whose last input is state (stream-K tile counters): LiftWeights
         self.fused: list = []    # (conv output, residual add output) fused into one kernel
         self.pools4: dict = {}   # packed 4-bit max pools: key -> GlobalVar
         self.pooled4: list = []  # one key per pool run on packed bytes
@@ -415,6 +417,9 @@ class _Dispatcher(PyExprMutator):
             if self.kind == "cuda":
                 func = func.with_attr("tirx.is_scheduled", True)  # dlight leaves it alone
             fname = f"qconv_{g.out.name}" + ("_resadd" if r is not None else "") + ("_splitk_epilogue" if i else "")
+            if pk.streamk is not None and i == 0:  # (its last input, the tile counters, is state: LiftWeights)
+                func = func.with_attr(STATE_INPUT_ATTR, True)
+                self.state_funcs.add(fname)
             gvs.append(self.builder_.add_func(func.with_attr("global_symbol", fname), fname))
         self.chosen.append((g.out.name, pk.strategy + ("+s2d" if s2d is not None else "") + pk.label[len(pk.strategy):]))
         if r is not None:
@@ -477,6 +482,7 @@ class DispatchTensorCore:
         self.chosen: list = []
         self.sources: list = []
         self.planned: list = []  # (conv output, PlannedKernel) per tensor-core layer
+        self.state_funcs: set = set()  # names of kernels whose last input is state (``LiftWeights(state_funcs=)``)
         self.fused: list = []
         self.pooled4: list = []  # max pools run on packed 4-bit bytes (on CUDA: the INT4 models' stem pool)
 
@@ -487,7 +493,7 @@ class DispatchTensorCore:
                         self.tuning_logs, self.device)
         func = d.visit_expr(mod["main"])
         self.chosen, self.fused, self.sources, self.pooled4 = d.chosen, d.fused, d.sources, d.pooled4
-        self.planned = d.planned
+        self.planned, self.state_funcs = d.planned, d.state_funcs
         out = d.builder_.get()
         out["main"] = func
         out = relax.transform.DeadCodeElimination(["main"])(out)

@@ -5,7 +5,9 @@
 Constants of at least ``min_bytes`` bytes become parameters ``w_i`` (in first-use order); their values are
 returned in ``LiftWeights.values`` for the caller to save. The compiled code is then independent of the
 weight values: one weights file serves every batch size of a model. (A stream-K kernel's tile counters -- its
-last input, zeros the kernel leaves zero -- are state whose size depends on the batch: they stay in the .so.)
+last input, zeros the kernel leaves zero -- are state whose size depends on the batch: they stay in the .so. Such
+kernels are named by ``state_funcs`` -- ``DispatchTensorCore.state_funcs`` -- or, where that is not given, carry the
+marker attribute ``STATE_INPUT_ATTR``, which the dispatcher sets.)
 """
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from qcompile.errors import keeps_user_errors
 
+STATE_INPUT_ATTR = "qcompile.state_input"  # PrimFunc marker: the kernel's last input is state, not a weight
+
 
 @mutator
 class _Lifter(PyExprMutator):
-    def __init__(self, mod, min_bytes):
+    def __init__(self, mod, min_bytes, state_funcs=None):
         super().__init__(mod)
         self.min_bytes = min_bytes
+        self.state_funcs = state_funcs
         self.params: list = []
         self.values: list = []
         self.seen: dict = {}
@@ -29,12 +34,18 @@ class _Lifter(PyExprMutator):
 
     def visit_call_(self, call):
         if call.op.same_as(self.call_tir):
-            f = self.mod[call.args[0]] if call.args[0] in self.mod.functions else None
-            if f is not None and f.attrs is not None and "qcompile.streamk" in f.attrs:
+            if self._keeps_state(call.args[0]):
                 ins = list(call.args[1].fields)
                 args = relax.Tuple([self.visit_expr(a) for a in ins[:-1]] + [ins[-1]])
                 return relax.Call(call.op, [call.args[0], args], call.attrs, call.ty_args)
         return super().visit_call_(call)
+
+    def _keeps_state(self, gv) -> bool:
+        """Whether the kernel ``gv`` calls takes state as its last input (that constant stays)."""
+        if self.state_funcs is not None:
+            return gv.name_hint in self.state_funcs
+        f = self.mod[gv] if gv in self.mod.functions else None
+        return f is not None and f.attrs is not None and STATE_INPUT_ATTR in f.attrs
 
     def visit_generic_const_(self, op):
         arr = op.value.numpy() if hasattr(op.value, "numpy") else None
@@ -52,14 +63,18 @@ class _Lifter(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="LiftWeights")
 class LiftWeights:
-    def __init__(self, min_bytes: int = 1024):
+    """``min_bytes``: the smallest constant lifted; ``state_funcs``: names of the kernels whose last input is state
+    (None: those marked with ``STATE_INPUT_ATTR``)."""
+
+    def __init__(self, min_bytes: int = 1024, state_funcs=None):
         self.min_bytes = min_bytes
+        self.state_funcs = None if state_funcs is None else set(state_funcs)
         self.values: list = []
 
     @keeps_user_errors
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         func = mod["main"]
-        lifter = _Lifter(mod, self.min_bytes)
+        lifter = _Lifter(mod, self.min_bytes, self.state_funcs)
         body = lifter.visit_expr(func.body)
         new = relax.Function(list(func.params) + lifter.params, body, func.ret_ty if hasattr(func, "ret_ty") else None,
                              func.is_pure, func.attrs)

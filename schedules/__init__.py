@@ -3,7 +3,7 @@
 Public interface (see docs/SCHEDULES.md):
     conv2d_int_kernel(spec, arch="sm_90", strategy=None, knobs=None) -> tvm.tirx.PrimFunc
     conv2d_int_plan(spec, arch="sm_90", strategy=None, knobs=None) -> [PrimFunc] (one kernel, or a split-K pair)
-    plan_conv(spec, arch="sm_90", strategy=None, knobs=None, ...) -> PlannedKernel (the kernels with their calling
+    plan_conv(spec, arch="sm_90", strategy=None, knobs=None, ..., sms=None) -> PlannedKernel (the kernels with their calling
                               convention and weight format: schedules/planned.py; what the compiler and tuner use)
     select_strategy(spec, arch) -> "direct_hwnc" | "direct_halo" | "implicit_gemm_t" | "implicit_gemm" | "fallback"
     tuned_knobs(spec, arch, device=None, logs=()) -> GemmKnobs | None   (measured best knobs from
@@ -23,26 +23,33 @@ STRATEGIES = ("direct_hwnc", "direct_halo", "implicit_gemm_t", "implicit_gemm", 
 
 
 # ---- dlight-style rules: each returns a PrimFunc, or None when it does not apply ----------------
-def _gemm_rule(spec: ConvSpec, arch: str, knobs, layout: str, allow_split: bool):
-    from .igemm import NotApplicable, gemm_constraints, make_gemm_conv
+def _gemm_planned(spec: ConvSpec, arch: str, knobs, layout: str, allow_split: bool, sms: int | None = None):
+    """(GemmPlan, PrimFunc) of the implicit GEMM / direct HWNC kernel, or None where it does not apply. Warpgroup-MMA
+    knobs the shape cannot take (an arch without wgmma, channel bytes % 16, a padding value, shared tiles over the
+    per-block limit) give the mma.sync kernel with the arch's defaults, which computes the same result (a warning)."""
+    from .gemm import NotApplicable, build_kernel, make_plan
+    from .gemm.plan import gemm_constraints
 
     if spec.layout != layout or gemm_constraints(spec, arch, layout):
         return None
     try:
-        return make_gemm_conv(spec, arch, knobs, layout=layout, allow_split=allow_split)
+        plan = make_plan(spec, arch, knobs, layout, allow_split=allow_split, sms=sms)
     except NotApplicable as e:
         if knobs is None or knobs.mma != "wgmma":
             return None
-        # 1. warpgroup MMA knobs the shape cannot take (arch without wgmma, channel bytes % 16, padding value,
-        #    shared tiles over the per-block limit):
-        #    the mma.sync kernel with this arch's defaults computes the same result
         warnings.warn(f"qcompile.schedules: wgmma knobs do not apply to {tuning_key(spec)} on {arch} ({e}); "
-                      "using the mma.sync kernel with default knobs", stacklevel=3)
+                      "using the mma.sync kernel with default knobs", stacklevel=4)
         try:
-            return make_gemm_conv(spec, arch, DEFAULT_KNOBS.get(arch, DEFAULT_KNOBS["sm_90"]), layout=layout,
-                                  allow_split=allow_split)
+            plan = make_plan(spec, arch, DEFAULT_KNOBS.get(arch, DEFAULT_KNOBS["sm_90"]), layout,
+                             allow_split=allow_split, sms=sms)
         except NotApplicable:
             return None
+    return plan, build_kernel(plan)
+
+
+def _gemm_rule(spec: ConvSpec, arch: str, knobs, layout: str, allow_split: bool):
+    r = _gemm_planned(spec, arch, knobs, layout, allow_split)
+    return r[1] if r else None
 
 
 def rule_direct_hwnc(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
@@ -59,24 +66,24 @@ def rule_fallback(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
     return make_fallback(spec, "cuda")
 
 
-def rule_direct_halo(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
+def rule_direct_halo(spec: ConvSpec, arch: str, knobs=None, allow_split=False, sms=None):
     """The stem's space-to-depth conv from a shared-memory halo tile (schedules/stem.py); ``knobs`` a HaloKnobs (any
     other knobs -- the implicit GEMM's -- are not this kernel's: its defaults)."""
     from .stem import HaloKnobs, halo_constraints, make_halo_conv
 
     if halo_constraints(spec, arch):
         return None
-    return make_halo_conv(spec, arch, knobs if isinstance(knobs, HaloKnobs) else None)
+    return make_halo_conv(spec, arch, knobs if isinstance(knobs, HaloKnobs) else None, sms)
 
 
-def rule_implicit_gemm_t(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
+def rule_implicit_gemm_t(spec: ConvSpec, arch: str, knobs=None, allow_split=False, sms=None):
     """The implicit GEMM with output channels as the MMA's M (schedules/igemm_t.py); ``knobs`` a KtKnobs (any other
     knobs -- the implicit GEMM's -- are not this kernel's: its defaults)."""
     from .igemm_t import KtKnobs, kt_constraints, make_kt_conv
 
     if kt_constraints(spec, arch):
         return None
-    return make_kt_conv(spec, arch, knobs if isinstance(knobs, KtKnobs) else None)
+    return make_kt_conv(spec, arch, knobs if isinstance(knobs, KtKnobs) else None, sms)
 
 
 RULES = {"direct_hwnc": rule_direct_hwnc, "implicit_gemm": rule_implicit_gemm, "direct_halo": rule_direct_halo,
@@ -104,18 +111,8 @@ def select_strategy(spec: ConvSpec, arch: str = "sm_90") -> str:
     return "fallback"
 
 
-def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
-                      allow_split: bool = False, packed_weights: bool = False, tuning_logs=(), device=None):
-    """PrimFunc for one quantized conv layer. Params: x, w, bias, M, S, [res], out.
-    ``strategy`` forces a rule (ValueError when it cannot take the spec); ``knobs`` a GemmKnobs (with no strategy:
-    the implicit GEMM's, where the selector would take implicit_gemm_t), or the HaloKnobs / KtKnobs of those rules. With
-    ``knobs=None`` the tensor-core rules use ``knobs_for(spec, arch, device, tuning_logs)``: the measured best knobs
-    for this shape on ``device`` (a GPU name), else on the arch, else its record for the same layer at the nearest
-    batch size, else the arch's defaults (``default_knobs``); ``tuning_logs`` (files or folders) are searched before
-    ``tuning_logs/<arch>.jsonl``. The PrimFunc's ``qcompile.knobs_source`` attribute says which ("user" | "device" |
-    "arch" | "nearest" | "default"). ``packed_weights`` (4-bit weights kept packed, ``qcompile
-    --packed-int4-weights``): ``knobs_for``'s knobs in the form that takes them packed (``packed_weight_knobs``: a
-    ``w8`` kernel becomes the register-A kernel that unpacks B itself), the source unchanged."""
+def _resolve(spec: ConvSpec, arch: str, strategy, knobs, packed_weights: bool, tuning_logs, device):
+    """(strategy, knobs, source) a conv layer is built with (see ``conv2d_int_kernel``)."""
     if strategy is None:
         strategy = select_strategy(spec, arch)
         if strategy == "implicit_gemm_t" and (isinstance(knobs, GemmKnobs) or packed_weights and spec.w_bits == 4):
@@ -132,10 +129,60 @@ def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None 
             from .spec import packed_weight_knobs
 
             knobs = packed_weight_knobs(knobs)
-    f = RULES[strategy](spec, arch, knobs, allow_split=allow_split)
+    return strategy, knobs, source
+
+
+def _planned(spec: ConvSpec, arch: str, strategy, knobs, allow_split: bool, packed_weights: bool, tuning_logs, device,
+             sms: int | None = None):
+    """The PlannedKernel of one conv layer: the builders' plans give every field (nothing is read back from the
+    PrimFuncs). ValueError where the strategy cannot take the spec."""
+    from .planned import PlannedKernel
+
+    strategy, knobs, source = _resolve(spec, arch, strategy, knobs, packed_weights, tuning_logs, device)
+    fail = ValueError(f"strategy {strategy} does not apply to {spec} on {arch}")
+    if strategy in ("implicit_gemm", "direct_hwnc"):
+        r = _gemm_planned(spec, arch, knobs, "HWNC" if strategy == "direct_hwnc" else "NHWC", allow_split, sms)
+        if r is None:
+            raise fail
+        p, f = r
+        funcs = [f.with_attr("qcompile.knobs_source", source)]
+        if p.SPLIT > 1:
+            from .splitk import make_splitk_epilogue
+
+            funcs.append(make_splitk_epilogue(spec, p.SPLIT).with_attr("qcompile.split_k", p.SPLIT))
+        return PlannedKernel(spec, arch, strategy, p.effective_knobs, source, tuple(funcs), split_k=p.SPLIT,
+                             streamk=(p.NTILES, p.SK_WORDS) if p.SK else None, w_expand=bool(p.W8 and p.UNPACK_LD),
+                             w_kperm=p.BK if (p.AGL or p.PPK) else 0)
+    if strategy == "fallback":
+        return PlannedKernel(spec, arch, strategy, None, source,
+                             (rule_fallback(spec, arch).with_attr("qcompile.knobs_source", source),))
+    if strategy == "direct_halo":
+        from .stem import HaloKnobs as KT
+        from .stem import resolve_knobs
+    else:
+        from .igemm_t import KtKnobs as KT
+        from .igemm_t import resolve_knobs
+    f = RULES[strategy](spec, arch, knobs, sms=sms)
     if f is None:
-        raise ValueError(f"strategy {strategy} does not apply to {spec} on {arch}")
-    return f.with_attr("qcompile.knobs_source", source)
+        raise fail
+    kn = resolve_knobs(spec, arch, knobs if isinstance(knobs, KT) else KT(), sms)
+    return PlannedKernel(spec, arch, strategy, kn, source, (f.with_attr("qcompile.knobs_source", source),),
+                         w_expand=strategy == "implicit_gemm_t" and spec.w_bits == 4)
+
+
+def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
+                      allow_split: bool = False, packed_weights: bool = False, tuning_logs=(), device=None):
+    """PrimFunc for one quantized conv layer. Params: x, w, bias, M, S, [res], out.
+    ``strategy`` forces a rule (ValueError when it cannot take the spec); ``knobs`` a GemmKnobs (with no strategy:
+    the implicit GEMM's, where the selector would take implicit_gemm_t), or the HaloKnobs / KtKnobs of those rules. With
+    ``knobs=None`` the tensor-core rules use ``knobs_for(spec, arch, device, tuning_logs)``: the measured best knobs
+    for this shape on ``device`` (a GPU name), else on the arch, else its record for the same layer at the nearest
+    batch size, else the arch's defaults (``default_knobs``); ``tuning_logs`` (files or folders) are searched before
+    ``tuning_logs/<arch>.jsonl``. The PrimFunc's ``qcompile.knobs_source`` attribute says which ("user" | "device" |
+    "arch" | "nearest" | "default"). ``packed_weights`` (4-bit weights kept packed, ``qcompile
+    --packed-int4-weights``): ``knobs_for``'s knobs in the form that takes them packed (``packed_weight_knobs``: a
+    ``w8`` kernel becomes the register-A kernel that unpacks B itself), the source unchanged."""
+    return _planned(spec, arch, strategy, knobs, allow_split, packed_weights, tuning_logs, device).funcs[0]
 
 
 def conv2d_int_plan(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
@@ -145,34 +192,17 @@ def conv2d_int_plan(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = 
     ``[gemm (x, w, ws int32[split, M, K]), epilogue (ws, bias, M, S, [res, rq2], out)]`` with the same result
     bit for bit. The split comes from the knobs (``split_k``; 0 = automatic). ``packed_weights``, ``tuning_logs``,
     ``device``: as in ``conv2d_int_kernel``."""
-    from .splitk import make_splitk_epilogue
-
-    f = conv2d_int_kernel(spec, arch, strategy, knobs, allow_split=True, packed_weights=packed_weights,
-                          tuning_logs=tuning_logs, device=device)
-    split = int(f.attrs["qcompile.split_k"]) if f.attrs and "qcompile.split_k" in f.attrs else 1
-    if split == 1:
-        return [f]
-    return [f, make_splitk_epilogue(spec, split).with_attr("qcompile.split_k", split)]
+    return list(_planned(spec, arch, strategy, knobs, True, packed_weights, tuning_logs, device).funcs)
 
 
 def plan_conv(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
-              packed_weights: bool = False, tuning_logs=(), device=None):
-    """The kernels of one conv layer with their calling convention (``planned.PlannedKernel``). Arguments as in
-    ``conv2d_int_kernel``; ``strategy`` None: ``select_strategy``'s."""
-    from .igemm import streamk_args, w8_kperm, w8_weights
-    from .planned import PlannedKernel
-
-    strategy = strategy or select_strategy(spec, arch)
-    funcs = conv2d_int_plan(spec, arch, strategy, knobs, packed_weights=packed_weights, tuning_logs=tuning_logs,
-                            device=device)
-    a = funcs[0].attrs
-    kn = knobs
-    if kn is None and strategy in ("implicit_gemm", "direct_hwnc"):
-        kn, _ = knobs_for(spec, arch, device, tuning_logs)
-    sk = streamk_args(funcs[0])
-    return PlannedKernel(spec=spec, arch=arch, strategy=strategy, knobs=kn, source=str(a["qcompile.knobs_source"]),
-                         funcs=tuple(funcs), split_k=int(a["qcompile.split_k"]) if "qcompile.split_k" in a else 1,
-                         streamk=tuple(sk) if sk else None, w_expand=w8_weights(funcs[0]), w_kperm=w8_kperm(funcs[0]))
+              packed_weights: bool = False, tuning_logs=(), device=None, sms: int | None = None):
+    """The kernels of one conv layer with their calling convention (``planned.PlannedKernel``; ``knobs``: the
+    effective knobs the kernels were built with). Arguments as in ``conv2d_int_kernel``; ``strategy`` None:
+    ``select_strategy``'s; ``sms``: the device's SM count (split-K sizing, automatic tiles, persistent grids),
+    default the arch table's reference part (``arch_info(arch).sms``)."""
+    return _planned(spec, arch, strategy or select_strategy(spec, arch), knobs, True, packed_weights, tuning_logs,
+                    device, sms)
 
 
 __all__ = ["conv2d_int_kernel", "conv2d_int_plan", "plan_conv", "select_strategy", "MMA_SHAPES", "ConvSpec", "GemmKnobs",

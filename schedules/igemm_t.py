@@ -52,10 +52,10 @@ class KtKnobs:
     gif: int = 1  # MMA groups (K-chunks) in flight: 1 or 2
 
 
-def auto_bn(spec: ConvSpec, arch: str) -> int:
+def auto_bn(spec: ConvSpec, arch: str, sms: int | None = None) -> int:
     """The pixel tile whose grid finishes first on ``arch``'s SMs: fewest waves x tile width (ties: the wider
     tile), counting a block's time as proportional to its pixels."""
-    sms = arch_info(arch).sms
+    sms = sms or arch_info(arch).sms
     mt = spec.N * spec.P * spec.Q
     kt = spec.K // BMC
     return min(BN_AUTO, key=lambda bn: (-(-(kt * -(-mt // bn)) // sms) * bn, -bn))
@@ -106,8 +106,8 @@ def kt_constraints(spec: ConvSpec, arch: str) -> str | None:
     return None
 
 
-def resolve_knobs(spec: ConvSpec, arch: str, kn: KtKnobs) -> KtKnobs:
-    bn = kn.bn or auto_bn(spec, arch)
+def resolve_knobs(spec: ConvSpec, arch: str, kn: KtKnobs, sms: int | None = None) -> KtKnobs:
+    bn = kn.bn or auto_bn(spec, arch, sms)
     stages = kn.stages
     if not stages:
         stages = 3 + kn.gif  # (measured: the shallowest ring the loop takes; 4-7% over 5-6 on the 3x3 layers at
@@ -120,27 +120,38 @@ def smem_bytes(spec: ConvSpec, bn: int, stages: int, ring: bool = False) -> int:
     return stg + ((stages - 1) * bn * BKU // 2 if spec.x_bits == 4 and ring else 0)
 
 
-def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = None):
-    """PrimFunc (x [N, H, W, C(/2)], w [K, R, S, C] int8 (4-bit weights: ``reference.expand_w4(w)``), bias, M, S [K]
-    int32, out [N, P, Q, K or K / 2]); ValueError where ``kt_constraints`` says no or the knobs do not fit."""
+def kt_legal(spec: ConvSpec, arch: str, kn: KtKnobs, sms: int | None = None) -> str | None:
+    """THE legality of ``implicit_gemm_t`` at knobs ``kn``: why ``make_kt_conv`` cannot build it (None: it can)."""
     why = kt_constraints(spec, arch)
     if why:
-        raise ValueError(why)
-    from .igemm import requant_stage1
+        return why
+    k = resolve_knobs(spec, arch, kn, sms)
+    if k.bn not in WGMMA_N_S8:
+        return f"implicit_gemm_t: {k.bn} pixels is no wgmma N"
+    if k.gif not in (1, 2) or k.stages < 3 + k.gif:
+        return ("implicit_gemm_t: 1 or 2 MMA groups in flight, stages >= 3 + those (loads run stages - 1 - gif chunks "
+                "ahead)")
+    smem = smem_bytes(spec, k.bn, k.stages, spec.x_bits == 4 and bool(k.ring))
+    if smem > arch_info(arch).smem_per_block:
+        return (f"implicit_gemm_t: {smem // 1024} KiB of shared tiles (bn {k.bn}, {k.stages} stages) exceed the "
+                f"{arch_info(arch).smem_per_block // 1024} KiB per block of {arch}")
+    return None
 
-    kn = resolve_knobs(spec, arch, knobs or KtKnobs())
+
+def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = None, sms: int | None = None):
+    """PrimFunc (x [N, H, W, C(/2)], w [K, R, S, C] int8 (4-bit weights: ``reference.expand_w4(w)``), bias, M, S [K]
+    int32, out [N, P, Q, K or K / 2]); ValueError where ``kt_legal`` says no. ``sms``: the device's SM count (``auto_bn``;
+    default: the arch table's)."""
+    why = kt_legal(spec, arch, knobs or KtKnobs(), sms)
+    if why:
+        raise ValueError(why)
+    from .gemm.helpers import requant_stage1
+
+    kn = resolve_knobs(spec, arch, knobs or KtKnobs(), sms)
     BN, STG = kn.bn, kn.stages
-    if BN not in WGMMA_N_S8:
-        raise ValueError(f"implicit_gemm_t: {BN} pixels is no wgmma N")
-    if kn.gif not in (1, 2) or STG < 3 + kn.gif:
-        raise ValueError("implicit_gemm_t: 1 or 2 MMA groups in flight, stages >= 3 + those (loads run stages - 1 - "
-                         "gif chunks ahead)")
     X4 = spec.x_bits == 4
     RG = X4 and not kn.ring  # 4-bit activations through registers
     SMEM = smem_bytes(spec, BN, STG, X4 and bool(kn.ring))
-    if SMEM > arch_info(arch).smem_per_block:
-        raise ValueError(f"implicit_gemm_t: {SMEM // 1024} KiB of shared tiles (bn {BN}, {STG} stages) exceed the "
-                         f"{arch_info(arch).smem_per_block // 1024} KiB per block of {arch}")
     N, H, W, C, K, R, S = spec.N, spec.H, spec.W, spec.C, spec.K, spec.R, spec.S
     P, Q = spec.P, spec.Q
     sh, sw = spec.strides

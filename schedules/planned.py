@@ -1,7 +1,8 @@
 """One calling convention for a planned conv kernel: what the compiler and the tuner both get from ``plan_conv``.
 
-A ``PlannedKernel`` says everything a caller needs to run a conv layer's kernels, as typed fields (nothing is parsed
-back from PrimFunc attributes):
+A ``PlannedKernel`` says everything a caller needs to run a conv layer's kernels, as typed fields taken from the
+builders' plans (``schedules.gemm.plan.GemmPlan`` for the implicit GEMM; nothing is parsed back from PrimFunc
+attributes):
 
 * ``funcs``: the PrimFuncs in launch order, with their calling convention (``calls``):
 
@@ -30,7 +31,8 @@ class PlannedKernel:
     spec: ConvSpec
     arch: str
     strategy: str  # one of schedules.STRATEGIES
-    knobs: object  # the knobs the kernels were built with (GemmKnobs / KtKnobs / HaloKnobs), None for fallback
+    knobs: object  # the effective knobs the kernels were built with (GemmKnobs: the plan's ``effective_knobs``;
+    #                KtKnobs / HaloKnobs resolved), None for fallback
     source: str  # where the knobs came from: "user" | "device" | "arch" | "nearest" | "default"
     funcs: tuple  # PrimFuncs in launch order
     split_k: int = 1  # > 1: funcs = (gemm, epilogue) over an int32 workspace (see the module docstring)

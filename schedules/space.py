@@ -2,17 +2,24 @@
 
 A ``KernelSpace`` is what a tuner (``qcompile.tune``) needs of a strategy, and what the builder agrees with:
 
-* ``dims``: the knob dimensions and their values (the knobs dataclass's fields);
+* ``dims``: the knob dimensions and their values (the knobs dataclass's fields; what a record's values must be in);
 * ``legal(spec, arch, knobs) -> str | None``: THE legality function -- None where the builder takes the point, else
-  why not (the builder raises with the same reason);
-* ``effective(spec, arch, knobs)``: the knobs the builder actually uses for the shape (small problems shrink tiles):
-  two points with equal effective knobs build the same kernel, so a tuner measures one of them;
+  why not. It is the builder's own check, made without building TIR: the implicit GEMM's plan
+  (``gemm.plan.make_plan``, tens of microseconds), ``igemm_t.kt_legal``, ``stem.halo_legal``;
+* ``sample(rng, spec, arch)``: a random legal point. The implicit GEMM's flat space is mostly illegal (its loaders,
+  grids and tiles constrain each other), so it is sampled by family (``GEMM_FAMILIES``: mma.sync, wgmma 8-bit and its
+  ping-pong / stream-K / persistent / register-A forms, the 4-bit loaders), each drawing only its own dimensions with
+  values its structure allows, then checked by ``legal``;
+* ``effective(spec, arch, knobs)``: the knobs the builder actually uses for the shape (small problems shrink tiles,
+  the automatic K-split resolved, vector widths fitted): two points with equal effective knobs build the same kernel,
+  so a tuner measures one of them;
 * ``default(spec, arch)``: the arch's default point for the shape (what an untuned layer gets);
-* ``features(spec, arch, knobs) -> list[float]`` (``FEATURES`` names them): what a cost model sees -- the shape, the
-  knobs, and derived sizes (tiles, waves over the SMs, K-chunks, padding waste, shared memory, threads).
+* ``features(spec, arch, knobs) -> list[float]`` (``feature_names()`` names them, same length): the shape, the knobs,
+  and derived sizes (tiles, waves over the SMs, K-chunks, padding waste, shared memory, threads, the family).
 
 ``SPACES`` maps strategy names (``schedules.STRATEGIES``) to spaces; ``spaces_for(spec, arch)`` lists those that apply
-to a shape (``applies``).
+to a shape (``applies``). ``sms`` (the device's SM count, where a tuner knows it) overrides the arch table's reference
+part in ``effective``, ``default`` and the features: split-K sizing and automatic tiles depend on it.
 """
 from __future__ import annotations
 
@@ -24,6 +31,12 @@ from typing import Callable
 from .spec import ConvSpec, GemmKnobs, arch_info, default_knobs, tile_grid
 
 
+def _pick(rng, seq):
+    """One element of ``seq`` (``rng``: a numpy Generator or a random.Random)."""
+    seq = tuple(seq)
+    return seq[int(rng.integers(len(seq)))] if hasattr(rng, "integers") else rng.choice(seq)
+
+
 @dataclass(frozen=True)
 class KernelSpace:
     strategy: str
@@ -31,9 +44,11 @@ class KernelSpace:
     dims: dict  # field -> tuple of values
     applies: Callable  # (spec, arch) -> str | None: why the strategy cannot take the shape at all
     legal_fn: Callable  # (spec, arch, knobs) -> str | None (called after ``applies``)
-    default_fn: Callable  # (spec, arch) -> knobs
-    effective_fn: Callable = None  # (spec, arch, knobs) -> knobs; None: the knobs themselves
-    features_fn: Callable = None  # (spec, arch, knobs) -> list[float] (strategy part; see ``features``)
+    default_fn: Callable  # (spec, arch, sms) -> knobs
+    effective_fn: Callable = None  # (spec, arch, knobs, sms) -> knobs; None: the knobs themselves
+    features_fn: Callable = None  # (spec, arch, knobs, sms) -> list[float] (strategy part; see ``features``)
+    draw_fn: Callable = None  # (rng, spec, arch) -> knobs candidate; None: uniform over ``dims``
+    derived_names: tuple = ()  # names of ``features_fn``'s values
 
     def legal(self, spec: ConvSpec, arch: str, knobs) -> str | None:
         if not isinstance(knobs, self.knobs_type):
@@ -41,34 +56,40 @@ class KernelSpace:
         why = self.applies(spec, arch)
         return why if why else self.legal_fn(spec, arch, knobs)
 
-    def effective(self, spec: ConvSpec, arch: str, knobs):
-        return self.effective_fn(spec, arch, knobs) if self.effective_fn else knobs
+    def effective(self, spec: ConvSpec, arch: str, knobs, sms: int | None = None):
+        return self.effective_fn(spec, arch, knobs, sms) if self.effective_fn else knobs
 
-    def default(self, spec: ConvSpec, arch: str):
-        return self.default_fn(spec, arch)
+    def default(self, spec: ConvSpec, arch: str, sms: int | None = None):
+        return self.default_fn(spec, arch, sms)
+
+    def draw(self, rng, spec: ConvSpec, arch: str):
+        """One candidate point, legal or not (``sample`` keeps the legal ones)."""
+        if self.draw_fn is not None:
+            return self.draw_fn(rng, spec, arch)
+        return self.knobs_type(**{k: _pick(rng, v) for k, v in self.dims.items()})
 
     def sample(self, rng, spec: ConvSpec, arch: str, tries: int = 2000, **fixed):
-        """A random legal point (``rng``: random.Random or numpy Generator), or None after ``tries`` draws."""
+        """A random legal point (``rng``: random.Random or numpy Generator), or None after ``tries`` draws. ``fixed``
+        fields are set on every draw."""
         for _ in range(tries):
-            kw = {k: v[int(rng.integers(len(v)))] if hasattr(rng, "integers") else rng.choice(v)
-                  for k, v in self.dims.items()}
-            kw.update(fixed)
-            kn = self.knobs_type(**kw)
+            kn = self.draw(rng, spec, arch)
+            if fixed:
+                kn = dataclasses.replace(kn, **fixed)
             if self.legal(spec, arch, kn) is None:
                 return kn
         return None
 
-    def features(self, spec: ConvSpec, arch: str, knobs) -> list[float]:
+    def features(self, spec: ConvSpec, arch: str, knobs, sms: int | None = None) -> list[float]:
         """Shape features, then one value per knob dimension (bools 0/1, strings by index in ``dims``, numbers as
-        they are), then the strategy's derived features."""
-        out = shape_features(spec, arch)
+        they are), then the strategy's derived features (``feature_names`` names every value)."""
+        out = shape_features(spec, arch, sms)
         for k, vals in self.dims.items():
             v = getattr(knobs, k)
             out.append(float(vals.index(v)) if isinstance(v, str) else float(v))
-        return out + (list(self.features_fn(spec, arch, knobs)) if self.features_fn else [])
+        return out + [float(v) for v in self.features_fn(spec, arch, knobs, sms)] if self.features_fn else out
 
     def feature_names(self) -> list[str]:
-        return list(SHAPE_FEATURES) + list(self.dims) + list(DERIVED.get(self.strategy, ()))
+        return list(SHAPE_FEATURES) + list(self.dims) + list(self.derived_names)
 
     def to_dict(self, knobs) -> dict:
         return {f.name: getattr(knobs, f.name) for f in dataclasses.fields(knobs)}
@@ -81,16 +102,170 @@ SHAPE_FEATURES = ("log2_gemm_m", "log2_gemm_n", "log2_gemm_k", "R", "S", "stride
                   "log2_sms")
 
 
-def shape_features(spec: ConvSpec, arch: str) -> list[float]:
+def shape_features(spec: ConvSpec, arch: str, sms: int | None = None) -> list[float]:
     m, n, k = spec.gemm_shape()
     return [math.log2(m), math.log2(n), math.log2(k), spec.R, spec.S, spec.strides[0], spec.x_bits,
-            float(spec.has_residual), math.log2(arch_info(arch).sms)]
+            float(spec.has_residual), math.log2(sms or arch_info(arch).sms)]
 
 
-# ---- implicit GEMM (NHWC) and the direct HWNC kernel: GemmKnobs -------------------------------------------
+# ---- implicit GEMM (NHWC) and the direct HWNC kernel: GemmKnobs ---------------------------------------------------
+def _wgmma_operands(spec: ConvSpec, arch: str) -> bool:
+    return (arch_info(arch).wgmma and spec.pad_value == 0 and spec.C * spec.x_bits // 8 % 16 == 0
+            and spec.x_bits in (4, 8))
+
+
+def _draw_common(rng) -> dict:
+    return dict(ev=_pick(rng, (4, 8, 8, 16)), minb=_pick(rng, (0, 0, 2, 3, 4)),
+                split_k=_pick(rng, (0, 0, 0, 1, 2, 4, 8)), erq=_pick(rng, (False, True)))
+
+
+def _draw_sync(rng) -> dict:
+    return dict(mma="sync", BM=_pick(rng, (32, 64, 128, 256)), BN=_pick(rng, (32, 64, 128, 256)),
+                WM=_pick(rng, (1, 2, 4)), WN=_pick(rng, (1, 2, 4)), BK=_pick(rng, (32, 64, 128)),
+                stages=_pick(rng, (2, 3, 4, 5)), pipe=_pick(rng, (0, 1)), fdb=_pick(rng, (False, True)),
+                vec=_pick(rng, (16, 16, 8, 4)))
+
+
+def _draw_wg_tile(rng, wn_one: bool = False) -> dict:
+    wm, wn = _pick(rng, (1, 2)), 1 if wn_one else _pick(rng, (1, 1, 2))
+    return dict(mma="wgmma", vec=16, WM=wm, WN=wn, BM=wm * _pick(rng, (64, 128)),
+                BN=wn * _pick(rng, (64, 128, 96, 112)),
+                BK=_pick(rng, (32, 64, 128, 256)), pipe=_pick(rng, (-1, 0, 1)))
+
+
+def _stages_at_least(rng, lo: int, hi: int = 8) -> int:
+    return _pick(rng, range(max(2, lo), max(2, lo, hi) + 1))
+
+
+def _fam_wg8(rng):
+    d = _draw_wg_tile(rng)
+    return dict(d, stages=_stages_at_least(rng, 3 + d["pipe"], 6))
+
+
+def _fam_wg8_pp(rng):
+    d = dict(_draw_wg_tile(rng), WM=1, WN=1, split_k=_pick(rng, (0, 1)), pp=True)
+    d.update(BM=_pick(rng, (64, 128)), BN=_pick(rng, (64, 128)))
+    return dict(d, stages=_stages_at_least(rng, 3 + d["pipe"], 5))
+
+
+def _fam_wg8_sk(rng):
+    d = dict(_fam_wg8(rng), sk=_pick(rng, (1, 2)), split_k=_pick(rng, (0, 1)))
+    return d
+
+
+def _fam_wg8_persist(rng):
+    return dict(_fam_wg8(rng), persist=_pick(rng, (1, 2)), split_k=1)
+
+
+def _regA(rng, pipes=(-1, 0), wn_one=True, w8=None, extra=1):
+    """A register-A point: pstages >= 2, stages deep enough for w8's B (stages >= pstages + 1 + pipe)."""
+    d = dict(_draw_wg_tile(rng, wn_one), areg=True, pipe=_pick(rng, pipes))
+    d["pstages"] = _pick(rng, (2, 3, 4, 5))
+    w8 = _pick(rng, (False, True)) if w8 is None else w8
+    lo = max(3 + d["pipe"], d["pstages"] + extra + d["pipe"]) if w8 else 3 + d["pipe"]
+    return dict(d, w8=w8, stages=_stages_at_least(rng, lo, lo + 2))
+
+
+def _fam_wg8_agl(rng):
+    return dict(_regA(rng, w8=True), awarp=True, agl=True, BM=64, WM=1)
+
+
+def _fam_wg4(rng):
+    d = _draw_wg_tile(rng)
+    return dict(d, pstages=_pick(rng, (0, 0, 2, 3, 4)), stages=_stages_at_least(rng, 3 + d["pipe"], 6))
+
+
+def _fam_wg4_areg(rng):
+    return _regA(rng, wn_one=False)
+
+
+def _fam_wg4_awarp(rng):
+    return dict(_regA(rng, pipes=(-1,)), awarp=True)
+
+
+def _fam_wg4_agl(rng):
+    return dict(_regA(rng, w8=True), awarp=True, agl=True)
+
+
+def _fam_wg4_pp(rng):
+    d = dict(_draw_wg_tile(rng), WM=1, WN=1, BM=_pick(rng, (64, 128)), BN=_pick(rng, (64, 128)), pp=True, areg=True,
+             w8=True, pipe=_pick(rng, (-1, 0)), split_k=_pick(rng, (0, 1)), agl=_pick(rng, (False, True)))
+    st = _stages_at_least(rng, 3 + d["pipe"], 5)
+    return dict(d, stages=st, pstages=st)
+
+
+def _fam_wg4_pp_unpack(rng):
+    d = dict(_draw_wg_tile(rng), WM=1, WN=1, BM=_pick(rng, (64, 128)), BN=_pick(rng, (64, 128)), pp=True,
+             pipe=_pick(rng, (-1, 0)), split_k=_pick(rng, (0, 1)), w8=_pick(rng, (False, True)))
+    st = _stages_at_least(rng, 3 + d["pipe"], 5)
+    return dict(d, stages=st, pstages=_pick(rng, range(max(2, st - 1 - d["pipe"]), 7)))
+
+
+def _fam_wg4_wsp(rng):
+    d = dict(_draw_wg_tile(rng), wsp=_pick(rng, (1, 2)), pipe=_pick(rng, (-1, 0)), pstages=_pick(rng, (2, 3, 4)))
+    return dict(d, stages=_stages_at_least(rng, 3 + d["pipe"], 6))
+
+
+def _fam_wg4_persist(rng):
+    return dict(_regA(rng, pipes=(-1,), w8=True), awarp=True, persist=_pick(rng, (1, 2)), split_k=1)
+
+
+# name -> (operand bits it takes (0: any, with or without wgmma), wgmma, draw). The order is the one features index.
+GEMM_FAMILIES = {
+    "sync": (0, False, _draw_sync),
+    "wg8": (8, True, _fam_wg8),
+    "wg8_pp": (8, True, _fam_wg8_pp),
+    "wg8_sk": (8, True, _fam_wg8_sk),
+    "wg8_persist": (8, True, _fam_wg8_persist),
+    "wg8_agl": (8, True, _fam_wg8_agl),
+    "wg4": (4, True, _fam_wg4),
+    "wg4_areg": (4, True, _fam_wg4_areg),
+    "wg4_awarp": (4, True, _fam_wg4_awarp),
+    "wg4_agl": (4, True, _fam_wg4_agl),
+    "wg4_pp": (4, True, _fam_wg4_pp),
+    "wg4_pp_unpack": (4, True, _fam_wg4_pp_unpack),
+    "wg4_wsp": (4, True, _fam_wg4_wsp),
+    "wg4_persist": (4, True, _fam_wg4_persist),
+}
+
+
+def gemm_family(kn: GemmKnobs, x_bits: int) -> str:
+    """The family (``GEMM_FAMILIES``) a GemmKnobs point belongs to for operands of ``x_bits``."""
+    if kn.mma != "wgmma":
+        return "sync"
+    if x_bits == 8:
+        if kn.agl:
+            return "wg8_agl"
+        return "wg8_pp" if kn.pp else "wg8_sk" if kn.sk else "wg8_persist" if kn.persist else "wg8"
+    if kn.pp:
+        return "wg4_pp" if kn.areg else "wg4_pp_unpack"
+    if kn.wsp:
+        return "wg4_wsp"
+    if kn.persist:
+        return "wg4_persist"
+    if kn.agl:
+        return "wg4_agl"
+    if kn.awarp:
+        return "wg4_awarp"
+    return "wg4_areg" if kn.areg else "wg4"
+
+
+def gemm_families(spec: ConvSpec, arch: str) -> list[str]:
+    """The families whose points can apply to ``spec`` on ``arch``."""
+    wg = _wgmma_operands(spec, arch)
+    return [f for f, (bits, needs_wg, _) in GEMM_FAMILIES.items()
+            if (not needs_wg or wg) and bits in (0, spec.x_bits)]
+
+
+def _gemm_draw(rng, spec: ConvSpec, arch: str) -> GemmKnobs:
+    fam = _pick(rng, gemm_families(spec, arch))
+    kw = dict(_draw_common(rng), **GEMM_FAMILIES[fam][2](rng))
+    return GemmKnobs(**kw)
+
+
 def _gemm_applies(layout):
     def applies(spec, arch):
-        from .igemm import gemm_constraints
+        from .gemm.plan import gemm_constraints
 
         if spec.layout != layout:
             return f"takes {layout}, not {spec.layout}"
@@ -98,12 +273,20 @@ def _gemm_applies(layout):
     return applies
 
 
+def gemm_plan(spec: ConvSpec, arch: str, kn: GemmKnobs, layout: str | None = None, sms: int | None = None):
+    """The plan of the kernel the implicit GEMM / HWNC builder makes for the point (split-K allowed, as compiled
+    models plan it); raises ``gemm.plan.NotApplicable``."""
+    from .gemm.plan import make_plan
+
+    return make_plan(spec, arch, kn, layout or spec.layout, adapt=True, allow_split=True, sms=sms)
+
+
 def _gemm_legal(layout):
     def legal(spec, arch, kn):
-        from .igemm import NotApplicable, make_gemm_conv
+        from .gemm.plan import NotApplicable
 
         try:
-            make_gemm_conv(spec, arch, kn, layout=layout, allow_split=True)
+            gemm_plan(spec, arch, kn, layout)
         except NotApplicable as e:
             return str(e)
         return None
@@ -111,38 +294,103 @@ def _gemm_legal(layout):
 
 
 def _gemm_effective(layout):
-    def effective(spec, arch, kn):
-        from .igemm import _adapt_knobs
+    def effective(spec, arch, kn, sms=None):
+        from .gemm.plan import NotApplicable, adapt_knobs
 
-        return _adapt_knobs(spec, kn, layout)
+        try:
+            return gemm_plan(spec, arch, kn, layout, sms).effective_knobs
+        except NotApplicable:
+            return adapt_knobs(spec, kn, layout)
     return effective
 
 
-def _gemm_derived(spec: ConvSpec, arch: str, kn: GemmKnobs) -> list[float]:
-    from .igemm import split_factor
+def _gemm_default(spec: ConvSpec, arch: str, sms: int | None = None) -> GemmKnobs:
+    return default_knobs(spec, arch, sms=sms)
 
-    sms = arch_info(arch).sms
+
+def _gemm_derived(spec: ConvSpec, arch: str, kn: GemmKnobs, sms: int | None = None) -> list[float]:
+    from .gemm.plan import NotApplicable, split_factor
+
+    sms = sms or arch_info(arch).sms
     m, n, k = spec.gemm_shape()
     kb = k * spec.x_bits // 8
+    try:
+        p = gemm_plan(spec, arch, kn, sms=sms)
+        kn, split, smem, threads = p.kn, p.SPLIT, max(p.A_ALLOC, p.SMEM_ALL), p.NTH
+    except NotApplicable:
+        split = split_factor(spec, arch, kn, sms=sms)
+        smem, threads = kn.stages * (kn.BM + kn.BN) * kn.BK, kn.threads
     blocks = tile_grid(spec, kn.BM, kn.BN)
-    split = split_factor(spec, arch, kn)
     chunks = -(-kb // kn.BK)
     waves = blocks * split / sms
     waste = 1 - (m * n) / (-(-m // kn.BM) * kn.BM * -(-n // kn.BN) * kn.BN)
-    smem = kn.stages * (kn.BM + kn.BN) * kn.BK
+    fam = gemm_family(kn, spec.x_bits)
     return [math.log2(blocks), waves, waves - math.floor(waves), split, chunks / split, waste, smem / 1024,
-            kn.threads, kn.BM * kn.BN / kn.threads]
+            threads, kn.BM * kn.BN / threads] + [float(f == fam) for f in GEMM_FAMILIES]
 
 
-DERIVED = {"implicit_gemm": ("log2_blocks", "waves", "wave_tail", "split", "chunks_per_split", "tile_waste",
-                             "smem_kib", "threads", "acc_per_thread")}
-DERIVED["direct_hwnc"] = DERIVED["implicit_gemm"]
+GEMM_DERIVED = ("log2_blocks", "waves", "wave_tail", "split", "chunks_per_split", "tile_waste", "smem_kib", "threads",
+                "acc_per_thread") + tuple(f"family_{f}" for f in GEMM_FAMILIES)
+
+
+# ---- implicit_gemm_t: KtKnobs -------------------------------------------------------------------------------------
+def _kt_space() -> KernelSpace:
+    from .igemm_t import KtKnobs, kt_constraints, kt_legal, resolve_knobs, smem_bytes
+    from .stem import WGMMA_N_S8
+
+    def applies(spec, arch):
+        return kt_constraints(spec, arch)
+
+    def effective(spec, arch, kn, sms=None):
+        return resolve_knobs(spec, arch, kn, sms=sms)
+
+    def derived(spec, arch, kn, sms=None):
+        k = resolve_knobs(spec, arch, kn, sms=sms)
+        s = sms or arch_info(arch).sms
+        blocks = spec.K // 128 * -(-spec.N * spec.P * spec.Q // k.bn)
+        chunks = spec.R * spec.S * spec.C // 128
+        waves = blocks / s
+        return [math.log2(blocks), waves, waves - math.floor(waves), chunks,
+                smem_bytes(spec, k.bn, k.stages, spec.x_bits == 4 and bool(k.ring)) / 1024, k.bn, k.stages, k.gif]
+
+    dims = {"bn": (0,) + tuple(n for n in WGMMA_N_S8 if n >= 48), "stages": (0, 3, 4, 5, 6, 7, 8), "ring": (-1, 0, 1),
+            "gif": (1, 2)}
+    return KernelSpace("implicit_gemm_t", KtKnobs, dims, applies, kt_legal, lambda spec, arch, sms=None: KtKnobs(),
+                       effective, derived, None,
+                       ("log2_blocks", "waves", "wave_tail", "chunks", "smem_kib", "bn_eff", "stages_eff", "gif_eff"))
+
+
+# ---- direct_halo: HaloKnobs ---------------------------------------------------------------------------------------
+def _halo_space() -> KernelSpace:
+    from .stem import HaloKnobs, halo_constraints, halo_legal, halo_smem, resolve_knobs
+
+    def applies(spec, arch):
+        return halo_constraints(spec, arch)
+
+    def effective(spec, arch, kn, sms=None):
+        return resolve_knobs(spec, arch, kn, sms=sms)
+
+    def derived(spec, arch, kn, sms=None):
+        k = resolve_knobs(spec, arch, kn, sms=sms)
+        s = sms or arch_info(arch).sms
+        items = spec.N * -(-spec.P // k.th)
+        return [math.log2(items), items / (k.minb * s), k.th, k.minb, k.pipe, halo_smem(spec, k) / 1024]
+
+    dims = {"th": (0, 1, 2, 4, 8), "minb": (0, 1, 2, 3, 4), "pipe": (-1, 0, 1)}
+    return KernelSpace("direct_halo", HaloKnobs, dims, applies, halo_legal, lambda spec, arch, sms=None: HaloKnobs(),
+                       effective, derived, None,
+                       ("log2_items", "items_per_block", "th_eff", "minb_eff", "pipe_eff", "smem_kib"))
+
 
 SPACES: dict[str, KernelSpace] = {
     "implicit_gemm": KernelSpace("implicit_gemm", GemmKnobs, dict(GemmKnobs.SPACE), _gemm_applies("NHWC"),
-                                 _gemm_legal("NHWC"), default_knobs, _gemm_effective("NHWC"), _gemm_derived),
+                                 _gemm_legal("NHWC"), _gemm_default, _gemm_effective("NHWC"), _gemm_derived,
+                                 _gemm_draw, GEMM_DERIVED),
     "direct_hwnc": KernelSpace("direct_hwnc", GemmKnobs, dict(GemmKnobs.SPACE), _gemm_applies("HWNC"),
-                               _gemm_legal("HWNC"), default_knobs, _gemm_effective("HWNC"), _gemm_derived),
+                               _gemm_legal("HWNC"), _gemm_default, _gemm_effective("HWNC"), _gemm_derived,
+                               _gemm_draw, GEMM_DERIVED),
+    "implicit_gemm_t": _kt_space(),
+    "direct_halo": _halo_space(),
 }
 
 

@@ -270,7 +270,6 @@ class GemmKnobs:
     stages: int = 3  # shared-memory pipeline depth (cp.async multi-buffering when >= 2)
     vec: int = 16  # global load width in bytes (16/8/4 use cp.async; 2/1 use plain loads)
     ev: int = 8  # epilogue elements per thread per store
-    swizzle_n: bool = True  # blockIdx.x walks output-channel tiles (A tile reused from L2)
     pipe: int = 0  # mma.sync main loop: 0 = loads issued before the wait, two barriers per chunk; 1 = one barrier
     #                per K-chunk (the load of chunk k+STG-1 issued after it). Measured a wash on average (the log
     #                keeps whichever won per layer). wgmma: 1 + pipe MMA groups (K-chunks) in flight (-1: none, the
@@ -463,11 +462,12 @@ def packed_weight_knobs(kn: GemmKnobs) -> GemmKnobs:
     return k if k.valid() else k.replace(pipe=-1)
 
 
-def default_knobs(spec: ConvSpec, arch: str) -> GemmKnobs:
+def default_knobs(spec: ConvSpec, arch: str, sms: int | None = None) -> GemmKnobs:
     """Knobs for a shape no tuning record covers: WGMMA_DEFAULT_KNOBS where the arch has wgmma and the operands take
-    it, else ``DEFAULT_KNOBS[arch]`` (mma.sync). Not adapted (the kernel builder shrinks tiles for small problems)."""
+    it, else ``DEFAULT_KNOBS[arch]`` (mma.sync). Not adapted (the kernel builder shrinks tiles for small problems).
+    ``sms``: the device's SM count (default: the arch table's)."""
     ai = arch_info(arch)
     if (ai.wgmma and spec.layout == "NHWC" and spec.pad_value == 0 and spec.C * spec.x_bits // 8 % 16 == 0
             and spec.x_bits in (4, 8)):
-        return WGMMA_DEFAULT_KNOBS[(spec.x_bits, tile_grid(spec, 128, 128) >= ai.sms)]
+        return WGMMA_DEFAULT_KNOBS[(spec.x_bits, tile_grid(spec, 128, 128) >= (sms or ai.sms))]
     return DEFAULT_KNOBS.get(arch, DEFAULT_KNOBS["sm_90"])

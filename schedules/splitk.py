@@ -19,11 +19,11 @@ from .fallback import epilogue_value, output_compute, residual_value
 from .spec import ConvSpec, arch_info
 
 
-def auto_split(spec: ConvSpec, arch: str, grid_blocks: int, n_chunks: int) -> int:
+def auto_split(spec: ConvSpec, arch: str, grid_blocks: int, n_chunks: int, sms: int | None = None) -> int:
     """Split factor for a grid of ``grid_blocks`` output tiles with ``n_chunks`` K-chunks each: 1 when the
     grid fills half the SMs; else the largest power of two <= 16 keeping the grid within two waves and at
-    least 4 K-chunks per split."""
-    sms = arch_info(arch).sms
+    least 4 K-chunks per split. ``sms``: the device's SM count (default: the arch table's)."""
+    sms = sms or arch_info(arch).sms
     if grid_blocks * 2 >= sms:
         return 1
     s = 1

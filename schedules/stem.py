@@ -43,10 +43,10 @@ class HaloKnobs:
     #                 items have several rows and the grid at most 16 items per SM (ResNet: batch 8-64), else 0
 
 
-def resolve_knobs(spec: ConvSpec, arch: str, kn: HaloKnobs) -> HaloKnobs:
+def resolve_knobs(spec: ConvSpec, arch: str, kn: HaloKnobs, sms: int | None = None) -> HaloKnobs:
     """``kn`` with its automatic fields decided (H100, ``tune_layers.py build --halo``: at batch 256 the defaults
     within 1-3% of the best variant, at batch 8-64 pipe 1 on two blocks per SM 4-9% faster than pipe 0 on three)."""
-    sms = arch_info(arch).sms
+    sms = sms or arch_info(arch).sms  # (the device's SM count where given)
     th = kn.th or next((t for t in (4, 2) if spec.N * -(-spec.P // t) >= sms), 1)
     pipe = kn.pipe if kn.pipe >= 0 else int(th > 1 and spec.N * -(-spec.P // th) <= 16 * sms)
     return HaloKnobs(th=th, minb=kn.minb or (2 if pipe else 3), pipe=pipe)
@@ -74,15 +74,36 @@ def halo_constraints(spec: ConvSpec, arch: str) -> str | None:
     return None
 
 
-def make_halo_conv(spec: ConvSpec, arch: str = "sm_90", knobs: HaloKnobs | None = None):
-    """PrimFunc (x [N, H, W, C], w [K, R, S, C], bias, M, S [K] int32, out [N, P, Q, K or K / 2]); ValueError where
-    ``halo_constraints`` says no."""
+def halo_smem(spec: ConvSpec, kn: HaloKnobs) -> int:
+    """Shared-memory bytes of the kernel with resolved knobs ``kn``: two halo buffers and one or two staging tiles."""
+    halo = (kn.th + spec.R - 1) * (spec.Q + spec.S - 1) * 16
+    return 2 * halo + (2 if kn.pipe == 1 else 1) * spec.Q * (spec.K * spec.out_bits // 8 + 16)
+
+
+def halo_legal(spec: ConvSpec, arch: str, kn: HaloKnobs, sms: int | None = None) -> str | None:
+    """THE legality of ``direct_halo`` at knobs ``kn``: why ``make_halo_conv`` cannot build it (None: it can)."""
     why = halo_constraints(spec, arch)
     if why:
-        raise ValueError(why)
-    from .igemm import requant_stage1
+        return why
+    k = resolve_knobs(spec, arch, kn, sms)
+    if k.th < 1 or k.minb < 1 or k.pipe not in (0, 1):
+        return f"direct_halo: th >= 1, minb >= 1, pipe 0 or 1 ({k})"
+    smem = halo_smem(spec, k)
+    if smem > arch_info(arch).smem_per_block:
+        return (f"direct_halo: {smem // 1024} KiB of halo and staging tiles (th = {k.th}) exceed the "
+                f"{arch_info(arch).smem_per_block // 1024} KiB per block of {arch}; use fewer rows per item")
+    return None
 
-    kn = resolve_knobs(spec, arch, knobs or HaloKnobs())
+
+def make_halo_conv(spec: ConvSpec, arch: str = "sm_90", knobs: HaloKnobs | None = None, sms: int | None = None):
+    """PrimFunc (x [N, H, W, C], w [K, R, S, C], bias, M, S [K] int32, out [N, P, Q, K or K / 2]); ValueError where
+    ``halo_legal`` says no. ``sms``: the device's SM count (the persistent grid; default: the arch table's)."""
+    why = halo_legal(spec, arch, knobs or HaloKnobs(), sms)
+    if why:
+        raise ValueError(why)
+    from .gemm.helpers import requant_stage1
+
+    kn = resolve_knobs(spec, arch, knobs or HaloKnobs(), sms)
     N, H, W, K, R, S = spec.N, spec.H, spec.W, spec.K, spec.R, spec.S
     P, Q = spec.P, spec.Q
     pt, pl, _, _ = spec.pads
@@ -98,12 +119,10 @@ def make_halo_conv(spec: ConvSpec, arch: str = "sm_90", knobs: HaloKnobs | None 
     ST_OFF = 2 * HALO
     ST_BYTES = Q * KP  # a staging tile (PIPE: two, rows alternating, so one barrier per row)
     SMEM = ST_OFF + (2 if PIPE else 1) * ST_BYTES
-    if SMEM > arch_info(arch).smem_per_block:
-        raise ValueError(f"direct_halo: {SMEM // 1024} KiB of halo and staging tiles (th = {TH}) exceed the "
-                         f"{arch_info(arch).smem_per_block // 1024} KiB per block of {arch}; use fewer rows per item")
+    assert SMEM == halo_smem(spec, kn)
     IPI = -(-P // TH)  # items per image
     ITEMS = N * IPI
-    GRID = min(ITEMS, kn.minb * arch_info(arch).sms)
+    GRID = min(ITEMS, kn.minb * (sms or arch_info(arch).sms))
     KS = R * S // 2  # k32 steps (tap pairs)
     NACC = Q // 2  # accumulator registers per thread (m64 x nQ / 128)
     LD_IT = -(-HR * W // THREADS)  # 16-byte copies per thread and item

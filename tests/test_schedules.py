@@ -1142,3 +1142,154 @@ def test_cuda_erq_4bit_output_and_rolled_epilogue():
     assert _ptxas_stack_bytes(src8) == 0
     r4 = s4.replace(out_dtype="uint4", lo=-8, hi=7, has_residual=True, res_dtype="uint4", lo2=0, hi2=15)
     assert "st_shared_b8" not in _src(r4, "sm_90", knobs=kn).split("main_kernel(")[-1]
+
+
+# ---- the kernels' spaces, plans and calling convention (schedules/space.py, schedules/gemm/plan.py) -------------
+def test_no_function_over_300_lines():
+    """No function of the package (compiler/, schedules/, relay_passes/, models/) is longer than 300 lines."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    long = []
+    for d in ("compiler", "schedules", "relay_passes", "models"):
+        for f in sorted((root / d).rglob("*.py")):
+            for n in ast.walk(ast.parse(f.read_text())):
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 300:
+                    long.append(f"{f.relative_to(root)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)")
+    assert not long, long
+
+
+def _record_specs():
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from test_kernel_identity import _records, _spec_from_key
+
+    return [(_spec_from_key(r.key), r.knobs) for r in _records()]
+
+
+def test_space_legal_is_the_builders_check():
+    """``legal`` is the plan's decision: every shipped record is legal in its space and of a family the sampler
+    draws from; a point the plan refuses is refused by the builder with the same reason, without TIR."""
+    from qcompile.schedules.space import SPACES, gemm_families, gemm_family
+
+    sp = SPACES["implicit_gemm"]
+    for spec, kn in _record_specs():
+        assert sp.legal(spec, "sm_90", kn) is None, (spec, kn)
+        assert gemm_family(kn, spec.x_bits) in gemm_families(spec, "sm_90")
+    spec = ConvSpec(N=8, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype="uint8")
+    bad = GemmKnobs(mma="wgmma", BM=128, BN=128, WM=2, WN=1, BK=256, stages=8, pipe=-1)  # 8 x 64 KiB of stages
+    why = sp.legal(spec, "sm_90", bad)
+    assert why and "KiB" in why
+    with pytest.raises(NotApplicable, match="KiB"):
+        make_gemm_conv(spec, "sm_90", bad, allow_split=True)
+    assert sp.legal(spec, "sm_80", bad.replace(stages=3)) == "wgmma needs sm_90a, not sm_80"
+
+
+def test_space_sampler_is_fast_and_covers_the_families():
+    """Sampling by family gives >= 100 distinct legal points a second on a ResNet-50 layer (the flat space gives a
+    few per 20,000 draws), every point legal, every family of the shape drawn; features and names agree."""
+    import time
+
+    from qcompile.schedules.space import SPACES, gemm_families, gemm_family
+
+    sp = SPACES["implicit_gemm"]
+    for x in ("uint8", "uint4"):
+        spec = ConvSpec(N=64, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype=x, w_bits=8 if x == "uint8" else 4)
+        rng = np.random.default_rng(1)
+        t, pts = time.time(), set()
+        for _ in range(400):
+            pts.add(sp.sample(rng, spec, "sm_90"))
+        rate = len(pts) / (time.time() - t)
+        assert None not in pts and rate >= 100, rate
+        assert all(sp.legal(spec, "sm_90", k) is None for k in pts)
+        assert {gemm_family(k, spec.x_bits) for k in pts} == set(gemm_families(spec, "sm_90"))
+        k = next(iter(pts))
+        assert len(sp.features(spec, "sm_90", k)) == len(sp.feature_names())
+    hw = ConvSpec(N=32, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, layout="HWNC")
+    k = SPACES["direct_hwnc"].sample(random.Random(0), hw, "sm_80")
+    assert k is not None and k.mma == "sync" and SPACES["implicit_gemm"].legal(hw, "sm_80", k)
+
+
+def test_space_effective_builds_the_same_kernel():
+    """``effective`` knobs plan the same kernel as the knobs they come from (equal plans but for ``kn``), so a tuner
+    may de-duplicate by them; ``PlannedKernel.knobs`` are them."""
+    from qcompile.schedules import plan_conv
+    from qcompile.schedules.gemm import make_plan
+    from qcompile.schedules.space import SPACES
+
+    sp = SPACES["implicit_gemm"]
+    spec = ConvSpec(N=1, H=7, W=7, C=512, K=512, R=3, S=3, padding=1, x_dtype="uint8")
+    rng = np.random.default_rng(2)
+    for _ in range(60):
+        k = sp.sample(rng, spec, "sm_90")
+        e = sp.effective(spec, "sm_90", k)
+        a, b = make_plan(spec, "sm_90", k, allow_split=True), make_plan(spec, "sm_90", e, allow_split=True)
+        assert a.replace(kn=None) == b.replace(kn=None) and sp.effective(spec, "sm_90", e) == e
+    k = GemmKnobs(mma="wgmma", BM=128, BN=128, WM=2, WN=1, BK=128, stages=3, pipe=-1)
+    pk = plan_conv(spec, "sm_90", "implicit_gemm", k)
+    assert pk.knobs == sp.effective(spec, "sm_90", k) and pk.knobs.BM == 64 and pk.knobs.split_k == pk.split_k > 1
+
+
+def test_space_sms_override():
+    """The device's SM count (``sms``) sizes the automatic split-K and the default tiles where the table's would
+    not: a grid that fills 16 SMs takes no split there."""
+    from qcompile.schedules import plan_conv
+    from qcompile.schedules.space import SPACES
+
+    spec = ConvSpec(N=1, H=7, W=7, C=512, K=512, R=3, S=3, padding=1, x_dtype="uint8")
+    k = GemmKnobs(mma="wgmma", BM=64, BN=64, WM=1, WN=1, BK=128, stages=3, pipe=-1)
+    assert plan_conv(spec, "sm_90", "implicit_gemm", k).split_k > 1
+    assert plan_conv(spec, "sm_90", "implicit_gemm", k, sms=16).split_k == 1
+    assert SPACES["implicit_gemm"].effective(spec, "sm_90", k, sms=16).split_k == 1
+    big = ConvSpec(N=32, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype="uint8")
+    assert SPACES["implicit_gemm"].default(big, "sm_90").BM == 64 and SPACES["implicit_gemm"].default(
+        big, "sm_90", sms=16).BM == 128
+
+
+def test_kt_and_halo_spaces():
+    """implicit_gemm_t (KtKnobs) and direct_halo (HaloKnobs) have spaces whose legality is the builders' own
+    (``kt_legal`` / ``halo_legal``), sampled uniformly; effective knobs are the resolved ones."""
+    from qcompile.schedules import plan_conv
+    from qcompile.schedules.igemm_t import KtKnobs, make_kt_conv
+    from qcompile.schedules.space import SPACES
+    from qcompile.schedules.spec import space_to_depth
+    from qcompile.schedules.stem import HaloKnobs
+
+    kt, halo = SPACES["implicit_gemm_t"], SPACES["direct_halo"]
+    spec = ConvSpec(N=64, H=7, W=7, C=512, K=512, R=3, S=3, padding=1, x_dtype="uint8")
+    rng = random.Random(3)
+    pts = {kt.sample(rng, spec, "sm_90") for _ in range(30)}
+    assert None not in pts and len(pts) > 5
+    assert kt.legal(spec, "sm_90", KtKnobs(bn=224, stages=8)) and "KiB" in kt.legal(spec, "sm_90", KtKnobs(bn=224,
+                                                                                                          stages=8))
+    with pytest.raises(ValueError, match="KiB"):
+        make_kt_conv(spec, "sm_90", KtKnobs(bn=224, stages=8))
+    pk = plan_conv(spec, "sm_90", "implicit_gemm_t", KtKnobs())
+    assert pk.knobs == kt.effective(spec, "sm_90", KtKnobs()) and pk.knobs.bn > 0 and not pk.w_expand
+    stem = space_to_depth(ConvSpec(N=8, H=224, W=224, C=4, K=64, R=7, S=7, stride=2, padding=3, x_dtype="uint8"))
+    pts = {halo.sample(rng, stem, "sm_90") for _ in range(30)}
+    assert None not in pts and len(pts) > 5
+    assert "KiB" in halo.legal(stem, "sm_90", HaloKnobs(th=64, pipe=1))
+    assert len(halo.features(stem, "sm_90", HaloKnobs())) == len(halo.feature_names())
+    assert plan_conv(stem, "sm_90", "direct_halo").knobs == halo.effective(stem, "sm_90", HaloKnobs())
+
+
+def test_planned_kernel_fields_from_the_plan():
+    """plan_conv's calling-convention fields come from the kernels' plans: split-K pairs, stream-K (counters,
+    workspace words), expanded / k-permuted weights."""
+    from qcompile.schedules import plan_conv
+
+    wg = GemmKnobs(mma="wgmma", BM=128, BN=128, WM=2, WN=1, BK=128, stages=3, pipe=-1)
+    spec = ConvSpec(N=8, H=7, W=7, C=512, K=512, R=3, S=3, padding=1, x_dtype="uint8")
+    pk = plan_conv(spec, "sm_90", "implicit_gemm", wg.replace(sk=1))
+    assert pk.streamk[0] == 4 * 4 and pk.split_k == 1 and pk.label == "implicit_gemm+streamk"  # (4 x 4 tiles)
+    s4 = spec.replace(x_dtype="uint4", w_bits=4)
+    a4 = GemmKnobs(mma="wgmma", BM=64, BN=64, WM=1, WN=1, BK=64, stages=4, pipe=-1, pstages=3, areg=True, awarp=True,
+                   w8=True)
+    pk4 = plan_conv(s4, "sm_90", "implicit_gemm", a4)
+    assert pk4.w_expand and pk4.w_kperm == 0 and pk4.split_k > 1 and len(pk4.funcs) == 2
+    assert plan_conv(s4, "sm_90", "implicit_gemm", a4.replace(agl=True)).w_kperm == 64
+    assert plan_conv(spec, "sm_90", "implicit_gemm_t").w_expand is False
