@@ -20,8 +20,17 @@ def _ints(arr) -> list[int]:
     return [int(a) for a in arr]
 
 
-def _conv2d_nchw(x: np.ndarray, w: np.ndarray, stride, pad, dilation) -> np.ndarray:
-    """Integer NCHW/OIHW convolution, exact in int64 (im2col + matmul)."""
+def _conv2d_nchw(x: np.ndarray, w: np.ndarray, stride, pad, dilation, groups: int = 1) -> np.ndarray:
+    """Integer NCHW/OIHW convolution, exact in int64 (im2col + matmul); ``groups`` > 1: output channels
+    ``[g*O/G, (g+1)*O/G)`` read input channels ``[g*C/G, (g+1)*C/G)`` (depthwise: G = C)."""
+    if groups != 1:
+        c, o = x.shape[1], w.shape[0]
+        if c % groups or o % groups or w.shape[1] * groups != c:
+            raise ValueError(f"reference: conv2d with groups={groups}: {c} input / {o} output channels, weight "
+                             f"{tuple(w.shape)}")
+        cg, og = c // groups, o // groups
+        return np.concatenate([_conv2d_nchw(x[:, g * cg:(g + 1) * cg], w[g * og:(g + 1) * og], stride, pad, dilation)
+                               for g in range(groups)], axis=1)
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     x = np.pad(x.astype(np.int64), ((0, 0), (0, 0), (pad[0], pad[2]), (pad[1], pad[3])))
@@ -176,7 +185,7 @@ class Reference:
         dl, kl = str(attrs.data_layout), str(attrs.kernel_layout)
         x = np.transpose(args[0], _PERM_TO_NCHW[dl])
         w = np.transpose(args[1], _KPERM_TO_OIHW[kl])
-        out = _conv2d_nchw(x, w, _ints(attrs.strides), _ints(attrs.padding), _ints(attrs.dilation))
+        out = _conv2d_nchw(x, w, _ints(attrs.strides), _ints(attrs.padding), _ints(attrs.dilation), int(attrs.groups))
         inv = np.argsort(_PERM_TO_NCHW[dl])
         return np.ascontiguousarray(np.transpose(out, inv)).astype(ty)
 

@@ -40,6 +40,9 @@ class ModelFormat:
 
 FORMATS = {
     "onnx": ModelFormat("onnx", (".onnx",), "ONNX QDQ (onnxruntime quantize_static, qmodel), or a float ONNX model for PTQ"),
+    # (an .onnx file too, told by its ops: frontends/onnx_qop.py rewrites it into the QDQ format)
+    "onnx-qop": ModelFormat("onnx-qop", (), "ONNX QOperator (QLinearConv, QGemm, ...: quantize_static with "
+                                            "QuantFormat.QOperator, the ONNX model zoo's int8 models)"),
     "pt2": ModelFormat("pt2", (".pt2",), "torch.export program in PT2E form (quantized_decomposed ops)"),
     "hawq": ModelFormat("hawq", (".pth", ".pt", ".ckpt", ".tar"), "HAWQ-V3 integer checkpoint (needs --net)"),
 }
@@ -61,6 +64,8 @@ CUDA_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
 
 
 def format_of(path: str) -> str:
+    """The file format by suffix (ValueError: none). ``.onnx`` is "onnx"; the frontend tells its QOperator variant
+    ("onnx-qop", no suffix of its own) by the model's ops."""
     low = path.lower()
     for f in FORMATS.values():
         if low.endswith(f.suffixes):

@@ -15,8 +15,8 @@ import importlib
 _WHERE = {
     **dict.fromkeys(("ActQuant", "CalibConfig", "LayerBits", "QBlock", "QLayer", "QuantizedModel", "bit_config",
                      "quant_points", "quantize_model"), "quantize"),
-    **dict.fromkeys(("MODELS", "ModelSpec", "build_model", "get_spec", "resnet18", "resnet50", "resnet_tiny"),
-                    "resnet"),
+    **dict.fromkeys(("MODELS", "ModelSpec", "build_model", "get_spec", "resnet18", "resnet50", "resnet_tiny",
+                     "resnext50_32x4d", "resnext_tiny"), "resnet"),
 }
 __all__ = sorted(_WHERE)
 

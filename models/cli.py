@@ -24,7 +24,7 @@ FORMATS = {"onnx": ".onnx", "pt2": ".pt2", "hawq": ".hawq.pth"}
 # the file suffixes qcompile tells each format by (-o must end with one)
 FORMAT_SUFFIXES = {"onnx": (".onnx",), "pt2": (".pt2",), "hawq": (".pth", ".pt", ".ckpt", ".tar")}
 # the networks of models/resnet.py (MODELS), named here so that --help and the argument checks import no torch
-MODEL_NAMES = ("resnet18", "resnet50", "resnet_tiny")
+MODEL_NAMES = ("resnet18", "resnet50", "resnet_tiny", "resnext50_32x4d", "resnext_tiny")
 PROG = "qmodel"
 
 

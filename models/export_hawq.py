@@ -73,6 +73,10 @@ def hawq_names(qm: QuantizedModel) -> tuple["OrderedDict[str, str]", "OrderedDic
 
 def to_hawq(qm: QuantizedModel, packed_int4: bool = False, input_size: int | None = None) -> dict:
     """The checkpoint dict (see module docstring and ``HAWQ_FORMAT.md``); ``input_size`` (H = W) goes to ``meta``."""
+    grouped = [n for n, l in qm.layers.items() if l.groups != 1]
+    if grouped:
+        raise ValueError(f"{qm.arch}: the HAWQ format describes ResNets with plain convs; layer '{grouped[0]}' is a "
+                         f"grouped conv (groups={qm.layers[grouped[0]].groups}): export it as onnx or pt2")
     lnames, anames = hawq_names(qm)
     all_acts = qm.acts
     ck: dict = {k: OrderedDict() for k in HAWQ_KEYS}

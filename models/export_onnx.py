@@ -104,7 +104,7 @@ class _Graph:
             k = list(l.weight.shape[2:])
             y = self.node("Conv", [x, wdq, bdq], f"{l.name}.conv_out", name=l.name,
                           kernel_shape=k, strides=[l.stride] * 2, pads=[l.padding] * 4,
-                          dilations=[1, 1], group=1)
+                          dilations=[1, 1], group=l.groups)
         else:
             y = self.node("Gemm", [x, wdq, bdq], f"{l.name}.gemm_out", name=l.name,
                           alpha=1.0, beta=1.0, transB=1)

@@ -88,7 +88,8 @@ def _conv(l: QLayer) -> nn.Module:
     if l.kind == "linear":
         m = nn.Linear(w.shape[1], w.shape[0])
     else:
-        m = nn.Conv2d(w.shape[1], w.shape[0], w.shape[2:], stride=l.stride, padding=l.padding)
+        m = nn.Conv2d(w.shape[1] * l.groups, w.shape[0], w.shape[2:], stride=l.stride, padding=l.padding,
+                      groups=l.groups)
     with torch.no_grad():
         m.weight.copy_(w)
         m.bias.copy_(torch.from_numpy(l.float_bias.copy()))

@@ -259,6 +259,7 @@ class QLayer:
     relu: bool = False
     stride: int = 1
     padding: int = 0
+    groups: int = 1                # grouped conv (ResNeXt): weight (O, I / groups, kh, kw)
     float_weight: Optional[np.ndarray] = field(default=None, repr=False)  # BN-folded fp32
     float_bias: Optional[np.ndarray] = field(default=None, repr=False)
 
@@ -445,7 +446,7 @@ class QuantizedModel(nn.Module):
 
     def _layer(self, l: QLayer, x: torch.Tensor, quantize: bool, obs: Optional[Callable]) -> torch.Tensor:
         w, b = self._params(l, quantize)
-        y = F.conv2d(x, w, b, l.stride, l.padding) if l.kind == "conv" else F.linear(x, w, b)
+        y = F.conv2d(x, w, b, l.stride, l.padding, 1, l.groups) if l.kind == "conv" else F.linear(x, w, b)
         if l.relu:
             y = torch.relu(y)
         return self._act(l.output, y, quantize, obs)
@@ -507,7 +508,7 @@ def quantize_model(model: ResNet, calib_data: Union[torch.Tensor, np.ndarray], b
             kind, stride, pad = "conv", conv.stride[0], conv.padding[0]
         return QLayer(name, kind, np.zeros(w.shape, np.int8), np.ones(w.shape[0], np.float32),
                       np.zeros(w.shape[0], np.int32), cfg[name].w_bits, inp,
-                      act(name, signed=not relu), relu, stride, pad, w, b)
+                      act(name, signed=not relu), relu, stride, pad, getattr(conv, "groups", 1), w, b)
 
     # build the structure (scales filled in after calibration)
     input_act = act("input", signed=True)

@@ -10,6 +10,10 @@ torchvision ``state_dict`` loads unchanged into :func:`resnet18` / :func:`resnet
 ``resnet_tiny`` is the same class with a 3x3/stride-1 stem, no max-pool and three
 one-block stages (16 -> 32 -> 64 channels); it runs on 8x8 inputs (scikit-learn digits).
 
+ResNeXt is the Bottleneck ResNet with a grouped 3x3 (``groups``, ``width_per_group``, as torchvision's
+``ResNet(..., groups=32, width_per_group=4)``): :func:`resnext50_32x4d` loads torchvision's ``state_dict``;
+:func:`resnext_tiny` has resnet_tiny's stem and three one-block stages with ``groups=8``.
+
 No pretrained weights exist offline, so :func:`build_model` gives a seeded random
 model whose BatchNorm layers carry random, non-trivial running statistics and affine
 parameters (:func:`randomize_bn`): BN folding and activation calibration then do real work.
@@ -23,7 +27,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet50", "resnet_tiny",
+    "BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet50", "resnet_tiny", "resnext50_32x4d", "resnext_tiny",
     "ModelSpec", "MODELS", "get_spec", "build_model", "randomize_bn",
 ]
 
@@ -40,8 +44,10 @@ class BasicBlock(nn.Module):
     expansion = 1
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1,
-                 downsample: Optional[nn.Module] = None):
+                 downsample: Optional[nn.Module] = None, groups: int = 1, base_width: int = 64):
         super().__init__()
+        if groups != 1 or base_width != 64:
+            raise ValueError("BasicBlock only supports groups=1 and base_width=64 (as torchvision's)")
         self.conv1 = conv3x3(inplanes, planes, stride)
         self.bn1 = nn.BatchNorm2d(planes)
         self.relu = nn.ReLU(inplace=True)
@@ -64,13 +70,14 @@ class Bottleneck(nn.Module):
     expansion = 4
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1,
-                 downsample: Optional[nn.Module] = None):
+                 downsample: Optional[nn.Module] = None, groups: int = 1, base_width: int = 64):
         super().__init__()
-        self.conv1 = conv1x1(inplanes, planes)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = conv3x3(planes, planes, stride)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.conv3 = conv1x1(planes, planes * self.expansion)
+        width = int(planes * (base_width / 64.0)) * groups  # (torchvision's; ResNeXt: a grouped 3x3)
+        self.conv1 = conv1x1(inplanes, width)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, groups=groups, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = conv1x1(width, planes * self.expansion)
         self.bn3 = nn.BatchNorm2d(planes * self.expansion)
         self.relu = nn.ReLU(inplace=True)
         self.downsample = downsample
@@ -98,8 +105,10 @@ class ResNet(nn.Module):
 
     def __init__(self, block: type, layers: Sequence[int], num_classes: int = 1000,
                  in_ch: int = 3, widths: Sequence[int] = (64, 128, 256, 512),
-                 stem_kernel: int = 7, stem_stride: int = 2, maxpool: bool = True):
+                 stem_kernel: int = 7, stem_stride: int = 2, maxpool: bool = True,
+                 groups: int = 1, width_per_group: int = 64):
         super().__init__()
+        self.groups, self.base_width = groups, width_per_group
         if len(widths) != len(layers):
             raise ValueError(f"widths {tuple(widths)} and layers {tuple(layers)} differ in length")
         self.block_type = block
@@ -126,9 +135,10 @@ class ResNet(nn.Module):
         if stride != 1 or self.inplanes != planes * block.expansion:
             downsample = nn.Sequential(conv1x1(self.inplanes, planes * block.expansion, stride),
                                        nn.BatchNorm2d(planes * block.expansion))
-        layers = [block(self.inplanes, planes, stride, downsample)]
+        kw = dict(groups=self.groups, base_width=self.base_width)
+        layers = [block(self.inplanes, planes, stride, downsample, **kw)]
         self.inplanes = planes * block.expansion
-        layers += [block(self.inplanes, planes) for _ in range(1, blocks)]
+        layers += [block(self.inplanes, planes, **kw) for _ in range(1, blocks)]
         return nn.Sequential(*layers)
 
     def stages(self) -> list[nn.Sequential]:
@@ -162,6 +172,18 @@ def resnet_tiny(num_classes: int = 10, in_ch: int = 3) -> ResNet:
                   stem_kernel=3, stem_stride=1, maxpool=False)
 
 
+def resnext50_32x4d(num_classes: int = 1000, in_ch: int = 3) -> ResNet:
+    """torchvision's ``resnext50_32x4d``: ResNet-50 with 32 groups of 4 channels (x stage) in every 3x3."""
+    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes, in_ch, groups=32, width_per_group=4)
+
+
+def resnext_tiny(num_classes: int = 10, in_ch: int = 3) -> ResNet:
+    """resnet_tiny's 3x3/s1 stem (8 ch) and three one-block Bottleneck stages (8 -> 16 -> 32 planes, outputs 32 ->
+    64 -> 128) whose 3x3 convs have 8 groups of 4, 8 and 16 channels."""
+    return ResNet(Bottleneck, [1, 1, 1], num_classes, in_ch, widths=(8, 16, 32), stem_kernel=3, stem_stride=1,
+                  maxpool=False, groups=8, width_per_group=32)
+
+
 def randomize_bn(model: nn.Module, seed: int = 0) -> nn.Module:
     """Give every BatchNorm random affine parameters and running statistics (deterministic).
 
@@ -193,6 +215,8 @@ MODELS: dict[str, ModelSpec] = {
     "resnet18": ModelSpec("resnet18", resnet18, (1, 3, 224, 224), 1000),
     "resnet50": ModelSpec("resnet50", resnet50, (1, 3, 224, 224), 1000),
     "resnet_tiny": ModelSpec("resnet_tiny", resnet_tiny, (1, 3, 32, 32), 10),
+    "resnext50_32x4d": ModelSpec("resnext50_32x4d", resnext50_32x4d, (1, 3, 224, 224), 1000),
+    "resnext_tiny": ModelSpec("resnext_tiny", resnext_tiny, (1, 3, 32, 32), 10),
 }
 
 

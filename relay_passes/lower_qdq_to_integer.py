@@ -364,8 +364,7 @@ class _Lowering:
         w = self.get(call.args[1], name)
         if not isinstance(w, Weight):
             raise UnsupportedOpError("conv2d", name, "the weight must be a quantized constant")
-        if int(a.groups) != 1:
-            raise UnsupportedOpError("conv2d", name, f"grouped convolution (groups={int(a.groups)}) is not supported")
+        groups = int(a.groups)
         t = x.terms[0]
         zp = int(-t.offset)
         pad = [int(p) for p in a.padding]
@@ -382,10 +381,12 @@ class _Lowering:
             wconst = self.emit(relax.op.clip(wconst, w.qt.qmin, w.qt.qmax), name + "_w")
         acc = self.emit(
             relax.op.nn.conv2d(data, wconst, strides=[int(s) for s in a.strides], padding=pad,
-                               dilation=[int(d) for d in a.dilation], data_layout=self.dl, kernel_layout=self.kl,
-                               out_dtype="int32"),
+                               dilation=[int(d) for d in a.dilation], groups=groups, data_layout=self.dl,
+                               kernel_layout=self.kl, out_dtype="int32"),
             name,
         )
+        # (grouped and depthwise too: output channel o reads only its group's input channels, every one of them
+        # zp-padded, so its zero-point correction is -zp times the sum of its own weights)
         offset = -zp * w.q.sum(axis=(1, 2, 3)) if zp else np.zeros(w.q.shape[0], np.int64)
         scale = t.scale * np.broadcast_to(w.scale, (w.q.shape[0],))
         return Lin([Term(acc, offset.astype(np.int64), scale)], 4, name=name)

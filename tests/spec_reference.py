@@ -7,7 +7,7 @@ It shares no code, constant or helper with qcompile: only NumPy and ``onnx`` (to
 * ``Conv`` / ``Gemm`` / ``MatMul`` whose operands are both dequantized tensors accumulate ``(q_x - zp_x)(q_w - zp_w)``
   exactly in int64 (asserted to fit int32, as the compiled kernels accumulate), then scale by ``s_x * s_w`` in
   float64; a dequantized int32 bias adds ``(b - zp_b) * s_b``;
-* every other op (Relu, Clip, Add, Mul, MaxPool, AveragePool, GlobalAveragePool, BatchNormalization, Flatten,
+* ``Constant`` is its value; every other op (Relu, Clip, Add, Mul, MaxPool, AveragePool, GlobalAveragePool, BatchNormalization, Flatten,
   Reshape, Identity) in float64;
 * ``QuantizeLinear(x, s, zp) = saturate(round_half_to_even(x / s) + zp)`` in float64, saturated to the zero point's
   type (int8, uint8, int4, uint4).
@@ -199,6 +199,10 @@ class SpecReference:
         return self._matmul(node, self._get(env, node.input[0]), self._get(env, node.input[1]), False)
 
     # -- float ops ------------------------------------------------------------------------------------
+    def op_Constant(self, node, env, a):
+        (name, v), = a.items()
+        return numpy_helper.to_array(v) if name == "value" else np.asarray(v)
+
     def op_Relu(self, node, env, a):
         return np.maximum(self._float(self._get(env, node.input[0])), 0.0)
 

@@ -75,7 +75,7 @@ def test_torchvision_structure():
     assert sum(p.numel() for p in m50.parameters()) == 25_557_032
     assert "layer1.0.conv3.weight" in m50.state_dict() and "layer1.0.downsample.0.weight" in m50.state_dict()
     assert m50.layer2[0].conv2.stride == (2, 2)          # v1.5: stride on the 3x3
-    assert set(MODELS) == {"resnet18", "resnet50", "resnet_tiny"}
+    assert set(MODELS) == {"resnet18", "resnet50", "resnet_tiny", "resnext50_32x4d", "resnext_tiny"}
     with torch.no_grad():
         assert m18(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
 

@@ -262,11 +262,41 @@ class _Importer:
     def op_Relu(self, node):
         self.vals[node.output[0]] = self.b.relu(self.val(node.input[0], node), node.name or node.output[0])
 
+    def op_Constant(self, node):
+        """A constant: its value joins the initializers (Clip bounds, Reshape shapes, ... read it from there)."""
+        a = next(iter(node.attribute), None)
+        if a is None or len(node.attribute) != 1:
+            raise UnsupportedOpError("Constant", node.name, "expected exactly one value attribute")
+        if a.name == "value":
+            self.consts[node.output[0]] = _to_array(a.t)
+            self.const_types[node.output[0]] = a.t.data_type
+            return
+        kinds = {"value_float": (np.float32, onnx.TensorProto.FLOAT), "value_floats": (np.float32, onnx.TensorProto.FLOAT),
+                 "value_int": (np.int64, onnx.TensorProto.INT64), "value_ints": (np.int64, onnx.TensorProto.INT64)}
+        if a.name not in kinds:
+            raise UnsupportedOpError("Constant", node.name, f"a constant given as '{a.name}' is not supported")
+        dtype, onnx_type = kinds[a.name]
+        self.consts[node.output[0]] = np.asarray(onnx.helper.get_attribute_value(a), dtype)
+        self.const_types[node.output[0]] = onnx_type
+
+    def _scalar_bound(self, node, i: int, default: float) -> float:
+        if len(node.input) <= i or not node.input[i]:
+            return default
+        v = self.const(node.input[i], node)
+        if v.size != 1:
+            raise UnsupportedOpError(node.op_type, node.name, f"bound '{node.input[i]}' is not a scalar")
+        return float(v.reshape(()))
+
     def op_Clip(self, node):
-        lo = float(self.const(node.input[1], node)) if len(node.input) > 1 and node.input[1] else -np.inf
-        hi = float(self.const(node.input[2], node)) if len(node.input) > 2 and node.input[2] else np.inf
+        a = _attrs(node)
+        lo = self._scalar_bound(node, 1, float(a.get("min", -np.inf)))  # (opset < 11: bounds as attributes)
+        hi = self._scalar_bound(node, 2, float(a.get("max", np.inf)))
+        if np.isnan(lo) or np.isnan(hi) or lo == np.inf or hi == -np.inf or lo > hi:
+            raise QCompileError(f"node '{node.name}' (Clip): bounds [{lo}, {hi}] are not a valid range")
         x = self.val(node.input[0], node)
-        if lo == 0 and hi == np.inf:
+        if lo == -np.inf and hi == np.inf:
+            self.vals[node.output[0]] = x
+        elif lo == 0 and hi == np.inf:
             self.vals[node.output[0]] = self.b.relu(x, node.name)
         else:
             self.vals[node.output[0]] = self.b.clip(x, lo, hi, node.name)
@@ -322,18 +352,24 @@ class _Importer:
 
 
 def from_onnx(path_or_model, batch: Optional[int] = None, log=print):
-    """Import an ONNX QDQ model into the QDQ-form Relax module (see :mod:`qcompile.qdq`).
+    """Import an ONNX QDQ model, or a QOperator-format one (rewritten to QDQ by :mod:`.onnx_qop`), into the QDQ-form
+    Relax module (see :mod:`qcompile.qdq`).
 
     Returns ``(mod, info)`` where ``info`` has the input name and shape.
     """
+    from .onnx_qop import is_qoperator, qoperator_to_qdq
+
     model = load_onnx(path_or_model) if isinstance(path_or_model, str) else path_or_model
+    fmt = "onnx"
+    if is_qoperator(model):  # QLinearConv, QGemm, ...: rewritten to the equivalent QDQ graph first
+        model, fmt = qoperator_to_qdq(model, lambda op: hasattr(_Importer, "op_" + op)), "onnx-qop"
     imp = _Importer(model, batch, log)
     try:
         mod = imp.run()
     except BaseException:
         imp.b.discard()
         raise
-    return mod, {"input_name": imp.input_name, "input_shape": imp.input_shape, "format": "onnx"}
+    return mod, {"input_name": imp.input_name, "input_shape": imp.input_shape, "format": fmt}
 
 
 def is_float_model(model: onnx.ModelProto) -> bool:
