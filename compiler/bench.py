@@ -7,7 +7,8 @@ the module's device once, and times
   such runs, as ms per batch and images per second;
 * latency: ``--calls`` single calls, each followed by a synchronization, timed on the host: p50 / p90 / p99 / max.
   This is what a serving loop that keeps its data on the GPU sees (the input already there, the host side of the
-  call -- argument checks, the VM, the CUDA-graph launch -- included);
+  call -- argument checks, the VM, the CUDA-graph launch -- included); ``host_p50_ms`` is that host side alone (the
+  median time until the call returns, before the synchronization);
 * with ``--host-io``: the same for a NumPy input and output (the host-to-device copy of the float input and the copy
   of the logits back included);
 * with ``--torch NET`` (torchvision's name, e.g. resnet50) where torch with CUDA is installed: the same network in
@@ -78,13 +79,16 @@ def time_calls(call, sync, number: int, repeat: int, calls: int) -> dict:
             call()
         sync()
         runs.append((time.perf_counter() - t0) / number)
-    single = []
+    single, host = [], []
     for _ in range(calls):
         t0 = time.perf_counter()
         call()
+        t1 = time.perf_counter()
         sync()
         single.append(time.perf_counter() - t0)
-    return {"ms": sorted(runs)[len(runs) // 2] * 1e3, **percentiles(single)}
+        host.append(t1 - t0)
+    return {"ms": sorted(runs)[len(runs) // 2] * 1e3, **percentiles(single),
+            "host_p50_ms": sorted(host)[len(host) // 2] * 1e3}
 
 
 def _torch_fp16(net: str, shape, number: int, repeat: int, calls: int) -> dict:
@@ -193,11 +197,16 @@ def format_table(res: dict) -> str:
     if "torch_fp16" in res:
         rows.append((f"PyTorch fp16 {res['torch_fp16']['net']}", res["torch_fp16"]))
     lines = [f"{res['module']} on {res['device']}, batch {b} ({res['date']})",
-             "| | ms per batch | img/s | p50 ms | p90 ms | p99 ms | max ms |", "|---|---|---|---|---|---|---|"]
+             "| | ms per batch | img/s | p50 ms | p90 ms | p99 ms | max ms | host ms |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in rows:
         lines.append(f"| {name} | {r['ms']:.3f} | {b / r['ms'] * 1e3:,.0f} | {r['p50_ms']:.3f} | {r['p90_ms']:.3f} | "
-                     f"{r['p99_ms']:.3f} | {r['max_ms']:.3f} |")
+                     f"{r['p99_ms']:.3f} | {r['max_ms']:.3f} | {_host(r)} |")
     return "\n".join(lines)
+
+
+def _host(r: dict) -> str:
+    return f"{r['host_p50_ms']:.3f}" if "host_p50_ms" in r else "-"
 
 
 def qbench_main(argv=None) -> int:
