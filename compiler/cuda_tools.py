@@ -43,6 +43,35 @@ def cuobjdump(so_path: str, *flags: str, work_dir: str | None = None) -> str:
         return "\n".join(out)
 
 
+def sass_by_kernel(so_path: str) -> dict:
+    """{kernel name: its SASS listing} over every fatbin of ``so_path`` (``cuobjdump -sass``), with runs of blanks
+    made one space (cuobjdump pads its columns to the widest line of each file) so that listings of the same code
+    compare equal whichever image they come from. Empty where cuobjdump is not installed."""
+    if not find_tool("cuobjdump"):
+        return {}
+    out, cur = {}, None
+    for line in cuobjdump(so_path, "-sass").splitlines():
+        m = re.search(r"Function\s*:\s*(\S+)", line)
+        if m:
+            cur = m.group(1)
+            out[cur] = []
+            continue
+        if line.startswith(("Fatbin ", "=====", "arch =", "code version", "host =", "compile_size", "compressed",
+                            "identifier", "ptxasOptions")) or not line.strip():
+            cur = None if line.startswith("Fatbin ") else cur
+            continue
+        if cur is not None and not line.strip().startswith("....."):
+            out[cur].append(re.sub(r"[ \t]+", " ", line.strip()))
+    return {k: "\n".join(v) for k, v in out.items()}
+
+
+def ptx_entries(so_path: str) -> list:
+    """The ``.entry`` names of the PTX embedded in ``so_path`` (``cuobjdump -ptx``; empty without cuobjdump)."""
+    if not find_tool("cuobjdump"):
+        return []
+    return re.findall(r"\.entry\s+(\w+)\s*\(", cuobjdump(so_path, "-ptx"))
+
+
 def find_tool(name: str):
     """Path of a CUDA binary tool: on PATH, or from the PyPI wheels (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)."""
     import glob

@@ -1,6 +1,7 @@
 """The interface function behind the ``qcompile`` command: model file in, deployable ``.so`` out."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class CompileOptions:
     packed_int4_weights: bool = False   # 4-bit weights always packed (not expanded for the tuned w8 kernels)
     tuning_logs: tuple = ()             # tuning log files / folders searched before the packaged logs (cuda)
     gpu: Optional[str] = None           # GPU name matched against the records' device (None: arch-level matching)
+    kernel_cache: Optional[bool] = None  # cuda: nvcc's outputs from/to the kernel cache (None: QCOMPILE_KERNEL_CACHE)
 
 
 @dataclass
@@ -72,6 +74,7 @@ class CompileResult:
     meta: dict
     layers: list = field(default_factory=list)
     weights: list = field(default_factory=list)  # values of main's weight parameters (weights_beside)
+    planned: list = field(default_factory=list)  # (conv/dense binding name, PlannedKernel) per tensor-core layer
     progress: Optional[_Progress] = None  # compile_model's progress lines: export() is their last step
 
     def outputs(self, path: str) -> list:
@@ -286,17 +289,33 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
                                  weights_beside=opts.weights_beside, meta=meta, dump_dir=opts.dump_ir, record=record,
                                  on_phase=on_phase, tuning_logs=opts.tuning_logs, gpu=opts.gpu)
     prog.step(f"lowering to integer compute ({layout})")
+    nvcc_note = ""
     if opts.target == "cuda":
-        from qcompile.schedules.build import ensure_stub_libcuda, nvcc_options
+        from qcompile.schedules.build import (build_stats, ensure_stub_libcuda, fast_tvmscript_macros, nvcc_jobs,
+                                              nvcc_options)
 
         ensure_stub_libcuda()  # so that TVM embeds compiled GPU code (fatbin), not CUDA source, on a GPU-less host
-        with nvcc_options(opts.arch, mode="both"):  # SASS for the arch + its PTX (newer GPUs JIT it)
+        before = dataclasses.replace(build_stats())
+        # (SASS for the arch + its PTX, which newer GPUs JIT; one CUDA module per kernel, nvcc in parallel)
+        with nvcc_options(opts.arch, mode="both", cache=opts.kernel_cache), fast_tvmscript_macros():
             ex = build(mod_qdq, target, cuda_graph=opts.cuda_graph, pipeline=pipeline)
+        nvcc_note = _nvcc_note(before, build_stats(), nvcc_jobs())
     else:
         ex = build(mod_qdq, target, pipeline=pipeline)
-    prog.done()
+    prog.done(nvcc_note)
     log(format_summary(layers))
-    return CompileResult(ex, record.integer_mod, meta, layers, record.weights, progress=prog)
+    return CompileResult(ex, record.integer_mod, meta, layers, record.weights, record.planned, progress=prog)
+
+
+def _nvcc_note(before, after, jobs: int) -> str:
+    """The nvcc part of a cuda build's progress line, from the build statistics before and after it."""
+    units, hits = after.units - before.units, after.cache_hits - before.cache_hits
+    compiled, wall = after.compiled - before.compiled, after.nvcc_wall_s - before.nvcc_wall_s
+    note = f"{after.modules - before.modules} CUDA modules; nvcc: "
+    note += f"{hits} of {units} kernels from the kernel cache" if hits else f"{units} kernels"
+    if compiled:
+        note += f", {compiled} compiled in {wall:.1f} s ({min(jobs, compiled)} in parallel)"
+    return note
 
 
 def _log_kernel_notes(record, arch: str, log):
@@ -314,7 +333,8 @@ def _log_kernel_notes(record, arch: str, log):
 
 
 def emit_cuda(res: CompileResult, out_dir: str, log=print) -> list:
-    """Write each CUDA kernel's source (``NAME.cu``) and PTX (``NAME.ptx``) of a cuda build to ``out_dir``.
+    """Write each CUDA kernel's source (``NAME.cu``: its translation unit) and PTX (``NAME.ptx``) of a cuda build to
+    ``out_dir``.
 
     Returns ``(kernel name, file stem)`` pairs; a name over 120 characters is shortened with a hash.
     """
@@ -322,33 +342,44 @@ def emit_cuda(res: CompileResult, out_dir: str, log=print) -> list:
     import re
     import subprocess
     import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qcompile.schedules.build import cuda_modules, nvcc_jobs
 
     if res.meta.get("target") != "cuda":
         raise QCompileError("--emit-cuda needs --target cuda")
-    mods = [m for top in res.executable.mod.imports for m in [top, *top.imports] if m.kind == "cuda"]
-    if not mods:
+    sources = [m.inspect_source("") for m in cuda_modules(res.executable)]
+    if not sources:
         raise QCompileError("the build has no CUDA module")
-    src = mods[0].inspect_source("")
     os.makedirs(out_dir, exist_ok=True)
-    parts = re.split(r'(?=extern "C" __global__)', src)
-    preamble, kernels = parts[0], parts[1:]
-    with tempfile.TemporaryDirectory() as d:
-        cu = os.path.join(d, "all.cu")
-        open(cu, "w").write(src)
-        ptx = os.path.join(d, "all.ptx")
-        arch = res.meta["arch"].replace("sm_", "") + ("a" if "wgmma." in src else "")  # (wgmma: the sm_90a features)
-        r = subprocess.run(["nvcc", "-ptx", f"-arch=compute_{arch}", "-o", ptx, cu], capture_output=True, text=True)
-        if r.returncode:
-            raise QCompileError(f"nvcc -ptx failed: {r.stderr[-500:]}")
-        ptx_text = open(ptx).read()
-    head, *entries = re.split(r"(?=\n\t// \.globl\t)", ptx_text)
-    ptx_by_name = {re.search(r"\.globl\t(\S+)", e).group(1): e for e in entries}
+    # (wgmma anywhere: every unit was built for the arch-specific features, sm_90a)
+    arch = res.meta["arch"].replace("sm_", "") + ("a" if any("wgmma." in s for s in sources) else "")
+    name_rx = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(")
+
+    def ptx_of(src: str) -> str:
+        with tempfile.TemporaryDirectory() as d:
+            cu, ptx = os.path.join(d, "k.cu"), os.path.join(d, "k.ptx")
+            open(cu, "w").write(src)
+            r = subprocess.run(["nvcc", "-ptx", f"-arch=compute_{arch}", "-o", ptx, cu], capture_output=True,
+                               text=True)
+            if r.returncode:
+                raise QCompileError(f"nvcc -ptx failed: {r.stderr[-500:]}")
+            return open(ptx).read()
+
+    with ThreadPoolExecutor(max(1, min(nvcc_jobs(), len(sources)))) as ex:
+        ptxs = list(ex.map(ptx_of, sources))
     written = []
-    for k in kernels:
-        name = re.search(r"__global__ void(?: __launch_bounds__\(\d+\))? (\w+)\(", k).group(1)
-        fname = name if len(name) <= 120 else f"{name[:100]}_{hashlib.sha1(name.encode()).hexdigest()[:10]}"
-        open(os.path.join(out_dir, fname + ".cu"), "w").write(preamble + k)
-        open(os.path.join(out_dir, fname + ".ptx"), "w").write(head + ptx_by_name.get(name, ""))
-        written.append((name, fname))
+    for src, ptx_text in zip(sources, ptxs):
+        parts = re.split(r'(?=extern "C" __global__)', src)
+        preamble, chunks = parts[0], parts[1:]
+        defs = [c for c in chunks if "{" in c.split(";", 1)[0]]  # (the others are forward declarations)
+        head, *entries = re.split(r"(?=\n\t// \.globl\t)", ptx_text)
+        ptx_by_name = {re.search(r"\.globl\t(\S+)", e).group(1): e for e in entries}
+        for k in defs:
+            name = name_rx.search(k).group(1)
+            fname = name if len(name) <= 120 else f"{name[:100]}_{hashlib.sha1(name.encode()).hexdigest()[:10]}"
+            open(os.path.join(out_dir, fname + ".cu"), "w").write(src if len(defs) == 1 else preamble + k)
+            open(os.path.join(out_dir, fname + ".ptx"), "w").write(head + ptx_by_name.get(name, ""))
+            written.append((name, fname))
     log(f"wrote {len(written)} kernels (.cu and .ptx) to {out_dir}")
     return written

@@ -16,7 +16,10 @@ registers its own) and runs inside ``tvm.compile``, which then generates the VM 
                                        ``qcompile_meta`` function
     5  backend                         TVM's Relax lowering for the target (legalize, fuse,  5_lowered.py
                                        schedule; cuda: qcompile's glue schedules before
-                                       dlight's rules, one CUDA graph)
+                                       dlight's rules, one CUDA graph, one PrimFunc per
+                                       distinct kernel); then TVM's code generation (cuda:
+                                       one module per kernel, nvcc in parallel through the
+                                       kernel cache, schedules/build.py)
 
 ``dump_dir`` (``--dump-ir DIR``, or the environment variable ``QCOMPILE_DUMP_IR``) writes the module after each
 phase (``show_meta=False``: constants are not printed). ``record`` (a :class:`PipelineRecord`) receives what the
@@ -31,6 +34,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from qcompile.errors import run_pass
@@ -153,9 +157,53 @@ def _attach_metadata(meta: dict, record: PipelineRecord) -> tvm.transform.Pass:
     return _attach
 
 
+def dedup_prim_funcs() -> tvm.transform.Pass:
+    """One PrimFunc for every set of PrimFuncs equal but for their names (layers with the same shape, knobs and
+    requantize constants get the same kernel from the dispatcher under different names): the calls of the others
+    go to the first by name, and the others leave the module, so TIR lowering, code generation and nvcc see each
+    kernel once."""
+
+    @relax.expr_functor.mutator
+    class _Rename(relax.PyExprMutator):
+        def __init__(self, mod, to):
+            super().__init__(mod)
+            self.to = to
+
+        def visit_global_var_(self, op):
+            return self.to.get(op, op)
+
+    @tvm.transform.module_pass(opt_level=0, name="qcompile.dedup_prim_funcs")
+    def _dedup(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        buckets: dict = {}
+        to: dict = {}
+        for gv, f in sorted(mod.functions.items(), key=lambda kv: kv[0].name_hint):
+            if not isinstance(f, tvm.tirx.PrimFunc):
+                continue
+            body = f.without_attr("global_symbol") if "global_symbol" in (f.attrs or {}) else f
+            same = buckets.setdefault(tvm_ffi.structural_hash(body, map_free_vars=True), [])
+            first = next((g for g, b in same if tvm_ffi.structural_equal(b, body, map_free_vars=True)), None)
+            if first is None:
+                same.append((gv, body))
+            else:
+                to[gv] = first
+        if not to:
+            return mod
+        funcs = {}
+        for gv, f in mod.functions.items():
+            if gv in to:
+                continue
+            if isinstance(f, relax.Function):
+                f = _Rename(mod, to).visit_expr(f)
+            funcs[gv] = f
+        out = tvm.IRModule(funcs, global_infos=dict(mod.global_infos))
+        return out.with_attrs(mod.attrs) if mod.attrs is not None else out
+
+    return _dedup
+
+
 def cuda_pipeline(target) -> tvm.transform.Pass:
     """Phase 5 on CUDA: TVM's CUDA Relax lowering with qcompile's glue schedules tried before dlight's generic
-    rules."""
+    rules, then one PrimFunc per distinct kernel (:func:`dedup_prim_funcs`)."""
     from tvm.relax.backend.cuda import pipeline as cp
     from tvm.s_tir import dlight as dl
 
@@ -171,7 +219,8 @@ def cuda_pipeline(target) -> tvm.transform.Pass:
                                                    dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
                                                    dl.gpu.GeneralReduction(), dl.gpu.Fallback())
             seq = tvm.transform.Sequential(cp.library_dispatch_passes(target) + legalize
-                                           + cp.dataflow_lower_passes(target) + cp.finalize_passes(target))
+                                           + cp.dataflow_lower_passes(target) + cp.finalize_passes(target)
+                                           + [dedup_prim_funcs()])
             return seq(mod)
 
     return _pipeline
