@@ -104,8 +104,8 @@ def _sass_dest(op: str, args: str):
 
 def wgmma_a_hazards_by_kernel(so_path: str) -> dict:
     """{kernel name: wgmma_a_hazards' lines} for the sm_90 SASS in ``so_path`` (kernels without any left out; empty
-    where cuobjdump is not installed): what the kernel build scripts (scripts/device_build.py, tune_layers.py)
-    record per case and print as SASS HAZARD."""
+    where cuobjdump is not installed): what ``qcompile.tune``'s LocalBuilder checks for every register-A candidate (a
+    hazard makes it a build_error)."""
     if not find_tool("cuobjdump"):
         return {}
     out = {}

@@ -326,7 +326,7 @@ def _log_kernel_notes(record, arch: str, log):
     if src and own < len(src):  # (compiled models take a record's knobs wherever a log has the shape)
         log(f"note: {len(src) - own} of {len(src)} implicit-GEMM layers have no tuning record for their "
             f"shape on {arch} ({src.count('nearest')} take the layer's record at the nearest batch size, "
-            f"{src.count('default')} the {arch} defaults); scripts/tune_layers.py measures records")
+            f"{src.count('default')} the {arch} defaults); qtune measures records for your GPU (docs/TUNING.md)")
     fb = [n for n, s in record.kernels.items() if s == "fallback"]
     if fb:
         log(f"note: {len(fb)} layer(s) do not fit the tensor-core tiles and use the generic kernel: {', '.join(fb)}")

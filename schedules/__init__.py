@@ -1,16 +1,21 @@
 """Tensor-core INT8/INT4 conv2d kernels for qcompile (TIR, TVM 0.27).
 
 Public interface (see docs/SCHEDULES.md):
-    conv2d_int_kernel(spec, arch="sm_90", strategy=None, knobs=None) -> tvm.tirx.PrimFunc
-    conv2d_int_plan(spec, arch="sm_90", strategy=None, knobs=None) -> [PrimFunc] (one kernel, or a split-K pair)
-    plan_conv(spec, arch="sm_90", strategy=None, knobs=None, ..., sms=None) -> PlannedKernel (the kernels with their calling
-                              convention and weight format: schedules/planned.py; what the compiler and tuner use)
+    conv2d_int_kernel(spec, arch="sm_90", strategy=None, knobs=None, ..., sms=None) -> tvm.tirx.PrimFunc
+    conv2d_int_plan(spec, arch="sm_90", strategy=None, knobs=None, ..., sms=None) -> [PrimFunc] (one kernel, or a
+                              split-K pair)
+    plan_conv(spec, arch="sm_90", strategy=None, knobs=None, ..., sms=None) -> PlannedKernel (the kernels with their
+                              calling convention and weight format: schedules/planned.py; what the compiler and tuner
+                              use)
     select_strategy(spec, arch) -> "direct_hwnc" | "direct_halo" | "implicit_gemm_t" | "implicit_gemm" | "fallback"
-    tuned_knobs(spec, arch, device=None, logs=()) -> GemmKnobs | None   (measured best knobs from
-                                                    tuning_logs/<arch>.jsonl and the logs named)
-    knobs_for(spec, arch, device=None, logs=()) -> (GemmKnobs, source)   (what kernels get: the GPU's record, the
-                              arch's, the layer's record at the nearest batch size, or default_knobs(spec, arch))
+    tuned_knobs(spec, arch, device=None, logs=(), strategy=...) -> knobs | None   (measured best knobs from
+                              tuning_logs/<arch>.jsonl and the logs named)
+    knobs_for(spec, arch, device=None, logs=(), strategy=...) -> (knobs, source)   (what kernels of every strategy
+                              but the fallback get: the GPU's record, the arch's, the layer's record at the nearest
+                              batch size, or the strategy's defaults)
     MMA_SHAPES, ConvSpec, GemmKnobs, DEFAULT_KNOBS
+``sms`` (the device's SM count, where the caller knows it) sizes the automatic K-split, default tiles, pixel tiles
+and persistent grids; default the arch table's reference part (``arch_info(arch).sms``).
 """
 from __future__ import annotations
 
@@ -47,20 +52,20 @@ def _gemm_planned(spec: ConvSpec, arch: str, knobs, layout: str, allow_split: bo
     return plan, build_kernel(plan)
 
 
-def _gemm_rule(spec: ConvSpec, arch: str, knobs, layout: str, allow_split: bool):
-    r = _gemm_planned(spec, arch, knobs, layout, allow_split)
+def _gemm_rule(spec: ConvSpec, arch: str, knobs, layout: str, allow_split: bool, sms: int | None = None):
+    r = _gemm_planned(spec, arch, knobs, layout, allow_split, sms)
     return r[1] if r else None
 
 
-def rule_direct_hwnc(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
-    return _gemm_rule(spec, arch, knobs, "HWNC", allow_split)
+def rule_direct_hwnc(spec: ConvSpec, arch: str, knobs=None, allow_split=False, sms=None):
+    return _gemm_rule(spec, arch, knobs, "HWNC", allow_split, sms)
 
 
-def rule_implicit_gemm(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
-    return _gemm_rule(spec, arch, knobs, "NHWC", allow_split)
+def rule_implicit_gemm(spec: ConvSpec, arch: str, knobs=None, allow_split=False, sms=None):
+    return _gemm_rule(spec, arch, knobs, "NHWC", allow_split, sms)
 
 
-def rule_fallback(spec: ConvSpec, arch: str, knobs=None, allow_split=False):
+def rule_fallback(spec: ConvSpec, arch: str, knobs=None, allow_split=False, sms=None):
     from .fallback import make_fallback
 
     return make_fallback(spec, "cuda")
@@ -111,7 +116,8 @@ def select_strategy(spec: ConvSpec, arch: str = "sm_90") -> str:
     return "fallback"
 
 
-def _resolve(spec: ConvSpec, arch: str, strategy, knobs, packed_weights: bool, tuning_logs, device):
+def _resolve(spec: ConvSpec, arch: str, strategy, knobs, packed_weights: bool, tuning_logs, device,
+             sms: int | None = None):
     """(strategy, knobs, source) a conv layer is built with (see ``conv2d_int_kernel``)."""
     if strategy is None:
         strategy = select_strategy(spec, arch)
@@ -123,9 +129,11 @@ def _resolve(spec: ConvSpec, arch: str, strategy, knobs, packed_weights: bool, t
     if strategy not in RULES:
         raise ValueError(f"unknown strategy {strategy!r}; one of {STRATEGIES}")
     source = "user" if knobs is not None else "default"
-    if knobs is None and strategy not in ("fallback", "direct_halo", "implicit_gemm_t"):
-        knobs, source = knobs_for(spec, arch, device, tuning_logs)
-        if packed_weights and spec.w_bits == 4:
+    if knobs is None and strategy != "fallback":  # (every strategy with knobs has records: tuning.RECORD_STRATEGIES)
+        knobs, source = knobs_for(spec, arch, device, tuning_logs, strategy=strategy)
+        if source == "default" and isinstance(knobs, GemmKnobs):
+            knobs = default_knobs(spec, arch, sms=sms)  # (sized by the device's SMs where given)
+        if packed_weights and spec.w_bits == 4 and isinstance(knobs, GemmKnobs):
             from .spec import packed_weight_knobs
 
             knobs = packed_weight_knobs(knobs)
@@ -138,7 +146,7 @@ def _planned(spec: ConvSpec, arch: str, strategy, knobs, allow_split: bool, pack
     PrimFuncs). ValueError where the strategy cannot take the spec."""
     from .planned import PlannedKernel
 
-    strategy, knobs, source = _resolve(spec, arch, strategy, knobs, packed_weights, tuning_logs, device)
+    strategy, knobs, source = _resolve(spec, arch, strategy, knobs, packed_weights, tuning_logs, device, sms)
     fail = ValueError(f"strategy {strategy} does not apply to {spec} on {arch}")
     if strategy in ("implicit_gemm", "direct_hwnc"):
         r = _gemm_planned(spec, arch, knobs, "HWNC" if strategy == "direct_hwnc" else "NHWC", allow_split, sms)
@@ -171,38 +179,41 @@ def _planned(spec: ConvSpec, arch: str, strategy, knobs, allow_split: bool, pack
 
 
 def conv2d_int_kernel(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
-                      allow_split: bool = False, packed_weights: bool = False, tuning_logs=(), device=None):
+                      allow_split: bool = False, packed_weights: bool = False, tuning_logs=(), device=None,
+                      sms: int | None = None):
     """PrimFunc for one quantized conv layer. Params: x, w, bias, M, S, [res], out.
     ``strategy`` forces a rule (ValueError when it cannot take the spec); ``knobs`` a GemmKnobs (with no strategy:
     the implicit GEMM's, where the selector would take implicit_gemm_t), or the HaloKnobs / KtKnobs of those rules. With
-    ``knobs=None`` the tensor-core rules use ``knobs_for(spec, arch, device, tuning_logs)``: the measured best knobs
-    for this shape on ``device`` (a GPU name), else on the arch, else its record for the same layer at the nearest
-    batch size, else the arch's defaults (``default_knobs``); ``tuning_logs`` (files or folders) are searched before
+    ``knobs=None`` every rule but the fallback uses ``knobs_for(spec, arch, device, tuning_logs, strategy=<its
+    strategy>)``: the strategy's measured best knobs for this shape on ``device`` (a GPU name), else on the arch, else
+    its record for the same layer at the nearest batch size, else its defaults (the implicit GEMM's:
+    ``default_knobs``, sized for ``sms``); ``tuning_logs`` (files or folders) are searched before
     ``tuning_logs/<arch>.jsonl``. The PrimFunc's ``qcompile.knobs_source`` attribute says which ("user" | "device" |
     "arch" | "nearest" | "default"). ``packed_weights`` (4-bit weights kept packed, ``qcompile
     --packed-int4-weights``): ``knobs_for``'s knobs in the form that takes them packed (``packed_weight_knobs``: a
-    ``w8`` kernel becomes the register-A kernel that unpacks B itself), the source unchanged."""
-    return _planned(spec, arch, strategy, knobs, allow_split, packed_weights, tuning_logs, device).funcs[0]
+    ``w8`` kernel becomes the register-A kernel that unpacks B itself), the source unchanged. ``sms``: the device's
+    SM count (the automatic K-split, default knobs, pixel tiles and persistent grids are sized for it), default the
+    arch table's reference part (``arch_info(arch).sms``)."""
+    return _planned(spec, arch, strategy, knobs, allow_split, packed_weights, tuning_logs, device, sms).funcs[0]
 
 
 def conv2d_int_plan(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
-                    packed_weights: bool = False, tuning_logs=(), device=None) -> list:
+                    packed_weights: bool = False, tuning_logs=(), device=None, sms: int | None = None) -> list:
     """The kernels one conv layer runs, in order, as PrimFuncs: ``[conv]`` (params as conv2d_int_kernel), or
     where the output tile grid is too small for the GPU a split-K pair (schedules/splitk.py)
     ``[gemm (x, w, ws int32[split, M, K]), epilogue (ws, bias, M, S, [res, rq2], out)]`` with the same result
     bit for bit. The split comes from the knobs (``split_k``; 0 = automatic). ``packed_weights``, ``tuning_logs``,
-    ``device``: as in ``conv2d_int_kernel``."""
-    return list(_planned(spec, arch, strategy, knobs, True, packed_weights, tuning_logs, device).funcs)
+    ``device``, ``sms``: as in ``conv2d_int_kernel``."""
+    return list(_planned(spec, arch, strategy, knobs, True, packed_weights, tuning_logs, device, sms).funcs)
 
 
 def plan_conv(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, knobs=None,
               packed_weights: bool = False, tuning_logs=(), device=None, sms: int | None = None):
     """The kernels of one conv layer with their calling convention (``planned.PlannedKernel``; ``knobs``: the
-    effective knobs the kernels were built with). Arguments as in ``conv2d_int_kernel``; ``strategy`` None:
-    ``select_strategy``'s; ``sms``: the device's SM count (split-K sizing, automatic tiles, persistent grids),
+    effective knobs the kernels were built with). Arguments as in ``conv2d_int_kernel`` (``strategy`` None:
+    ``select_strategy``'s, the implicit GEMM for GemmKnobs where that is implicit_gemm_t); ``sms``: the device's SM count (split-K sizing, automatic tiles, persistent grids),
     default the arch table's reference part (``arch_info(arch).sms``)."""
-    return _planned(spec, arch, strategy or select_strategy(spec, arch), knobs, True, packed_weights, tuning_logs,
-                    device, sms)
+    return _planned(spec, arch, strategy, knobs, True, packed_weights, tuning_logs, device, sms)
 
 
 __all__ = ["conv2d_int_kernel", "conv2d_int_plan", "plan_conv", "select_strategy", "MMA_SHAPES", "ConvSpec", "GemmKnobs",

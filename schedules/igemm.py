@@ -44,13 +44,14 @@ __all__ = ["GemmPlan", "NotApplicable", "_adapt_knobs", "_pick_ev", "_pick_vec",
 
 
 def make_gemm_conv(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | None = None,
-                   layout: str | None = None, adapt: bool = True, allow_split: bool = False):
+                   layout: str | None = None, adapt: bool = True, allow_split: bool = False, sms: int | None = None):
     """Build the tensor-core PrimFunc. ``layout`` "NHWC" = implicit GEMM, "HWNC" = direct.
 
     With ``allow_split`` and a split factor > 1 (``split_factor``) it is the first kernel of a split-K pair
-    (params x, w, ws int32[split, M, K]; attribute ``qcompile.split_k``), see schedules/splitk.py. Raises
-    ``NotApplicable`` where the plan (``gemm.plan.make_plan``) does."""
-    return build_kernel(make_plan(spec, arch, knobs, layout, adapt, allow_split))
+    (params x, w, ws int32[split, M, K]; attribute ``qcompile.split_k``), see schedules/splitk.py. ``sms``: the
+    device's SM count (default: the arch table's). Raises ``NotApplicable`` where the plan (``gemm.plan.make_plan``)
+    does, before any TIR is built."""
+    return build_kernel(make_plan(spec, arch, knobs, layout, adapt, allow_split, sms))
 
 
 

@@ -80,7 +80,7 @@ def kt_preferred(spec: ConvSpec, arch: str) -> bool:
     """Whether ``select_strategy`` takes this kernel over the implicit GEMM: a grid that fills the SMs better than
     128 x 128 tiles do (``fill_gain`` > 1) and has at least 3/4 as many blocks as SMs (smaller grids are the split-K
     pairs' ground); with 4-bit activations only pixel tiles of 192 or more. (H100, every ResNet-50 conv this takes at
-    batch 8 / 32 / 64 / 128, ``tune_layers.py build --kt``: 8-bit 0.98-1.56x the implicit GEMM as compiled, 1.22x
+    batch 8 / 32 / 64 / 128, against the implicit GEMM as compiled: 8-bit 0.98-1.56x the implicit GEMM as compiled, 1.22x
     geomean over 32 convs; 4-bit with 192+ pixels 1.00-1.24x, with fewer 0.82-1.11x -- the per-chunk unpack through
     shared memory is latency on every chunk's path, hidden behind 192 columns of MMAs but not behind 64-112.)"""
     return (kt_constraints(spec, arch) is None and fill_gain(spec, arch) > 1

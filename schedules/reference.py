@@ -3,12 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from qcompile import int4  # (on a GPU host without the package installed, scripts/device_run.py provides it)
+from qcompile import int4
 
-try:
-    from .spec import ConvSpec
-except ImportError:  # loaded as a plain module on the GPU host (no TVM compiler there)
-    from spec import ConvSpec  # type: ignore
+from .spec import ConvSpec
 
 
 def to_storage(vals: np.ndarray, dtype: str) -> np.ndarray:

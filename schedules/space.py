@@ -19,7 +19,11 @@ A ``KernelSpace`` is what a tuner (``qcompile.tune``) needs of a strategy, and w
 
 ``SPACES`` maps strategy names (``schedules.STRATEGIES``) to spaces; ``spaces_for(spec, arch)`` lists those that apply
 to a shape (``applies``). ``sms`` (the device's SM count, where a tuner knows it) overrides the arch table's reference
-part in ``effective``, ``default`` and the features: split-K sizing and automatic tiles depend on it.
+part (``arch_info(arch).sms``) in ``legal``, ``sample``, ``effective``, ``default`` and the features, as it does in the
+builders (``plan_conv(..., sms=)``): split-K sizing, automatic tiles and persistent grids depend on it.
+
+``legal`` is total: for any point of ``dims`` and any ConvSpec it returns None or a reason within milliseconds, and
+the builders refuse the points it refuses with the same reason before building any TIR (tests/test_space.py).
 """
 from __future__ import annotations
 
@@ -43,18 +47,20 @@ class KernelSpace:
     knobs_type: type
     dims: dict  # field -> tuple of values
     applies: Callable  # (spec, arch) -> str | None: why the strategy cannot take the shape at all
-    legal_fn: Callable  # (spec, arch, knobs) -> str | None (called after ``applies``)
+    legal_fn: Callable  # (spec, arch, knobs[, sms]) -> str | None (called after ``applies``; sms passed where given)
     default_fn: Callable  # (spec, arch, sms) -> knobs
     effective_fn: Callable = None  # (spec, arch, knobs, sms) -> knobs; None: the knobs themselves
     features_fn: Callable = None  # (spec, arch, knobs, sms) -> list[float] (strategy part; see ``features``)
     draw_fn: Callable = None  # (rng, spec, arch) -> knobs candidate; None: uniform over ``dims``
     derived_names: tuple = ()  # names of ``features_fn``'s values
 
-    def legal(self, spec: ConvSpec, arch: str, knobs) -> str | None:
+    def legal(self, spec: ConvSpec, arch: str, knobs, sms: int | None = None) -> str | None:
         if not isinstance(knobs, self.knobs_type):
             return f"{self.strategy} takes {self.knobs_type.__name__}, not {type(knobs).__name__}"
         why = self.applies(spec, arch)
-        return why if why else self.legal_fn(spec, arch, knobs)
+        if why:
+            return why
+        return self.legal_fn(spec, arch, knobs) if sms is None else self.legal_fn(spec, arch, knobs, sms)
 
     def effective(self, spec: ConvSpec, arch: str, knobs, sms: int | None = None):
         return self.effective_fn(spec, arch, knobs, sms) if self.effective_fn else knobs
@@ -68,14 +74,14 @@ class KernelSpace:
             return self.draw_fn(rng, spec, arch)
         return self.knobs_type(**{k: _pick(rng, v) for k, v in self.dims.items()})
 
-    def sample(self, rng, spec: ConvSpec, arch: str, tries: int = 2000, **fixed):
+    def sample(self, rng, spec: ConvSpec, arch: str, tries: int = 2000, sms: int | None = None, **fixed):
         """A random legal point (``rng``: random.Random or numpy Generator), or None after ``tries`` draws. ``fixed``
         fields are set on every draw."""
         for _ in range(tries):
             kn = self.draw(rng, spec, arch)
             if fixed:
                 kn = dataclasses.replace(kn, **fixed)
-            if self.legal(spec, arch, kn) is None:
+            if self.legal(spec, arch, kn, sms) is None:
                 return kn
         return None
 
@@ -104,8 +110,8 @@ SHAPE_FEATURES = ("log2_gemm_m", "log2_gemm_n", "log2_gemm_k", "R", "S", "stride
 
 def shape_features(spec: ConvSpec, arch: str, sms: int | None = None) -> list[float]:
     m, n, k = spec.gemm_shape()
-    return [math.log2(m), math.log2(n), math.log2(k), spec.R, spec.S, spec.strides[0], spec.x_bits,
-            float(spec.has_residual), math.log2(sms or arch_info(arch).sms)]
+    return [math.log2(m), math.log2(n), math.log2(k), float(spec.R), float(spec.S), float(spec.strides[0]),
+            float(spec.x_bits), float(spec.has_residual), math.log2(sms or arch_info(arch).sms)]
 
 
 # ---- implicit GEMM (NHWC) and the direct HWNC kernel: GemmKnobs ---------------------------------------------------
@@ -282,11 +288,11 @@ def gemm_plan(spec: ConvSpec, arch: str, kn: GemmKnobs, layout: str | None = Non
 
 
 def _gemm_legal(layout):
-    def legal(spec, arch, kn):
+    def legal(spec, arch, kn, sms=None):
         from .gemm.plan import NotApplicable
 
         try:
-            gemm_plan(spec, arch, kn, layout)
+            gemm_plan(spec, arch, kn, layout, sms)
         except NotApplicable as e:
             return str(e)
         return None

@@ -78,18 +78,28 @@ def cmd_build(a):
     print("built", sorted(p.name for p in d.glob("*.so")))
 
 
+def _gpu_runtime():
+    """(qcompile's measure.py as a module, CUDA device 0): the TVM runtime with its CUDA backend loaded (runtime-only
+    TVM loads none), from compiler/tune/measure.py loaded by path (it needs NumPy and the TVM runtime only)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("qcompile_measure", ROOT / "compiler" / "tune" / "measure.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m, m.get_device("cuda", 0)
+
+
 def cmd_device(a):
     sys.path.insert(0, str(ROOT / "scripts"))
     from device_env import setup_runtime_and_reexec
 
     setup_runtime_and_reexec(__file__, sys.argv[1:])
-    import device_run as DR  # the TVM runtime with its CUDA module loader
     import numpy as np
     import torch
+    import tvm
     from tvm.runtime.vm import VirtualMachine
 
-    tvm = DR.tvm
-    dev = tvm.cuda(0)
+    _, dev = _gpu_runtime()
     d = pathlib.Path(a.dir)
     built = json.loads((d / "build.json").read_text()) if (d / "build.json").exists() else {}
     res = dict(device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(),

@@ -104,23 +104,69 @@ def reference(x, pool, strides, padding):
     return y.permute(0, 2, 3, 1)
 
 
+def _gpu_runtime():
+    """(qcompile's measure.py as a module, CUDA device 0): the TVM runtime with its CUDA backend loaded (runtime-only
+    TVM loads none), from compiler/tune/measure.py loaded by path (it needs NumPy and the TVM runtime only)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("qcompile_measure", ROOT / "compiler" / "tune" / "measure.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m, m.get_device("cuda", 0)
+
+
+def capture(fn, launches):
+    """A CUDA graph of ``launches`` calls of fn (TVM kernels on torch's capture stream through tvm_ffi)."""
+    import torch
+    import tvm_ffi
+
+    g = torch.cuda.CUDAGraph()
+    with tvm_ffi.use_torch_stream(torch.cuda.graph(g)):
+        for _ in range(launches):
+            fn()
+    return g
+
+
+def graph_time(fn, launches=20, reps=7):
+    """Per-launch ms of ``launches`` calls of fn captured in one CUDA graph, median of ``reps`` replays."""
+    import numpy as np
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    g = capture(fn, launches)
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) / launches)
+    del g
+    return float(np.median(ts))
+
+
 def cmd_device(a):
     sys.path.insert(0, str(ROOT / "scripts"))
     from device_env import setup_runtime_and_reexec
 
     setup_runtime_and_reexec(__file__, sys.argv[1:])
-    import device_run as DR  # the TVM runtime + CUDA, the CUDA-graph timer
     import numpy as np
     import torch
+    import tvm
 
+    M, dev = _gpu_runtime()
+    pack4 = M.pack4  # (qcompile's nibble order: element 2i in the low nibble)
     d = pathlib.Path(a.dir)
-    mod = DR.tvm.runtime.load_module(str(d / "pools.so"))
+    mod = tvm.runtime.load_module(str(d / "pools.so"))
     out = pathlib.Path(a.out or d)
     out.mkdir(parents=True, exist_ok=True)
     spec = json.loads((d / "cases.json").read_text())
     results, ok_all = [], True
-    sys.path.insert(0, str(ROOT / "schedules"))
-    from qcompile.int4 import pack as pack4  # (qcompile's nibble order; device_run made qcompile importable)
 
     for name, N, H, W, C, dt, pool, strides, pad, *packed4 in spec["cases"]:
         rng = np.random.default_rng(len(results) + 1)
@@ -131,17 +177,17 @@ def cmd_device(a):
         x = pack4(xv).view(dt) if p4 else xv.astype(dt)
         if p4:  # the packed bytes, compared as bytes
             ref = pack4(ref).view(dt)
-        xt = DR.tvm.runtime.tensor(x, DR.DEV)
+        xt = tvm.runtime.tensor(x, dev)
         ok = True
         for poison in (0x5A, 0xA5):
-            y = DR.tvm.runtime.tensor(np.full(ref.shape, poison, np.uint8).view(dt), DR.DEV)
+            y = tvm.runtime.tensor(np.full(ref.shape, poison, np.uint8).view(dt), dev)
             mod[name](xt, y)
             ok &= bool(np.array_equal(y.numpy().astype(np.int64), ref.astype(np.int64)))
         row = dict(name=name, ok=ok, shape=[N, H, W, C], dtype=dt, pool=pool, strides=strides, padding=pad, packed4=p4)
         if name.endswith("_b256"):
-            row["ms"] = DR.bench_timer(lambda: mod[name](xt, y))
+            row["ms"] = graph_time(lambda: mod[name](xt, y))
             xh = torch.randn(N, C, H, W, device="cuda").half().to(memory_format=torch.channels_last)
-            row["torch_fp16_ms"] = DR.bench_timer(lambda: torch.nn.functional.max_pool2d(xh, pool, strides, 1))
+            row["torch_fp16_ms"] = graph_time(lambda: torch.nn.functional.max_pool2d(xh, pool, strides, 1))
         ok_all &= ok
         results.append(row)
         print(("PASS " if ok else "FAIL ") + json.dumps(row), flush=True)
@@ -149,11 +195,11 @@ def cmd_device(a):
         x = np.random.default_rng(len(results) + 1).integers(0, 256, shape).astype("uint8")
         xg = torch.from_numpy(x.astype(np.int64)).cuda()
         ref = (reference(xg, (3, 3), (2, 2), (1, 1, 1, 1)) if op == "max" else xg.sum(dim=(1, 2))).cpu().numpy()
-        xt = DR.tvm.runtime.tensor(x, DR.DEV)
-        y = DR.tvm.runtime.tensor(np.full(ref.shape, 0x5A, "uint8" if op == "max" else "int32"), DR.DEV)
+        xt = tvm.runtime.tensor(x, dev)
+        y = tvm.runtime.tensor(np.full(ref.shape, 0x5A, "uint8" if op == "max" else "int32"), dev)
         mod[name](xt, y)
         ok = bool(np.array_equal(y.numpy().astype(np.int64), ref.astype(np.int64)))
-        row = dict(name=name, ok=ok, shape=shape, op=op, ms=DR.bench_timer(lambda: mod[name](xt, y)))
+        row = dict(name=name, ok=ok, shape=shape, op=op, ms=graph_time(lambda: mod[name](xt, y)))
         ok_all &= ok
         results.append(row)
         print(("PASS " if ok else "FAIL ") + json.dumps(row), flush=True)

@@ -6,7 +6,7 @@
 # Usage: scripts/make_runtime_bundle.sh [OUT_DIR] [PYTHON_VERSION]
 #   OUT_DIR defaults to build/runtime_bundle, PYTHON_VERSION (the GPU host's, e.g. 3.12) to 3.12; an argument of the
 #   form N.N is taken as the Python version, so either may come first.
-# On the GPU host (scripts/device_env.py and scripts/device_run.sh do this where TVM does not import):
+# On the GPU host (scripts/device_env.py does this for the GPU-host scripts where TVM does not import):
 #   tar xJf OUT_DIR/tvm_runtime.tar.xz -C /tmp/rt && pip install --no-deps --target /tmp/rt OUT_DIR/*.whl
 #   PYTHONPATH=/tmp/rt TVM_USE_RUNTIME_LIB=1 python3 ...
 set -euo pipefail

@@ -65,8 +65,8 @@ def cuda_source(func, arch: str) -> str:
 
 # ---- the set ----------------------------------------------------------------------------------------------------
 def _spec_from_key(key: str):
-    """The ConvSpec a compiled model runs for a tuning key: unsigned activations and output with the epilogue
-    ``scripts/tune_layers.py`` tunes (stage 1 with ``shift_ge33``), and with ``|res`` ResNet-50's residual stage."""
+    """The ConvSpec a compiled model runs for a tuning key: unsigned activations and output with the stage-1
+    epilogue of a QDQ ResNet's convs (``shift_ge33``), and with ``|res`` ResNet-50's residual stage."""
     from qcompile.schedules import ConvSpec
     from qcompile.schedules.layers import RQ2_RESNET50
 

@@ -1249,6 +1249,62 @@ def test_space_sms_override():
         big, "sm_90", sms=16).BM == 128
 
 
+def test_sms_reaches_every_entry_point():
+    """``sms`` (the device's SM count) is passed alike by conv2d_int_kernel, conv2d_int_plan and plan_conv: the
+    automatic K-split of a small grid (8 tiles of ResNet-50's l4 3x3 conv at batch 1) is 16 for the table's 132 SMs
+    and 8 for a 40-SM part; the default tiles of an untuned shape are sized for it too (25 tiles of 128 x 128: 64 x
+    64 tiles for 132 SMs, 128 x 128 for 16)."""
+    from qcompile.schedules import conv2d_int_plan, plan_conv
+    from qcompile.schedules.space import SPACES
+
+    spec = ConvSpec(N=1, H=7, W=7, C=512, K=512, R=3, S=3, padding=1, x_dtype="uint8")
+    k = GemmKnobs(BM=64, BN=64, WM=2, WN=2, stages=4)
+    for sms, split in ((None, 16), (132, 16), (40, 8)):
+        assert conv2d_int_kernel(spec, "sm_90", "implicit_gemm", k, allow_split=True, sms=sms).attrs[
+            "qcompile.split_k"] == split
+        funcs = conv2d_int_plan(spec, "sm_90", "implicit_gemm", k, sms=sms)
+        assert len(funcs) == 2 and funcs[1].attrs["qcompile.split_k"] == split
+        assert plan_conv(spec, "sm_90", "implicit_gemm", k, sms=sms).split_k == split
+        assert SPACES["implicit_gemm"].effective(spec, "sm_90", k, sms=sms).split_k == split
+    odd = ConvSpec(N=4, H=28, W=28, C=128, K=128, R=3, S=3, padding=1, x_dtype="uint8")  # (no record)
+    for sms, bm in ((None, 64), (16, 128)):
+        pk = plan_conv(odd, "sm_90", "implicit_gemm", sms=sms)
+        assert pk.source == "default" and pk.knobs.BM == bm and SPACES["implicit_gemm"].default(odd, "sm_90",
+                                                                                                  sms=sms).BM == bm
+
+
+def test_records_of_every_strategy_reach_compiled_models(tmp_path):
+    """implicit_gemm_t and direct_halo records are looked up like the implicit GEMM's (``knobs_for`` with the
+    strategy): the kernel is built with the record's knobs, the source says where they came from; packed 4-bit
+    weights change GemmKnobs only."""
+    from qcompile.schedules import plan_conv, tuning_key
+    from qcompile.schedules.igemm_t import KtKnobs
+    from qcompile.schedules.igemm_t import resolve_knobs as kt_resolve
+    from qcompile.schedules.spec import space_to_depth
+    from qcompile.schedules.stem import HaloKnobs
+    from qcompile.schedules.tuning import clear_cache, format_record, make_record
+
+    dev = "NVIDIA H100 80GB HBM3"
+    u8 = dict(x_dtype="uint8", out_dtype="uint8", lo=0, hi=255)
+    kt = ConvSpec(N=64, H=7, W=7, C=512, K=512, R=3, S=3, padding=1, **u8)
+    stem = space_to_depth(ConvSpec(N=8, H=224, W=224, C=4, K=64, R=7, S=7, stride=2, padding=3, **u8))
+    ktk, halok = KtKnobs(bn=128, stages=5, gif=1), HaloKnobs(th=2, minb=2, pipe=0)
+    log = tmp_path / "sm_90.jsonl"
+    log.write_text("".join(format_record(make_record("sm_90", dev, 132, tuning_key(sp), st, kn, ms=0.05)) + "\n"
+                           for sp, st, kn in ((kt, "implicit_gemm_t", ktk), (stem, "direct_halo", halok))))
+    clear_cache()
+    assert select_strategy(kt, "sm_90") == "implicit_gemm_t" and select_strategy(stem, "sm_90") == "direct_halo"
+    for device, source in ((None, "arch"), (dev, "device")):
+        pk = plan_conv(kt, "sm_90", tuning_logs=[log], device=device)
+        assert (pk.strategy, pk.source, pk.knobs) == ("implicit_gemm_t", source, kt_resolve(kt, "sm_90", ktk))
+        pk = plan_conv(stem, "sm_90", "direct_halo", packed_weights=True, tuning_logs=[log], device=device)
+        assert (pk.source, pk.knobs) == (source, halok)
+    f = conv2d_int_kernel(kt, "sm_90", "implicit_gemm_t", tuning_logs=[str(log)])
+    assert f.attrs["qcompile.knobs_source"] == "arch"
+    assert plan_conv(kt, "sm_90", "implicit_gemm_t").source == "default"  # (the shipped log: implicit_gemm only)
+    assert plan_conv(kt.replace(N=32), "sm_90", "implicit_gemm_t", tuning_logs=[log]).source == "nearest"
+
+
 def test_kt_and_halo_spaces():
     """implicit_gemm_t (KtKnobs) and direct_halo (HaloKnobs) have spaces whose legality is the builders' own
     (``kt_legal`` / ``halo_legal``), sampled uniformly; effective knobs are the resolved ones."""

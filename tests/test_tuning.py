@@ -1,10 +1,9 @@
-"""Tuning logs (tuning_logs/<arch>.jsonl, JSON lines) and their use by conv2d_int_kernel and qcompile: fast, no GPU."""
+"""Tuning logs (tuning_logs/<arch>.jsonl, JSON lines): their records as qtune writes them, the kernel spaces qtune
+draws candidates from, and the records' use by conv2d_int_kernel and qcompile: fast, no GPU."""
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import warnings
 
 import pytest
@@ -25,8 +24,8 @@ def _fresh_cache(monkeypatch):
 
 
 def _specs():
-    """The shapes tune_layers.py tunes (ResNet-18/50 at batch 64/256, ResNet-50 at 1, 8, 16, 32, 128; INT8, INT4 NHWC;
-    the RGB stem also as compiled models run it: padded to 4 channels, and in its space-to-depth form)."""
+    """The shapes the shipped log records (ResNet-18/50 at batch 64/256, ResNet-50 at 1, 8, 16, 32, 128; INT8, INT4
+    NHWC; the RGB stem also as compiled models run it: padded to 4 channels, and in its space-to-depth form)."""
     from qcompile.schedules.spec import space_to_depth
 
     for N in (1, 8, 16, 32, 64, 128, 256):
@@ -193,33 +192,31 @@ def test_missing_log_warns_once_and_falls_back(tmp_path, monkeypatch):
     assert str(kernels[0].attrs["qcompile.knobs"]) == str(_adapt_knobs(spec, default_knobs(spec, "sm_90"), "NHWC"))
 
 
-@pytest.mark.parametrize("how", ["unknown_knob", "outside_space", "not_json", "old_key", "other_strategy"])
+@pytest.mark.parametrize("how", ["outside_space", "not_json", "old_key", "unknown_strategy", "unknown_status"])
 def test_stale_record_is_skipped_with_one_warning(tmp_path, monkeypatch, how):
-    """A record whose knobs name a field GemmKnobs does not know, or take a value outside GemmKnobs.SPACE, is stale:
-    skipped, with ONE warning naming the file and the line; so is a line that is not JSON, or whose key or strategy
-    does not fit. The other records still apply."""
+    """A record whose knobs take a value outside GemmKnobs.SPACE is stale: skipped, with ONE warning naming the file
+    and the line; so is a line that is not JSON, or whose key, strategy or status does not fit. The other records
+    still apply."""
     spec = _tuned_spec()
     recs = _raw()
     lines = [json.dumps(r) for r in recs.values()]
     at = list(recs).index(tuning_key(spec))
     rec = dict(recs[tuning_key(spec)], knobs=dict(recs[tuning_key(spec)]["knobs"]))
-    if how == "unknown_knob":  # GemmKnobs lost a field since the record was written
-        rec["knobs"]["warp_specialize"] = 2
-    elif how == "outside_space":
+    if how == "outside_space":
         rec["knobs"]["BM"] = 96
-    if how in ("unknown_knob", "outside_space"):
         lines[at] = json.dumps(rec)
     else:  # (an extra line before the record: the record itself still applies)
         lines.insert(at, {"not_json": '{"arch": "sm_90", "device": "x", "key": ',
                               "old_key": json.dumps(dict(rec, key=rec["key"].replace("|dil1,1", ""))),
-                              "other_strategy": json.dumps(dict(rec, strategy="implicit_gemm_t"))}[how])
+                              "unknown_strategy": json.dumps(dict(rec, strategy="winograd")),
+                              "unknown_status": json.dumps(dict(rec, status="pending"))}[how])
     (tmp_path / "sm_90.jsonl").write_text("\n".join(lines) + "\n")
     monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path))
     kernels = []
     msgs = _count(lambda: [kernels.append(conv2d_int_kernel(spec, "sm_90")) for _ in range(3)])
     assert len(msgs) == 1 and str(tmp_path / "sm_90.jsonl") in msgs[0] and f"line {at + 1}:" in msgs[0], msgs  # (1-based)
     assert "skipped 1 " in msgs[0]
-    if how not in ("unknown_knob", "outside_space"):
+    if how != "outside_space":
         assert all(str(f.attrs["qcompile.knobs_source"]) == "arch" for f in kernels)
         assert tuned_knobs(spec, "sm_90") == TU.knobs_from_dict(recs[tuning_key(spec)]["knobs"])
         return
@@ -307,246 +304,94 @@ def test_tuned_kernel_builds_for_cuda():
     assert kinds == {"sync", "wgmma"}
 
 
-def _tune_layers():
-    """scripts/tune_layers.py as a module (it is a script, not part of the package)."""
+def _fakes():
+    """tests/tune/fakes.py (the tuner's fake space, builder and runner) as a module."""
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tune_layers.py"
-    spec = importlib.util.spec_from_file_location("tune_layers", path)
-    tl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tl)
-    return tl
+    path = pathlib.Path(__file__).resolve().parent / "tune" / "fakes.py"
+    spec = importlib.util.spec_from_file_location("tune_fakes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def test_loader_sweep_candidates():
-    """scripts/tune_layers.py's 4-bit loader sweeps (--awarp, --wsp) propose valid, distinct knobs that fit the H100's
-    shared memory, for 4-bit layers only, next to the as-compiled kernel of every layer."""
-    tl = _tune_layers()
-    layers = ["r50_l4_3x3_b64_int4", "r50_l3_3x3_b64_int8"]
-    for cases, flag in ((tl.make_cases_awarp([64], layers), "awarp"), (tl.make_cases_wsp([64], layers), "wsp")):
-        extra = [c for c in cases if c["variant"] != "default"]
-        assert extra and all(c["layer"] == "r50_l4_3x3_b64_int4" for c in extra)
-        knobs = [c["knobs"] for c in extra]
-        assert len(set(knobs)) == len(knobs) and all(k.valid() and getattr(k, flag) for k in knobs)
-        assert all(tl.smem_bytes(k, c["spec"]) <= 220 * 1024 for k, c in zip(knobs, extra))
-        assert len([c for c in cases if c["variant"] == "default"]) == 2 * 24  # every ResNet-50 layer, both widths
-
-
-def test_w8_shared_a_round_candidates():
-    """`build --w8 --areg --areg-pipes -1 0`: 4-bit register-A kernels taking 8-bit weights whose A fragments are read
-    from the block's packed shared ring (no warp-owned rows, no agl), one per pipe value, with the B ring deep enough
-    (stages >= pstages + 1 + pipe); valid, distinct, fitting shared memory, 4-bit layers only."""
-    tl = _tune_layers()
-    layers = ["r50_l4_3x3_b256_int4", "r50_l4_3x3_b256_int8", "r50_l2_3x3s2_b8_int4"]  # (the last: an agl record)
-    cases = tl.make_cases_w8([8, 256], layers, ["wg128x128_bk128_g0"], (3, 4), (0,), shared_a_pipes=(-1, 0))
-    extra = [c for c in cases if c["variant"] != "default"]
-    assert {c["layer"] for c in extra} == {"r50_l4_3x3_b256_int4", "r50_l2_3x3s2_b8_int4"}
-    knobs = [c["knobs"] for c in extra]
-    for layer in {c["layer"] for c in extra}:  # (distinct per layer)
-        mine = [c["knobs"] for c in extra if c["layer"] == layer]
-        assert len(set(mine)) == len(mine)
-    assert all(k.valid() and k.w8 and k.areg and not k.awarp and not k.agl for k in knobs)
-    assert {k.pipe for k in knobs} == {-1, 0} and all(k.stages == k.pstages + 1 + k.pipe for k in knobs)
-    assert all(tl.smem_bytes(k, c["spec"]) <= 220 * 1024 for k, c in zip(knobs, extra))
-    assert all(re.search(rf"_sa{c['knobs'].pipe + 1}(_minb\\d)?$", c["variant"]) for c in extra)
-
-
-def test_defaults_ab_round_candidates():
-    """`build --defaults-ab`: next to each layer as compiled, the arch's defaults (wgmma tiles where the operands take
-    them) and the mma.sync defaults, each adapted, distinct from the as-compiled knobs and from each other."""
-    tl = _tune_layers()
-    cases = tl.make_cases_defaults_ab([32])
-    extra = [c for c in cases if c["variant"] != "default"]
-    assert {c["variant"] for c in extra} == {"arch_defaults", "mma_sync_defaults"}
-    for c in extra:
-        now = next(d["knobs"] for d in cases if d["layer"] == c["layer"] and d["variant"] == "default")
-        assert c["knobs"].valid() and c["knobs"] != now
-        wg_ok = c["spec"].C * c["spec"].x_bits // 8 % 16 == 0  # (16-byte channel vectors)
-        assert (c["knobs"].mma == "wgmma") == (c["variant"] == "arch_defaults" and wg_ok)
-    assert len([c for c in cases if c["variant"] == "default"]) == 2 * 24
-
-
-def test_neighbors_round_candidates():
-    """`build --neighbors`: next to each layer as compiled, its records at the log's other batch sizes (K-split left
-    to the automatic rule) and the arch's defaults, each adapted, valid and distinct from the as-compiled knobs."""
-    from qcompile.schedules.tuning import tuning_key
-
-    tl = _tune_layers()
-    recs = _raw()
-    cases = tl.make_cases_neighbors([48])
-    extra = [c for c in cases if c["variant"] != "default"]
-    assert {c["variant"] for c in extra} >= {"arch_defaults", "rec_b64", "rec_b8"}
-    for c in extra:
-        now = next(d["knobs"] for d in cases if d["layer"] == c["layer"] and d["variant"] == "default")
-        assert c["knobs"].valid() and c["knobs"] != now and c["knobs"].split_k == 0
-        if c["variant"].startswith("rec_b"):
-            rec = recs[tuning_key(c["spec"].replace(N=int(c["variant"][5:])))]
-            assert c["knobs"].BM <= TU.knobs_from_dict(rec["knobs"]).BM  # (adapted: tiles shrink, never grow)
-    assert len([c for c in cases if c["variant"] == "default"]) == 2 * 24
-
-
-def test_stream_k_and_split_round_candidates(tmp_path):
-    """--sk proposes stream-K variants (8-bit layers only, valid, distinct, fitting sk blocks per SM); --splits the
-    as-compiled knobs with each K-split; the tuner builds what compiled models run: the split-K pair where it splits."""
-    tl = _tune_layers()
-    layers = ["r50_l4_3x3_b8_int4", "r50_l4_3x3_b8_int8"]
-    extra = [c for c in tl.make_cases_sk([8], layers) if c["variant"] != "default"]
-    assert extra and all(c["layer"] == "r50_l4_3x3_b8_int8" and c["knobs"].sk and c["knobs"].valid() for c in extra)
-    assert len({c["knobs"] for c in extra}) == len(extra)
-    assert all(c["knobs"].sk * (tl.smem_bytes(c["knobs"], c["spec"]) + 1024) <= 228 * 1024 for c in extra)
-    cases = tl.make_cases_splits([1], ["r50_l4_3x3_b1_int4"])
-    now = next(c["knobs"] for c in cases if c["layer"] == "r50_l4_3x3_b1_int4" and c["variant"] == "default")
-    extra = [c for c in cases if c["variant"] != "default"]
-    assert {c["knobs"].split_k for c in extra} | {now.split_k} >= {1, 2, 4, 8}
-    assert all(c["knobs"] == now.replace(split_k=c["knobs"].split_k) for c in extra)
-    if shutil.which("nvcc"):  # the tuner's build: the split-K pair, as compiled models run it
-        tl.TUNE_DIR = tmp_path
-        case = dict(next(c for c in extra if c["knobs"].split_k == 2), func="t0000")
-        _, (rec,), _ = tl.build_group((0, [case]))
-        assert rec["funcs"] == ["t0000", "t0000_e"] and rec["strategy_used"] == "implicit_gemm+splitk2"
-        assert rec["sk"] is None and (tmp_path / "t000.so").is_file()
-
-
-def test_stem_round_tunes_the_space_to_depth_form():
-    """--stem proposes tiles for the stem as compiled models run it (the 4x4 stride-1 conv over 16 channels), and the
-    tuner's layer table maps the stem's rows to it while cuDNN gets the layer itself (7x7 stride 2, 4 channels)."""
-    tl = _tune_layers()
-    cases = tl.make_cases_stem([64])
-    assert {c["layer"] for c in cases} == {"r50_stem_b64_int8", "r50_stem_b64_int4"}
-    assert all((c["spec"].C, c["spec"].R, c["spec"].strides) == (16, 4, (1, 1)) for c in cases)
-    extra = [c for c in cases if c["variant"] != "default"]
-    assert len(extra) > 20 and any(c["knobs"].mma == "wgmma" for c in extra) and any(c["knobs"].erq for c in extra)
-    assert all(c["knobs"].valid() for c in extra)
-    layer = tl.int8_spec(64, 3, 224, 64, 7, 2, 3, s2d=False)
-    assert (layer.C, layer.R, layer.strides) == (4, 7, (2, 2))
-
-
-def test_log_merge_replaces_same_gpu_and_key_and_ranks_by_confirmed_time(tmp_path, monkeypatch):
-    """`tune_layers.py log RESULTS --merge`: JSON lines sorted by key; a new record replaces the one of the same GPU
-    and key, other records (other shapes, other GPUs) stay; each names the arch, GPU, SM count, key and strategy; with
-    --confirm timings (bench_ms) a variant is ranked by those, not by its interleaved median; a variant whose knobs
-    tuned_knobs would refuse (outside GemmKnobs.SPACE) is not written; the SM count comes from the results, else
-    --sms, else 132 for an H100 name, else the command stops."""
-    import argparse
-
+def test_tuner_appends_to_a_log_and_lookup_takes_each_gpus_fastest(tmp_path, monkeypatch):
+    """qtune run on a log that already holds records -- this GPU's slower record of the task, another GPU's record of
+    it, this GPU's record of another shape -- leaves every line as it was and appends its own: each names the arch,
+    this GPU, the SM count its runner reports, the key and the strategy. The GPU's record already there counts as
+    measured (not measured again). Looked up afterwards, each GPU gets its own fastest OK record of the shape, and
+    the other shape keeps its record."""
     from qcompile.schedules import GemmKnobs
+    from qcompile.tune.scheduler import Tuner
+    from qcompile.tune.tasks import set_shares
 
-    TL = _tune_layers()
-    monkeypatch.setattr(TL, "ROOT", tmp_path)
-    (tmp_path / "tuning_logs").mkdir()
-    dst = tmp_path / "tuning_logs" / "sm_90.jsonl"
-    key = "NHWC|N256|H7|W7|C512|K512|R3|S3|st1,1|pad1,1,1,1|dil1,1|x4|w4"
-    other_key = "NHWC|N1|H7|W7|C512|K512|R3|S3|st1,1|pad1,1,1,1|dil1,1|x4|w4"
-    base = dict(arch="sm_90", sms=132, strategy="implicit_gemm", knobs={"BM": 64}, variant="v_old", ms=1.0)
-    kept = [dict(base, device="NVIDIA H100 80GB HBM3", key=other_key),  # (another shape)
-            dict(base, device="OTHER GPU", key=key),                     # (the same shape on another GPU)
-            dict(base, device="H100 TEST", key=key)]                     # (replaced by this run's record)
-    _write(dst, kept)
-    knobs = {v: TU.knobs_to_dict(GemmKnobs(BM=bm, BN=bn)) for v, bm, bn in
-             (("default", 128, 128), ("fast_interleaved", 256, 128), ("fast_alone", 64, 64))}
-    ms = {"default": 0.100, "fast_interleaved": 0.080, "fast_alone": 0.090}
-    bench_ms = {"default": 0.100, "fast_interleaved": 0.099, "fast_alone": 0.085}
-    row = {"layer": "r50_x_b256_int4", "key": key, "variants": [
-        dict(variant=v, knobs=knobs[v], is_default=v == "default", ok=True, ms=ms[v], bench_ms=bench_ms[v])
-        for v in knobs]}
-    res = tmp_path / "tune_results.json"
-    res.write_text(json.dumps({"device": "H100 TEST", "date": "2026-11-23", "tune": [row]}))
-    TL.cmd_log(argparse.Namespace(results=str(res), merge=True, min_gain=0.02, sms=None))
-    lines = dst.read_text().splitlines()
-    got = [json.loads(ln) for ln in lines]
-    assert len(got) == 3 and [r["key"] for r in got] == sorted(r["key"] for r in got)
-    assert kept[0] in got and kept[1] in got and kept[2] not in got
-    rec = next(r for r in got if r["device"] == "H100 TEST")
-    assert list(rec)[:6] == ["arch", "device", "sms", "key", "strategy", "knobs"]
-    assert (rec["arch"], rec["sms"], rec["key"], rec["strategy"]) == ("sm_90", 132, key, "implicit_gemm")
-    assert rec["variant"] == "fast_alone" and rec["knobs"] == knobs["fast_alone"]
-    assert rec["ms"] == 0.085 and rec["default_ms"] == 0.1 and rec["date"] == "2026-11-23"
-    assert TU.parse_record(lines[got.index(rec)])[0].knobs == GemmKnobs(BM=64, BN=64)
-    # a gain under --min-gain keeps the default; without --merge the log holds this run's records only; the results'
-    # own SM count wins
-    res.write_text(json.dumps({"device": "H100 TEST", "sms": 114, "date": "2026-11-23", "tune": [row]}))
-    TL.cmd_log(argparse.Namespace(results=str(res), merge=False, min_gain=0.2, sms=None))
-    got = [json.loads(ln) for ln in dst.read_text().splitlines()]
-    assert len(got) == 1 and got[0]["variant"] == "default" and got[0]["sms"] == 114
-    # a winner outside the knob space (here stages=9): refused, naming the layer, the log left as it was
-    row["variants"][2]["knobs"] = dict(knobs["fast_alone"], stages=9)
-    res.write_text(json.dumps({"device": "H100 TEST", "date": "2026-11-23", "tune": [row]}))
-    before = dst.read_text()
-    with pytest.raises(SystemExit, match="r50_x_b256_int4: variant fast_alone"):
-        TL.cmd_log(argparse.Namespace(results=str(res), merge=True, min_gain=0.02, sms=None))
-    assert dst.read_text() == before
-    # no SM count for a GPU that is not an H100: --sms is required
-    row["variants"][2]["knobs"] = knobs["fast_alone"]
-    res.write_text(json.dumps({"device": "NVIDIA L40S", "date": "2026-11-23", "tune": [row]}))
-    with pytest.raises(SystemExit, match="--sms"):
-        TL.cmd_log(argparse.Namespace(results=str(res), merge=True, min_gain=0.02, sms=None))
-    assert dst.read_text() == before
-    TL.cmd_log(argparse.Namespace(results=str(res), merge=True, min_gain=0.02, sms=142))
-    got = [json.loads(ln) for ln in dst.read_text().splitlines()]
-    assert {(r["device"], r["sms"]) for r in got} == {("H100 TEST", 114), ("NVIDIA L40S", 142)}
+    F = _fakes()
+    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path / "none"))
+    task = F.make_task(N=8, H=28, C=128, K=128)
+    other = ConvSpec(N=8, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8")
+    dflt = F.fake_space().default(task.spec, "sm_90")
+    mine_old, theirs, kept = GemmKnobs(BM=32, BN=256, BK=128), GemmKnobs(BM=64, BN=64, BK=32), GemmKnobs(BM=256)
+    slow = 10 * F.cost_ms(task.spec, dflt)
+    mk = lambda spec, dev, kn, ms: TU.make_record("sm_90", dev, 132, tuning_key(spec), "implicit_gemm", kn, "ok", ms)
+    before = "".join(TU.format_record(r) + "\n" for r in (
+        mk(task.spec, "Fake GPU", dflt, slow), mk(task.spec, "Fake GPU", mine_old, slow),
+        mk(task.spec, "Other GPU", theirs, 1e-6), mk(other, "Fake GPU", kept, 0.5)))
+    log = tmp_path / "t.jsonl"
+    log.write_text(before)
+    set_shares([task], measured=False)
+    runner = F.FakeRunner(sms=114)
+    Tuner([task], F.FakeBuilder(), runner, log, spaces={"implicit_gemm": F.fake_space()},
+          log=lambda s: None).run(trials=20)
+    text = log.read_text()
+    assert text.startswith(before)
+    new = [json.loads(ln) for ln in text[len(before):].splitlines()]
+    assert len(new) == 20
+    assert {(r["arch"], r["device"], r["sms"], r["key"], r["strategy"]) for r in new} == {
+        ("sm_90", "Fake GPU", 114, task.key, "implicit_gemm")}
+    assert not {dflt, mine_old} & {c.knobs for c in runner.measured}
+    best = min((r for r in new if r["status"] == "ok"), key=lambda r: r["ms"])
+    assert best["ms"] < slow
+    logs = [str(log)]
+    TU.clear_cache()  # (the log as a new process reads it: read_log caches what the tuner read before appending)
+    assert _no_warnings(knobs_for, task.spec, "sm_90", "Fake GPU", logs) == (TU.knobs_from_dict(best["knobs"]),
+                                                                            "device")
+    assert knobs_for(task.spec, "sm_90", "Other GPU", logs) == (theirs, "device")
+    assert knobs_for(other, "sm_90", "Fake GPU", logs) == (kept, "device")
 
 
-def test_residual_tuning_cases_and_reference():
-    """tune_layers.py build --pp --residual: ResNet-50's 1x1b expansions built with the residual add a compiled model
-    fuses into them (their records go to the ``|res`` key), the other layers without it; the GPU side's torch
-    reference of the residual stage equals NumPy's ``requant`` on a small problem (CPU)."""
-    import numpy as np
-    import torch
+def test_implicit_gemm_t_space_covers_its_tuning_points():
+    """implicit_gemm_t's space (what qtune draws its candidates from) at a layer the selector gives it -- ResNet-50's
+    last 3x3 at batch 64, 8-bit as compiled models run it -- and at its 4-bit form: the pixel tile (0: auto_bn's),
+    ring depth and groups in flight are dimensions; the legal points are those whose ring covers the groups in
+    flight and whose shared tiles fit the block (224 pixels x 6 stages: 264 KiB, more than sm_90's 227 KiB), the
+    others refused with the reason; 4-bit activations take both paths (registers, the shared ring) as distinct
+    kernels; a conv with a residual add is not the space's (the implicit GEMM runs it)."""
+    import itertools
 
-    from qcompile.schedules import reference as R
-
-    tl = _tune_layers()
-    # (two layers the implicit GEMM runs in a model: r50_l4_1x1b with its add; r50_l4_1x1a, 14x14 -- implicit_gemm_t
-    # takes no residual, and the 7x7 r50_l4_1x1c at 64 is implicit_gemm_t's)
-    cases = tl.make_cases_pp([64], ["r50_l4_1x1b_b64_int8", "r50_l4_1x1a_b64_int8"], residual=True)
-    tune = [c for c in cases if c["variant"] != "default"]
-    assert {c["layer"] for c in tune} == {"r50_l4_1x1b_b64_int8", "r50_l4_1x1a_b64_int8"}
-    assert next(c for c in cases if c["layer"] == "r50_l4_1x1c_b64_int8")["strategy"] == "implicit_gemm_t"
-    for c in cases:  # (every layer as compiled, the residual ones with their add, and the variants)
-        assert c["spec"].has_residual == c["layer"].startswith(("r50_l1_1x1b", "r50_l2_1x1b", "r50_l3_1x1b",
-                                                                 "r50_l4_1x1b"))
-        assert tuning_key(c["spec"]).endswith("|res") == c["spec"].has_residual
-    assert any(c["knobs"].pp and not c["knobs"].erq for c in tune) and all(c["knobs"].valid() for c in tune)
-    # any other sweep with --residual (with_residual): the 1x1b convs' specs, default and variants alike, carry the add;
-    # a layer's default row takes the knobs the model compiles its residual conv with (its |res record)
-    w8 = tl.with_residual(tl.make_cases_w8([64], ["r50_l2_1x1b_b64_int4", "r50_l2_1x1c_b64_int4"]))
-    rows = [c for c in w8 if c["layer"] in ("r50_l2_1x1b_b64_int4", "r50_l2_1x1c_b64_int4")]
-    assert {c["layer"] for c in rows if not c["is_default"]} == {"r50_l2_1x1b_b64_int4", "r50_l2_1x1c_b64_int4"}
-    for c in rows:
-        assert c["spec"].has_residual == (c["layer"] == "r50_l2_1x1b_b64_int4")
-    d = next(c for c in rows if c["is_default"] and c["spec"].has_residual)
-    assert d["knobs"] == tl._now_knobs(d["spec"])
-    for mk in (tl.int8_spec, tl.int4_spec):
-        sp = tl.residual_spec(mk(2, 64, 7, 256, 1, 1, 0))
-        args, ref, ok_np, nuniq = tl.make_problem(sp, 7, torch.device("cpu"))
-        xb, wb, b, M, S, rb, rq2 = (a.numpy() for a in args)
-        x = R.from_storage(xb, sp.x_dtype, sp.C)
-        w = R.from_storage(wb, "int4" if sp.w_bits == 4 else "int8", sp.C)
-        y = R.requant(R.conv_acc_nhwc(x, w, sp), b, M, S, sp, (R.from_storage(rb, sp.res_dtype, sp.K), rq2))
-        assert ok_np and nuniq > 8 and np.array_equal(R.to_storage(y, sp.out_dtype), ref.numpy())
-
-
-def test_kt_tuning_cases():
-    """tune_layers.py build --kt: a layer the selector gives to implicit_gemm_t is timed as the implicit GEMM with
-    the knobs it would get ("default") against implicit_gemm_t's defaults and its pixel tile x ring depth x groups in
-    flight variants (bn 0: auto_bn's tile), only those whose shared tiles fit; 4-bit ones with both activation paths."""
+    from qcompile.schedules import select_strategy
     from qcompile.schedules.igemm_t import KtKnobs
+    from qcompile.schedules.space import SPACES
 
-    tl = _tune_layers()
-    cases = tl.make_cases_kt([64], ["r50_l4_3x3_b64_int8", "r50_l4_3x3_b64_int4"], bns=(0, 224), stages=(4, 6),
-                             gifs=(1, 2))
-    dflt = [c for c in cases if c["is_default"]]
-    assert [c["layer"] for c in dflt] == ["r50_l4_3x3_b64_int8", "r50_l4_3x3_b64_int4"]
-    assert all(c["strategy"] == "implicit_gemm" and c["knobs"] == tl._now_knobs(c["spec"]) for c in dflt)
-    kt = [c for c in cases if not c["is_default"]]
-    assert all(c["strategy"] == "implicit_gemm_t" for c in kt)
-    v8 = {c["variant"] for c in kt if c["layer"].endswith("int8")}
-    # (224 pixels x 6 stages: 264 KiB of shared tiles, more than a block has)
-    assert v8 == {"kt_default", "kt_n0_s4_g1", "kt_n0_s6_g1", "kt_n0_s6_g2", "kt_n224_s4_g1"}
-    v4 = {c["variant"] for c in kt if c["layer"].endswith("int4")}
-    assert {"kt_n0_s4_g1_ring", "kt_n0_s6_g2_ring"} <= v4 and all(
-        isinstance(c["knobs"], KtKnobs) for c in kt if c["variant"] != "kt_default")
+    sp = SPACES["implicit_gemm_t"]
+    base = dict(N=64, H=7, W=7, C=512, K=512, R=3, S=3, padding=1, shift_ge33=True)
+    s8 = ConvSpec(**base, x_dtype="uint8", out_dtype="uint8", zo=3, lo=0, hi=255)
+    s4 = ConvSpec(**base, x_dtype="uint4", w_bits=4, out_dtype="uint4", zo=1, lo=0, hi=15)
+    assert select_strategy(s8, "sm_90") == "implicit_gemm_t"
+    assert sp.applies(s8, "sm_90") is None and sp.applies(s4, "sm_90") is None
+    assert {0, 224} <= set(sp.dims["bn"]) and {4, 6} <= set(sp.dims["stages"]) and set(sp.dims["gif"]) == {1, 2}
+    assert {0, 1} <= set(sp.dims["ring"])
+    grid = list(itertools.product((0, 224), (4, 6), (1, 2)))
+    why = {(bn, st, g): sp.legal(s8, "sm_90", KtKnobs(bn=bn, stages=st, gif=g)) for bn, st, g in grid}
+    assert {p for p, w in why.items() if w is None} == {(0, 4, 1), (0, 6, 1), (0, 6, 2), (224, 4, 1)}
+    assert "KiB of shared tiles" in why[(224, 6, 1)] and "stages >= 3 +" in why[(0, 4, 2)]
+    assert sp.legal(s8, "sm_90", sp.default(s8, "sm_90")) is None
+    for st, g in ((4, 1), (6, 2)):
+        kns = [KtKnobs(stages=st, gif=g, ring=r) for r in (0, 1)]
+        assert all(sp.legal(s4, "sm_90", kn) is None for kn in kns)
+        assert sp.effective(s4, "sm_90", kns[0]) != sp.effective(s4, "sm_90", kns[1])
+    res = s8.replace(has_residual=True, res_dtype="uint8", lo=-128, hi=127, zo=0, lo2=0, hi2=255)
+    assert sp.applies(res, "sm_90") is not None and select_strategy(res, "sm_90") == "implicit_gemm"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -670,3 +515,79 @@ def test_summary_knobs_column(tmp_path, monkeypatch):
     assert row.split()[-2:] == ["implicit_gemm", "arch"]
     note = [ln for ln in lines if "have no tuning record" in ln]
     assert len(note) == 1 and note[0].startswith("note: 7 of 10 implicit-GEMM layers") and "7 the sm_90 defaults" in note[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# records name their strategy and status; the fastest OK record is the one selected
+def test_removed_knob_field_is_ignored(tmp_path, monkeypatch):
+    """A record written while the knobs had a field they no longer have (a knob since removed) still applies: the
+    field is ignored, with no warning; an absent field takes its default."""
+    from qcompile.schedules import GemmKnobs
+
+    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path / "none"))
+    spec = ConvSpec(N=64, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8")
+    knobs = dict(TU.knobs_to_dict(GemmKnobs(BM=64, BN=64)), warp_specialize=2)
+    del knobs["pp"]
+    log = _write(tmp_path / "old.jsonl", [_rec(spec, "GPU A", knobs)])
+    assert _no_warnings(knobs_for, spec, "sm_90", "GPU A", [str(log)]) == (GemmKnobs(BM=64, BN=64), "device")
+
+
+def test_every_record_strategy_parses_with_its_knobs_type():
+    """implicit_gemm / direct_hwnc records hold GemmKnobs, implicit_gemm_t KtKnobs, direct_halo HaloKnobs; each round
+    trips through make_record / format_record / parse_record; the status values are the tuner's."""
+    from qcompile.schedules.igemm_t import KtKnobs
+    from qcompile.schedules.stem import HaloKnobs
+    from qcompile.schedules import GemmKnobs
+    from qcompile.tune.common import STATUSES
+
+    assert TU.RECORD_STATUSES == STATUSES
+    spec = ConvSpec(N=8, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8")
+    for strategy, kn, layout in (("implicit_gemm", GemmKnobs(BM=64), "NHWC"), ("direct_hwnc", GemmKnobs(BN=64), "HWNC"),
+                                 ("implicit_gemm_t", KtKnobs(bn=96, stages=4), "NHWC"),
+                                 ("direct_halo", HaloKnobs(th=2, minb=2, pipe=1), "NHWC")):
+        assert TU.knobs_type(strategy) is type(kn)
+        key = tuning_key(spec.replace(layout=layout))
+        for status in TU.RECORD_STATUSES:
+            d = TU.make_record("sm_90", "GPU A", 132, key, strategy, kn, status, 0.01 if status == "ok" else None,
+                               0.02, variant="v1")
+            assert list(d)[:6] == ["arch", "device", "sms", "key", "strategy", "knobs"]
+            rec, why = TU.parse_record(TU.format_record(d))
+            assert not why and rec == TU.Record("sm_90", "GPU A", key, kn, 132, strategy, status,
+                                                0.01 if status == "ok" else None, 0.02)
+    assert TU.parse_record(json.dumps(dict(d, knobs={"th": "wide"})))[0] is None  # (a value of another type)
+    with pytest.raises(ValueError):
+        TU.make_record("sm_90", "GPU A", 132, key, "fallback", kn)
+
+
+def test_spec_from_key_round_trips():
+    for s in list(_specs())[::37]:
+        assert tuning_key(TU.spec_from_key(tuning_key(s))) == tuning_key(s)
+    with pytest.raises(ValueError):
+        TU.spec_from_key("NHWC|N1")
+
+
+def test_fastest_ok_record_wins_and_failures_are_never_selected(tmp_path, monkeypatch):
+    """Several records of one GPU and shape (a tuner appends one per measured candidate): the fastest OK one is
+    selected; mismatch / build_error / run_error records never are, however fast; records of another strategy serve
+    only that strategy (implicit_gemm_t's KtKnobs), with its own defaults where it has none."""
+    from qcompile.schedules import GemmKnobs
+    from qcompile.schedules.igemm_t import KtKnobs
+
+    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path / "none"))
+    spec = ConvSpec(N=64, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8")
+    key = tuning_key(spec)
+    a, b, c = GemmKnobs(BM=64, BN=64), GemmKnobs(BM=128, BN=64), GemmKnobs(BM=64, BN=128)
+    mk = lambda kn, st, ms, strategy="implicit_gemm": TU.make_record("sm_90", "GPU A", 132, key, strategy, kn, st, ms)
+    log = _write(tmp_path / "t.jsonl", [mk(a, "ok", 0.030), mk(b, "ok", 0.020), mk(c, "mismatch", 0.001),
+                                        mk(c, "run_error", None), mk(KtKnobs(bn=96), "ok", 0.010, "implicit_gemm_t")])
+    logs = [str(log)]
+    assert _no_warnings(knobs_for, spec, "sm_90", "GPU A", logs) == (b, "device")
+    assert knobs_for(spec, "sm_90", None, logs) == (b, "arch")
+    assert knobs_for(spec, "sm_90", "GPU A", logs, "implicit_gemm_t") == (KtKnobs(bn=96), "device")
+    assert knobs_for(spec.replace(N=32), "sm_90", "GPU A", logs, "implicit_gemm_t") == (KtKnobs(bn=96), "nearest")
+    assert knobs_for(spec.replace(C=128), "sm_90", "GPU A", logs, "implicit_gemm_t") == (KtKnobs(), "default")
+    assert knobs_for(spec, "sm_90", "GPU A", logs, "direct_halo")[1] == "default"
+    # only failures recorded for a shape: as if it had no record
+    _write(tmp_path / "t.jsonl", [mk(c, "mismatch", 0.001), mk(a, "build_error", None)])
+    TU.clear_cache()
+    assert knobs_for(spec, "sm_90", "GPU A", logs) == (default_knobs(spec, "sm_90"), "default")

@@ -69,14 +69,23 @@ def adapt_knobs(spec: ConvSpec, kn: GemmKnobs, layout: str) -> GemmKnobs:
         BN = BN // 2 if BN & (BN - 1) == 0 else lo  # (96 / 112: to the smallest tile)
     while BM > lo and BM // 2 >= Mtot:
         BM //= 2
-    WM = max(1, min(WM, BM // lo))
-    WN = max(1, min(WN, BN // lo))
+    # warps (warpgroups) per side: at most one per smallest tile side, a power of two (BN 96 / 112 over 32-column
+    # warps leave 3, and an odd warp count splits no power-of-two tile into whole vectors)
+    WM = _pow2_floor(min(WM, BM // lo))
+    WN = _pow2_floor(min(WN, BN // lo))
     BK = kn.BK
     kn = kn.replace(BM=BM, BN=BN, WM=WM, WN=WN, vec=vec, BK=BK)
-    # keep every thread busy with whole vectors
-    while not kn.whole_vectors(BK):
+    # keep every thread busy with whole vectors: a chunk of vec x load_threads bytes per row is whole for every
+    # power-of-two tile, so the doubling stops there (a point still not whole is left to ``valid`` to refuse)
+    limit = kn.vec * kn.load_threads
+    while BK < limit and not kn.whole_vectors(BK):
         BK *= 2
     return kn.replace(BK=BK)
+
+
+def _pow2_floor(v: int) -> int:
+    """The largest power of two <= ``v`` (1 for ``v`` < 1)."""
+    return 1 << (max(1, v).bit_length() - 1)
 
 
 def split_factor(spec: ConvSpec, arch: str, kn: GemmKnobs, sms: int | None = None) -> int:
@@ -458,6 +467,9 @@ def _plan_operands(spec: ConvSpec, arch: str, knobs, layout, adapt: bool, allow_
     if not use_async:
         STG = max(2, min(STG, 2))
     EV = _pick_ev(spec, kn.ev)
+    if (16 * WTN) % (32 * EV):  # the read-back: a warp's 32 lanes take EV columns each of its 16 x WTN staged rows
+        raise NotApplicable(f"epilogue: a warp tile {WTN} columns wide is no whole number of rounds of 32 lanes x "
+                            f"{EV} columns over its 16 staged rows (ev)")
     # epilogue staging: column c of a row at word c + 4*(c // 32) (a lane's EV <= 16 columns never straddle a
     # 32-column group), pitch = 8 mod 32 words. The accumulator stores (8-byte pairs, rows g / g+8) stay
     # conflict-free, and so do the 16-byte loads of the read-back: without the skew lanes l and l+4 of a
@@ -630,7 +642,6 @@ def _plan_grid(v: dict) -> dict:
     RIT = -(-(BM * RPB // 16) // NTH)  # RSM: 16-byte copies per thread
     if RSM:
         A_ALLOC = RES_OFF + BM * RPB
-    assert CS_IT * 32 * EV == 16 * WTN, (WTN, EV)
     OUT_VEC = EV * OB // 8 if OB < 32 else EV  # storage elements per lane store
     OSV = min(OUT_VEC, 128 // OB) if OB >= 8 else OUT_VEC  # ... per vector store (16 bytes at most)
     ACC_T = "uint32" if WG else "int32"  # wgmma accumulators are .s32 in u32 carrier registers

@@ -1,0 +1,294 @@
+"""Building tuning candidates on the host: ``LocalBuilder`` (the ``Builder`` of qcompile.tune.common).
+
+Each candidate becomes one shared library holding every kernel of its planned layer (``schedules.plan_conv``: one
+kernel, a split-K pair or a stream-K kernel) and a manifest entry that says how to call it, as plain JSON::
+
+    BUILD_DIR/batch_NNNN/<id>.so          the TVM module (CUDA: the fatbin embedded; nvcc SASS for the arch, + PTX
+                                          with --nvcc-mode both; llvm: the CPU fallback kernel)
+    BUILD_DIR/batch_NNNN/manifest.json    {"format": "qcompile-tune-batch/1", "candidates": [entry, ...]}
+
+An entry: ``id``, ``so``, ``target``, ``arch``, ``key`` (the task), ``spec`` (ConvSpec's fields), ``strategy``,
+``label``, ``knobs`` (a dict, or null), ``knobs_type`` and ``effective_knobs`` (what the kernels were built with:
+small shapes shrink tiles), the calling convention -- ``funcs`` (launch order),
+``split_k`` and ``workspace`` (the int32 workspace shape of a split-K pair), ``streamk`` ([tile counters, workspace
+words]), ``w_expand`` and ``w_kperm`` (the weight format: schedules/planned.py) -- and ``build_s``, the host seconds
+spent on it (planning, TIR lowering, nvcc, export). ``qcompile.tune.measure`` needs nothing else.
+
+Candidates build in parallel host processes (``--jobs``, default: every core), each one whole; identical candidates
+in a batch build once. A candidate the kernels refuse (its knobs illegal for the shape: the reason from the
+strategy's space), one whose wgmma knobs the builder would replace by the mma.sync defaults, an nvcc failure, a SASS
+hazard of a register-A wgmma kernel (``cuda_tools.wgmma_a_hazards``, where cuobjdump is installed) or a crashed
+build process comes back as ``Built.error`` (one line), never as a different kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from qcompile.errors import QCompileError
+
+from .common import Built, Builder, Candidate
+
+FORMAT = "qcompile-tune-batch/1"  # (measure.FORMAT)
+TARGETS = ("cuda", "llvm")
+NVCC_MODES = ("sass", "ptx", "both")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("building candidates")
+    g.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="parallel build processes (default: %(default)s, the cores of this machine)")
+    g.add_argument("--build-dir", help="where the candidates' libraries go (default: a temporary folder, removed "
+                                       "at exit)")
+    g.add_argument("--nvcc-mode", choices=NVCC_MODES, default="sass",
+                   help="nvcc output: SASS for the arch, PTX (JIT-compiled by the driver on newer GPUs) or both "
+                        "(default: sass)")
+
+
+def make_builder(args) -> "LocalBuilder":
+    """The builder the command line asks for (``add_arguments``' options; ``args.target``, default cuda)."""
+    jobs = getattr(args, "jobs", None)
+    jobs = os.cpu_count() or 1 if jobs is None else jobs
+    if jobs < 1:
+        raise QCompileError(f"--jobs {jobs}: must be at least 1")
+    target = getattr(args, "target", None) or "cuda"
+    if target not in TARGETS:
+        raise QCompileError(f"--target {target}: tuning candidates build for {' or '.join(TARGETS)}")
+    return LocalBuilder(jobs=jobs, build_dir=getattr(args, "build_dir", None), target=target,
+                        nvcc_mode=getattr(args, "nvcc_mode", None) or "sass")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one candidate (runs in a build process)
+# ---------------------------------------------------------------------------------------------------------------
+def knobs_dict(knobs) -> dict | None:
+    return None if knobs is None else {f.name: getattr(knobs, f.name) for f in dataclasses.fields(knobs)}
+
+
+def candidate_id(cand: Candidate, target: str, mode: str) -> str:
+    """A content key: the same candidate built the same way gets the same id."""
+    blob = json.dumps([target, mode, cand.arch, cand.strategy, dataclasses.asdict(cand.spec), knobs_dict(cand.knobs),
+                       type(cand.knobs).__name__], sort_keys=True, default=str)
+    return "k" + hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    errs = [ln for ln in lines if "error" in ln.lower()]  # (nvcc: the first error line, not the banner)
+    msg = (errs or lines or [""])[0]
+    return f"{type(e).__name__}: {msg[:300]}" if msg else type(e).__name__
+
+
+def _why_refused(cand: Candidate) -> str | None:
+    """The strategy's own reason for refusing the candidate (its space's legality), where it has one."""
+    try:
+        from qcompile.schedules.space import SPACES
+
+        sp = SPACES.get(cand.strategy)
+        return sp.legal(cand.spec, cand.arch, cand.knobs) if sp is not None and cand.knobs is not None else None
+    except Exception:  # noqa: BLE001  (the message falls back to the builder's own)
+        return None
+
+
+_KNOB_TYPES = {"direct_halo": "HaloKnobs", "implicit_gemm_t": "KtKnobs", "implicit_gemm": "GemmKnobs",
+               "direct_hwnc": "GemmKnobs"}
+
+
+def plan_candidate(cand: Candidate, target: str = "cuda"):
+    """(funcs, calling-convention fields) of a candidate: ``plan_conv`` for cuda (refusing a silent substitute),
+    the fallback kernel for llvm."""
+    import warnings
+
+    if target == "llvm":
+        if cand.strategy != "fallback":
+            raise ValueError(f"target llvm builds the fallback kernel only, not {cand.strategy}")
+        from qcompile.schedules.fallback import make_fallback
+
+        return [make_fallback(cand.spec, "llvm")], dict(split_k=1, streamk=None, w_expand=False, w_kperm=0,
+                                                        label="fallback")
+    want = _KNOB_TYPES.get(cand.strategy)
+    if cand.knobs is not None and want and type(cand.knobs).__name__ != want:
+        raise ValueError(f"{cand.strategy} takes {want}, not {type(cand.knobs).__name__}")
+    from qcompile.schedules import plan_conv
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            pk = plan_conv(cand.spec, cand.arch, cand.strategy, cand.knobs)
+        except Exception as e:
+            why = _why_refused(cand)
+            raise ValueError(f"not applicable: {why}" if why else _one_line(e)) from None
+    for w in caught:  # (the wgmma knobs replaced by the mma.sync defaults: not this candidate's kernel)
+        msg = str(w.message)
+        if msg.startswith("qcompile.schedules:") and "do not apply" in msg:
+            raise ValueError(f"not applicable: {msg[len('qcompile.schedules: '):]}")
+    return list(pk.funcs), dict(split_k=pk.split_k, streamk=list(pk.streamk) if pk.streamk else None,
+                                w_expand=bool(pk.w_expand), w_kperm=int(pk.w_kperm), label=pk.label,
+                                effective_knobs=knobs_dict(pk.knobs),
+                                workspace=list(pk.workspace_shape()) if pk.split_k > 1 else None)
+
+
+def build_one(cand: Candidate, cid: str, out_dir: str, target: str = "cuda", mode: str = "sass") -> tuple:
+    """Build one candidate to ``out_dir/<cid>.so``: (manifest entry or None, error line or None, build seconds)."""
+    t0 = time.time()
+    try:
+        import tvm
+
+        from qcompile.schedules.tuning import tuning_key
+
+        funcs, conv = plan_candidate(cand, target)
+        names = [f"{cid}_{i}" for i in range(len(funcs))]
+        mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in zip(names, funcs)})
+        so = os.path.join(out_dir, cid + ".so")
+        if target == "cuda":
+            from qcompile.schedules.build import cuda_target, ensure_stub_libcuda, nvcc_options
+
+            ensure_stub_libcuda()
+            with nvcc_options(cand.arch, mode):
+                lib = tvm.compile(mod, target=cuda_target(cand.arch))
+        else:
+            lib = tvm.compile(mod, target="llvm")
+        lib.export_library(so)
+        hazards = []
+        if target == "cuda" and mode != "ptx" and getattr(cand.knobs, "areg", False):
+            from qcompile.cuda_tools import wgmma_a_hazards_by_kernel
+
+            hazards = [h for hs in wgmma_a_hazards_by_kernel(so).values() for h in hs]
+            if hazards:
+                os.unlink(so)
+                raise RuntimeError(f"SASS hazard (a wgmma A fragment overwritten in flight): {hazards[0]}")
+        entry = dict(id=cid, so=cid + ".so", target=target, arch=cand.arch, nvcc_mode=mode if target == "cuda" else None,
+                     key=cand.key or tuning_key(cand.spec), spec=dataclasses.asdict(cand.spec),
+                     strategy=cand.strategy, label=conv.pop("label"), knobs=knobs_dict(cand.knobs),
+                     knobs_type=None if cand.knobs is None else type(cand.knobs).__name__,
+                     effective_knobs=conv.get("effective_knobs"), funcs=names,
+                     split_k=conv["split_k"], workspace=conv.get("workspace"), streamk=conv["streamk"],
+                     w_expand=conv["w_expand"], w_kperm=conv["w_kperm"], build_s=round(time.time() - t0, 3))
+        return entry, None, time.time() - t0
+    except Exception as e:  # noqa: BLE001  (a refused or failed candidate is a result, not a crash)
+        return None, _one_line(e) if not isinstance(e, ValueError) else str(e).splitlines()[0][:300], time.time() - t0
+
+
+def _init_build_process(target: str):
+    if target == "cuda":  # (before TVM's CUDA backend registers: the fatbin is embedded only with a libcuda)
+        from qcompile.schedules.build import ensure_stub_libcuda
+
+        ensure_stub_libcuda()
+
+
+def _build_task(args):
+    return build_one(*args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the builder
+# ---------------------------------------------------------------------------------------------------------------
+class LocalBuilder(Builder):
+    """Builds candidates in ``jobs`` host processes (spawned once, reused across batches; ``jobs == 1``: in this
+    process). Each ``build`` call writes one batch folder under ``build_dir``."""
+
+    def __init__(self, jobs: int | None = None, build_dir: str | None = None, target: str = "cuda",
+                 nvcc_mode: str = "sass", log=None):
+        if target not in TARGETS:
+            raise ValueError(f"target {target!r}: one of {TARGETS}")
+        if nvcc_mode not in NVCC_MODES:
+            raise ValueError(f"nvcc_mode {nvcc_mode!r}: one of {NVCC_MODES}")
+        self.jobs = max(1, jobs or os.cpu_count() or 1)
+        self.target, self.nvcc_mode, self.log = target, nvcc_mode, log
+        self._own_dir = build_dir is None
+        self.build_dir = build_dir or tempfile.mkdtemp(prefix="qtune-build-")
+        os.makedirs(self.build_dir, exist_ok=True)
+        self._pool = None
+        self._batches = 0
+        atexit.register(self.close)
+
+    def _executor(self):
+        if self._pool is None:
+            import multiprocessing as mp
+
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=mp.get_context("spawn"),
+                                             initializer=_init_build_process, initargs=(self.target,))
+        return self._pool
+
+    def new_batch_dir(self) -> str:
+        while True:
+            self._batches += 1
+            d = os.path.join(self.build_dir, f"batch_{self._batches:04d}")
+            if not os.path.exists(d):
+                os.makedirs(d)
+                return d
+
+    def build(self, cands: list[Candidate]) -> list[Built]:
+        out_dir = self.new_batch_dir()
+        ids = [candidate_id(c, self.target, self.nvcc_mode) for c in cands]
+        first = {}
+        for i, cid in enumerate(ids):
+            first.setdefault(cid, i)
+        tasks = [(cands[i], cid, out_dir, self.target, self.nvcc_mode) for cid, i in first.items()]
+        results: dict = {}
+        if self.jobs == 1:
+            for t in tasks:
+                results[t[1]] = build_one(*t)
+                self._report(t[0], t[1], results[t[1]])
+        else:
+            self._build_parallel(tasks, results)
+        entries = [results[cid][0] for cid in first if results[cid][0] is not None]
+        with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+            json.dump(dict(format=FORMAT, target=self.target, candidates=entries), f, indent=1)
+        built = []
+        for c, cid in zip(cands, ids):
+            entry, err, dt = results[cid]
+            path = os.path.join(out_dir, entry["so"]) if entry else None
+            built.append(Built(c, path, entry or {}, err, dt))
+        return built
+
+    def _build_parallel(self, tasks: list, results: dict) -> None:
+        """All tasks at once in the pool; where a build process dies, the pool starts anew and the unfinished tasks
+        run again one at a time, so that the one that kills it is the one reported."""
+        retry = []
+        try:
+            pool = self._executor()
+            futs = [(t, pool.submit(_build_task, t)) for t in tasks]
+        except BrokenProcessPool:
+            futs, retry = [], list(tasks)
+        for t, fut in futs:
+            try:
+                results[t[1]] = fut.result()
+                self._report(t[0], t[1], results[t[1]])
+            except BrokenProcessPool:
+                retry.append(t)
+        if retry:
+            self._reset_pool()
+        for t in retry:
+            try:
+                results[t[1]] = self._executor().submit(_build_task, t).result()
+            except BrokenProcessPool:
+                results[t[1]] = (None, "the build process died (a crash in TVM or nvcc)", 0.0)
+                self._reset_pool()
+            self._report(t[0], t[1], results[t[1]])
+
+    def _report(self, cand, cid, res):
+        if self.log:
+            entry, err, dt = res
+            self.log(f"built {cid} {cand.strategy} {dt:.1f} s" + (f": {err}" if err else ""))
+
+    def _reset_pool(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._own_dir and os.path.isdir(self.build_dir):
+            shutil.rmtree(self.build_dir, ignore_errors=True)

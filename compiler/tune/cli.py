@@ -1,0 +1,174 @@
+"""The ``qtune`` command: tune a model's tensor-core kernels for a GPU and write the measurements to a tuning log.
+
+    qtune MODEL --target cuda --arch sm_XX [--batch N ...] [--layout NHWC|HWNC] [--bits ...]
+          [--trials N | --minutes M] [--runner local|rpc|offline ...] [--jobs J] [--export DIR | --import RESULTS]
+          [--tuning-log PATH ...] -o LOG
+
+The tasks come from the model as ``qcompile`` compiles it (``tasks.extract_tasks``), the search and the schedule across
+tasks from ``scheduler.Tuner``, the builds and the measurements from the builder and runner the options choose
+(``qcompile.tune.build.make_builder`` / ``qcompile.tune.runners.make_runner``, each with its ``add_arguments``).
+``-o LOG`` is appended to (JSON lines, ``schedules.tuning``); rerunning with the same LOG resumes. Errors in the
+model, files or options are one ``qtune: error: ...`` line and exit status 2, as ``qcompile``'s.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from qcompile.errors import OneLineArgumentParser, QCompileError, run_cli
+from qcompile.registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, format_of
+
+PROG = "qtune"
+DEBUG_ENV = "QCOMPILE_DEBUG"
+TUNE_LAYOUTS = ("NHWC", "HWNC")  # (the layouts with tensor-core convolutions)
+
+
+def _factories():
+    """``(build module, runners module)``, or None for each one not installed (the parser then lacks its options,
+    and running says so)."""
+    mods = []
+    for name in ("qcompile.tune.build", "qcompile.tune.runners"):
+        try:
+            mods.append(__import__(name, fromlist=["make_runner"]))
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            mods.append(None)
+    return tuple(mods)
+
+
+def _parser(factories=None) -> argparse.ArgumentParser:
+    ap = OneLineArgumentParser(
+        prog=PROG,
+        description="Autotune a quantized CNN's tensor-core kernels for a GPU; the measurements go to a tuning log "
+                    "that qcompile --tuning-log reads.",
+        epilog=f"Exit status: 0 success, 2 a problem with the model, a file or the options (one 'qtune: error:' "
+               f"line), 1 an internal error (set {DEBUG_ENV}=1 for its stack trace). See docs/TUNING.md.",
+    )
+    ap.add_argument("model", help="model file, as qcompile takes it: .onnx, .pt2, or a HAWQ checkpoint (with --net)")
+    ap.add_argument("-o", "--output", required=True, metavar="LOG",
+                    help="tuning log to append to (.jsonl); rerunning with the same LOG resumes")
+    ap.add_argument("--target", default="cuda", help="cuda (the only target with tunable kernels)")
+    ap.add_argument("--arch", choices=list(CUDA_ARCHS), default="sm_90", help="GPU architecture (default sm_90)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1], metavar="N",
+                    help="batch sizes to tune for (default 1); each is its own set of tasks")
+    ap.add_argument("--layout", choices=list(TUNE_LAYOUTS), default="NHWC", help="activation layout (default NHWC)")
+    ap.add_argument("--bits", choices=list(BIT_SCHEMES), help="as qcompile --bits")
+    ap.add_argument("--calibrate", metavar="DATA.npy", help="as qcompile --calibrate (float models)")
+    ap.add_argument("--net", choices=["resnet18", "resnet50", "resnet_tiny"], help="network of a HAWQ checkpoint")
+    ap.add_argument("--input-size", type=int, metavar="H", help="image size of a HAWQ checkpoint")
+    budget = ap.add_mutually_exclusive_group()
+    budget.add_argument("--trials", type=int, metavar="N", help="measure N candidates in all (default 200)")
+    budget.add_argument("--minutes", type=float, metavar="M", help="tune for M minutes of wall-clock time")
+    ap.add_argument("--per-round", type=int, default=8, metavar="K",
+                    help="candidates measured per round of one task (default 8)")
+    ap.add_argument("--tasks-per-round", type=int, default=1, metavar="T",
+                    help="tasks whose rounds are measured together (default 1; an offline export or several GPUs: "
+                         "more, e.g. every task)")
+    ap.add_argument("--search", choices=["model", "random"], default="model",
+                    help="rank candidates with the XGBoost cost model (default) or take them at random")
+    ap.add_argument("--tuning-log", action="append", default=[], metavar="PATH",
+                    help="other tuning logs (files or folders) whose records warm-start the cost model (other "
+                         "shapes, batch sizes, GPUs) and whose knobs are measured as a starting point; repeatable")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of the search (default 0)")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    build_mod, runners_mod = factories if factories is not None else _factories()
+    for mod in (build_mod, runners_mod):
+        if mod is not None and hasattr(mod, "add_arguments"):
+            mod.add_arguments(ap)
+    return ap
+
+
+def _check_args(a) -> None:
+    from qcompile.checks import check_input_file, check_output_path, check_tuning_logs
+
+    check_input_file(a.model, "model file")
+    try:
+        fmt = format_of(a.model)
+    except ValueError:
+        known = ", ".join(s for f in FORMATS.values() for s in f.suffixes)
+        raise QCompileError(f"cannot tell the format of '{a.model}' from its suffix (known: {known})") from None
+    if a.target != "cuda":
+        raise QCompileError(f"--target {a.target}: qtune tunes the tensor-core kernels of --target cuda only")
+    for flag, v in (("--trials", a.trials), ("--per-round", a.per_round), ("--tasks-per-round", a.tasks_per_round),
+                    ("--input-size", a.input_size)):
+        if v is not None and v < 1:
+            raise QCompileError(f"{flag} must be a positive integer, got {v}")
+    if a.minutes is not None and not a.minutes > 0:
+        raise QCompileError(f"--minutes must be a positive number, got {a.minutes}")
+    bad = [b for b in a.batch if b < 1]
+    if bad:
+        raise QCompileError(f"--batch must be positive integers, got {bad[0]}")
+    if len(set(a.batch)) != len(a.batch):
+        raise QCompileError(f"--batch names a batch size twice: {' '.join(map(str, a.batch))}")
+    if fmt != "hawq":
+        for flag, v in (("--net", a.net), ("--input-size", a.input_size)):
+            if v is not None:
+                raise QCompileError(f"{flag} applies to HAWQ checkpoints only; '{a.model}' is {fmt.upper()}")
+    if a.calibrate:
+        check_input_file(a.calibrate, "calibration file")
+    check_tuning_logs(a.tuning_log, None, "cuda")
+    check_output_path(a.output, "-o", [("input model", a.model), ("calibration data", a.calibrate)]
+                      + [("--tuning-log", p) for p in a.tuning_log], suffixes=(".jsonl",),
+                      why="(a JSON-lines tuning log)")
+
+
+def qtune_main(argv=None) -> int:
+    factories = _factories()
+    a = _parser(factories).parse_args(argv)
+    log = (lambda *_: None) if a.quiet else (lambda s: print(s, flush=True))
+    return run_cli(PROG, lambda: _run(a, log, factories))
+
+
+def _run(a, log, factories) -> int:
+    _check_args(a)
+    build_mod, runners_mod = factories
+    if build_mod is None or runners_mod is None:
+        missing = " and ".join(n for n, m in (("qcompile.tune.build", build_mod), ("qcompile.tune.runners",
+                                                                                 runners_mod)) if m is None)
+        raise QCompileError(f"this qcompile has no builder / runner for qtune ({missing} not installed)")
+    trials = a.trials if a.trials is not None or a.minutes is not None else 200
+    model = None
+    if a.search == "model":
+        from .cost_model import CostModel, _xgboost
+
+        _xgboost()  # (before any work: a clear message where XGBoost is missing)
+        model = CostModel(seed=a.seed)
+    runner = runners_mod.make_runner(a)  # (the runner's own option errors first: before the model is compiled)
+    builder = build_mod.make_builder(a)
+    t0 = time.time()
+    log("loading the compiler (TVM) ...")
+    from qcompile.cli import _import_driver_without_torch
+
+    _import_driver_without_torch()
+    from .tasks import extract_tasks
+
+    log(f"      done in {time.time() - t0:.1f} s")
+    log(f"extracting the tuning tasks of {a.model} for {a.arch} ({a.layout}, batch {' '.join(map(str, a.batch))}) ...")
+    t1 = time.time()
+    tasks = extract_tasks(a.model, a.arch, a.batch, a.layout, a.bits, a.net, a.input_size, a.calibrate,
+                          tuple(a.tuning_log), None, lambda s: None)
+    if not tasks:
+        raise QCompileError(f"'{a.model}' has no tensor-core layer to tune for {a.arch} in {a.layout}")
+    log(f"      done in {time.time() - t1:.1f} s — {len(tasks)} tasks, "
+        f"{sum(t.weight for t in tasks)} layers")
+    from .scheduler import Tuner, format_summary
+
+    pending = tuple(e for e in (getattr(runners_mod, "OfflineBatchPending", None),) if e is not None)
+    tuner = Tuner(tasks, builder, runner, a.output, model=model, transfer=tuple(a.tuning_log), seed=a.seed,
+                  batch=a.per_round, log=log, pending=pending, tasks_per_round=a.tasks_per_round)
+    summary = tuner.run(trials=trials, minutes=a.minutes)
+    if any(r["measured"] for r in summary.rows):
+        log(format_summary(summary))
+    log(f"{summary.trials} candidates measured in {time.time() - t0:.0f} s"
+        + (f" ({summary.stop})" if summary.stop else "")
+        + (f"; records appended to {a.output}" if summary.trials else ""))
+    if summary.deferred:
+        log("the measurements of the exported batch happen elsewhere: rerun this command with the same -o LOG "
+            "once they are imported, to continue")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(qtune_main())

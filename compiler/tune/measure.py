@@ -1,0 +1,658 @@
+"""Measure a batch of built conv candidates on a device: a bit-exact check against a NumPy integer reference, then
+the time. Needs only NumPy and the TVM runtime (``tvm.runtime``; the runtime-only package that
+scripts/make_runtime_bundle.sh packs does): nothing of qcompile's compiler, no ``tvm.relax`` / ``tvm.tirx`` use, no
+torch. It is a module of ``qcompile.tune`` (the local and rpc runners import it) and a standalone script that an
+offline batch carries beside its kernels::
+
+    python measure.py BATCH [-o results.json] [--device cuda|cpu] [--device-id 0] [--seed N] [--ids ID ...]
+
+BATCH is a batch folder holding ``manifest.json`` (``qcompile.tune.build`` writes it) or a manifest file; each
+manifest entry names its shared library (``so``, relative to the manifest's folder), its conv (``spec``: ConvSpec's
+fields) and the calling convention of its kernels (``funcs`` in launch order, ``split_k`` with its ``workspace``
+shape, ``streamk`` = [tile counters, workspace words], the weight format ``w_expand`` / ``w_kperm``; see
+schedules/planned.py).
+
+For each candidate, with a seed recorded in the results: fresh random logical inputs (never all zeros) and
+per-channel requantize parameters that keep the outputs varied; the reference output from this file's NumPy copy of
+the project math (``conv_reference``: ConvSpec's docstring, schedules/reference.py); the output buffer filled with
+random bytes before each of two runs (a second poison, then a third run after the timing: every output byte must be
+written, every time); split-K and stream-K workspaces poisoned; stream-K's tile counters zero before and after. A
+difference anywhere is ``mismatch`` with the count, an exception ``run_error``. Exact candidates are timed with
+TVM's ``time_evaluator`` (a C++ loop of launches between two device events: no Python launch cost): per kernel the
+median of ``--repeat`` repeats, each of at least ``--min-repeat-ms`` of back-to-back launches; a layer of two kernels
+(split-K) is the sum of the two medians.
+
+Isolation: the candidates run in a worker process; one that kills it (a crashed CUDA context, a hang past
+``--timeout``) is reported ``run_error`` and a new worker measures the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+FORMAT = "qcompile-tune-batch/1"
+TIMING = "time_evaluator"  # how ms is measured (see the module docstring)
+OK, MISMATCH, RUN_ERROR = "ok", "mismatch", "run_error"  # (the statuses of qcompile.tune.common)
+
+# ---------------------------------------------------------------------------------------------------------------
+# the conv description (ConvSpec's fields and the derived sizes the measurement needs; schedules/spec.py)
+# ---------------------------------------------------------------------------------------------------------------
+_BITS = {"int8": 8, "uint8": 8, "int4": 4, "uint4": 4, "int32": 32}
+_SIGNED = {"int8": True, "uint8": False, "int4": True, "uint4": False, "int32": True}
+_STORAGE = {"int8": "int8", "int4": "int8", "uint8": "uint8", "uint4": "uint8", "int32": "int32"}
+SPEC_DEFAULTS = dict(stride=1, padding=0, dilation=1, layout="NHWC", x_dtype="int8", w_bits=8, out_dtype="int8",
+                     has_residual=False, zo=0, lo=-128, hi=127, pad_value=0, res_dtype="int8", zo2=0, lo2=-128,
+                     hi2=127, res_i32=False, shift_ge33=False, rq2_uniform=())
+SPEC_REQUIRED = ("N", "H", "W", "C", "K", "R", "S")
+
+
+class Spec:
+    """A ConvSpec as plain data (a manifest entry's ``spec``): the same fields, defaults and derived sizes."""
+
+    def __init__(self, d: dict):
+        unknown = set(d) - set(SPEC_DEFAULTS) - set(SPEC_REQUIRED)
+        missing = [k for k in SPEC_REQUIRED if k not in d]
+        if unknown or missing:
+            raise ValueError(f"spec: unknown fields {sorted(unknown)}, missing {missing}")
+        for k, v in {**SPEC_DEFAULTS, **d}.items():
+            setattr(self, k, tuple(v) if isinstance(v, list) else v)
+
+    @property
+    def strides(self):
+        s = self.stride
+        return (s, s) if isinstance(s, int) else tuple(s)
+
+    @property
+    def pads(self):
+        p = self.padding
+        if isinstance(p, int):
+            return (p, p, p, p)
+        return (p[0], p[1], p[0], p[1]) if len(p) == 2 else tuple(p)
+
+    @property
+    def dilations(self):
+        d = self.dilation
+        return (d, d) if isinstance(d, int) else tuple(d)
+
+    @property
+    def P(self):
+        pt, _, pb, _ = self.pads
+        return (self.H + pt + pb - self.dilations[0] * (self.R - 1) - 1) // self.strides[0] + 1
+
+    @property
+    def Q(self):
+        _, pl, _, pr = self.pads
+        return (self.W + pl + pr - self.dilations[1] * (self.S - 1) - 1) // self.strides[1] + 1
+
+    @property
+    def x_bits(self):
+        return _BITS[self.x_dtype]
+
+    @property
+    def out_bits(self):
+        return _BITS[self.out_dtype]
+
+    @property
+    def res_bits(self):
+        return _BITS[self.res_dtype]
+
+    def shapes(self):
+        """Storage shapes of (x, w, out) in the spec's layout (packed for 4-bit)."""
+        cx = (self.C * self.x_bits + 7) // 8
+        cw = (self.C * self.w_bits + 7) // 8
+        ko = (self.K + 1) // 2 if self.out_bits == 4 else self.K
+        if self.layout == "NHWC":
+            return (self.N, self.H, self.W, cx), (self.K, self.R, self.S, cw), (self.N, self.P, self.Q, ko)
+        return (self.H, self.W, self.N, cx), (self.R, self.S, self.K, cw), (self.P, self.Q, self.N, ko)
+
+    def res_shape(self):
+        kr = (self.K + 1) // 2 if self.res_bits == 4 else self.K
+        return (self.N, self.P, self.Q, kr) if self.layout == "NHWC" else (self.P, self.Q, self.N, kr)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# buffer formats (qcompile.int4's nibble order: element 2i in the low nibble; schedules/reference.py)
+# ---------------------------------------------------------------------------------------------------------------
+def pack4(values) -> np.ndarray:
+    """4-bit values two per byte along the last axis (an odd count gets a zero nibble); uint8."""
+    v = np.asarray(values).astype(np.int64)
+    if v.shape[-1] % 2:
+        v = np.concatenate([v, np.zeros(v.shape[:-1] + (1,), np.int64)], axis=-1)
+    return np.ascontiguousarray(((v[..., 0::2] & 0xF) | ((v[..., 1::2] & 0xF) << 4)).astype(np.uint8))
+
+
+def unpack4(buf, signed: bool, count: int | None = None) -> np.ndarray:
+    """The inverse of ``pack4``: int64 values, the first ``count`` along the last axis."""
+    p = np.asarray(buf).view(np.uint8).astype(np.int64)
+    v = np.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
+    if count is not None:
+        v = v[..., :count]
+    return v - ((v & 8) << 1) if signed else v
+
+
+def to_storage(vals, dtype: str) -> np.ndarray:
+    """Logical integer values -> the buffer the kernels take (packed for 4-bit)."""
+    if dtype in ("int4", "uint4"):
+        p = pack4(vals)
+        return p.view(np.int8) if dtype == "int4" else p
+    return np.ascontiguousarray(np.asarray(vals).astype(dtype))
+
+
+def from_storage(buf, dtype: str, n: int | None = None) -> np.ndarray:
+    """A kernel buffer -> its logical values (int64)."""
+    if dtype in ("int4", "uint4"):
+        return unpack4(buf, dtype == "int4", n)
+    return np.asarray(buf).astype(np.int64)
+
+
+def value_range(dtype: str):
+    return {"int8": (-128, 127), "uint8": (0, 255), "int4": (-8, 7), "uint4": (0, 15),
+            "int32": (-(1 << 31), (1 << 31) - 1)}[dtype]
+
+
+def expand_w4(w, kperm: int = 0) -> np.ndarray:
+    """4-bit weights (logical, channels last) -> the int8 buffer of a ``w8`` kernel: per 32 channels the even ones
+    then the odd ones, times 16; with ``kperm`` (agl) the reduction first permuted in words of 8 values within each
+    K-chunk of 2*kperm values (schedules/reference.py: expand_w4)."""
+    w = np.asarray(w).astype(np.int64)
+    C = w.shape[-1]
+    if C % 32:
+        raise ValueError(f"expand_w4: {C} channels, not a multiple of 32")
+    if kperm:
+        ks, red = kperm // 16, int(np.prod(w.shape[1:]))
+        if kperm % 32 or red % (2 * kperm):
+            raise ValueError(f"expand_w4: reduction of {red} values is not whole K-chunks of {kperm} packed bytes")
+        w = w.reshape(w.shape[0], red // (2 * kperm), 4, ks, 8).swapaxes(2, 3).reshape(w.shape)
+    g = w.reshape(w.shape[:-1] + (C // 32, 16, 2)).swapaxes(-1, -2)
+    return np.ascontiguousarray((16 * g).reshape(w.shape).astype(np.int8))
+
+
+def permute_k8(w, kperm: int) -> np.ndarray:
+    """8-bit weights (w [K, R, S, C]) -> an ``agl`` kernel's buffer: the reduction permuted in 4-byte words within
+    each K-chunk of ``kperm`` bytes, the 16-bit halves of each word swapped (schedules/reference.py: permute_k8)."""
+    w = np.asarray(w)
+    red = int(np.prod(w.shape[1:]))
+    if kperm % 32 or red % kperm:
+        raise ValueError(f"permute_k8: reduction of {red} bytes is not whole K-chunks of {kperm} bytes")
+    ks = kperm // 32
+    p = w.reshape(w.shape[0], red // kperm, 4, ks, 2, 4).transpose(0, 1, 3, 4, 2, 5)[..., [2, 3, 0, 1]]
+    return np.ascontiguousarray(p).reshape(w.shape).astype(np.int8)
+
+
+def weights(spec: Spec, w_log, w_expand: bool = False, w_kperm: int = 0) -> np.ndarray:
+    """The weight buffer a planned kernel takes (``PlannedKernel.weights``): packed for 4-bit, expanded to 8 bits
+    (``w_expand``), k-permuted (``w_kperm``)."""
+    if spec.w_bits == 4 and w_expand:
+        return expand_w4(w_log, w_kperm)
+    if spec.w_bits == 4:
+        return to_storage(w_log, "int4")
+    wq = np.asarray(w_log).astype(np.int8)
+    return permute_k8(wq, w_kperm) if w_kperm else np.ascontiguousarray(wq)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the NumPy integer reference (ConvSpec's math; schedules/reference.py)
+# ---------------------------------------------------------------------------------------------------------------
+def conv_acc_nhwc(x, w, spec: Spec) -> np.ndarray:
+    """int64 accumulator of the conv over logical values x[N,H,W,C], w[K,R,S,C] -> [N,P,Q,K]."""
+    sh, sw = spec.strides
+    dh, dw = spec.dilations
+    pt, pl, pb, pr = spec.pads
+    N, H, W, C = x.shape
+    xp = np.full((N, H + pt + pb, W + pl + pr, C), spec.pad_value, np.int64)
+    xp[:, pt:pt + H, pl:pl + W, :] = x
+    P, Q = spec.P, spec.Q
+    acc = np.zeros((N, P, Q, spec.K), np.int64)
+    wt = np.asarray(w).astype(np.int64)
+    for r in range(spec.R):
+        for s in range(spec.S):
+            patch = xp[:, r * dh: r * dh + sh * (P - 1) + 1: sh, s * dw: s * dw + sw * (Q - 1) + 1: sw, :]
+            acc += np.tensordot(patch, wt[:, r, s, :], axes=([3], [1]))
+    return acc
+
+
+def requant(acc, bias, M, S, spec: Spec, res=None) -> np.ndarray:
+    """Accumulators [.., K] -> output logical values: stage 1 (t = acc + bias wrapped to int32; rounded
+    t * M >> S; + zo; clipped) and, with ``res`` = (residual values, rq2 [5, K]), the residual stage."""
+    t = np.asarray(acc).astype(np.int64) + np.asarray(bias).astype(np.int64)
+    t = ((t + (1 << 31)) % (1 << 32)) - (1 << 31)
+    v = t * np.asarray(M).astype(np.int64)
+    S64 = np.asarray(S).astype(np.int64)
+    v = (v + (np.int64(1) << (S64 - 1))) >> S64
+    if spec.out_dtype == "int32" and not spec.has_residual:
+        return np.clip(v + spec.zo, max(spec.lo, -(1 << 31)), min(spec.hi, (1 << 31) - 1))
+    y = np.clip(v + spec.zo, spec.lo, spec.hi)
+    if res is None:
+        return y
+    r, rq2 = res
+    c1, M1, c2, M2, S2 = (np.asarray(a, np.int64) for a in np.asarray(rq2))
+    v = (y + c1) * M1 + (np.asarray(r, np.int64) + c2) * M2 + (np.int64(1) << (S2 - 1))
+    return np.clip((v >> S2) + spec.zo2, spec.lo2, spec.hi2)
+
+
+def conv_reference(spec: Spec, x_log, w_log, bias, M, S, res_log=None) -> np.ndarray:
+    """The layer's output (logical values, in the spec's layout) from logical inputs in the spec's layout."""
+    if spec.layout == "HWNC":
+        x_n, w_n = np.transpose(x_log, (2, 0, 1, 3)), np.transpose(w_log, (2, 0, 1, 3))
+        r_n = None if res_log is None else (np.transpose(res_log[0], (2, 0, 1, 3)), res_log[1])
+    else:
+        x_n, w_n, r_n = x_log, w_log, res_log
+    y = requant(conv_acc_nhwc(x_n, w_n, spec), bias, M, S, spec, r_n)
+    return np.transpose(y, (1, 2, 0, 3)) if spec.layout == "HWNC" else y
+
+
+def random_problem(spec: Spec, rng: np.random.Generator):
+    """Fresh random logical inputs (x, w, bias, M, S, res) and requantize parameters that keep the outputs varied
+    (schedules/reference.py: random_problem)."""
+    xs = spec.shapes()[0][:-1] + (spec.C,)
+    ws = spec.shapes()[1][:-1] + (spec.C,)
+    xlo, xhi = value_range(spec.x_dtype)
+    wlo, whi = (-8, 7) if spec.w_bits == 4 else (-128, 127)
+    x = rng.integers(xlo, xhi + 1, xs)
+    w = rng.integers(wlo, whi + 1, ws)
+    K = spec.K
+    kred = spec.R * spec.S * spec.C
+    acc_std = max(1.0, np.sqrt(kred) * (xhi - xlo) / 3.5 * (whi - wlo) / 3.5)
+    bias = rng.integers(-int(acc_std) - 1, int(acc_std) + 1, K).astype(np.int32)
+    olo, ohi = value_range(spec.out_dtype)
+    target = (min(ohi, 1 << 20) - max(olo, -(1 << 20))) / 4
+    S = (rng.integers(33, 41, K) if spec.shift_ge33 else rng.integers(20, 31, K)).astype(np.int32)
+    M = np.round(target / acc_std * (2.0 ** S.astype(np.float64)) * rng.uniform(0.5, 1.5, K)).astype(np.int64)
+    M = (np.clip(M, 1, (1 << 31) - 1) * rng.choice([1, -1], K, p=[0.8, 0.2])).astype(np.int32)
+    res = None
+    if spec.has_residual:
+        os_ = spec.shapes()[2][:-1] + (spec.K,)
+        rlo, rhi = value_range(spec.res_dtype)
+        r = rng.integers(rlo, rhi + 1, os_)
+        span = (spec.hi2 - spec.lo2) / max(1, (spec.hi - spec.lo) + (rhi - rlo))
+        S2 = rng.integers(12, 21, K) if spec.res_i32 else rng.integers(16, 31, K)
+        M1 = np.round(span * rng.uniform(0.6, 1.4, K) * 2.0 ** S2)
+        M2 = np.round(span * rng.uniform(0.6, 1.4, K) * 2.0 ** S2)
+        c1 = rng.integers(-3, 4, K)
+        c2 = rng.integers(-3, 4, K)
+        rq2 = np.stack([c1, np.clip(M1, 1, 2**31 - 1), c2, np.clip(M2, 1, 2**31 - 1), S2]).astype(np.int32)
+        if spec.rq2_uniform:
+            rq2 = np.repeat(np.asarray(spec.rq2_uniform, np.int32)[:, None], K, axis=1)
+        res = (r, rq2)
+    return x, w, bias, M, S, res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one candidate: inputs, calling convention, check, time
+# ---------------------------------------------------------------------------------------------------------------
+def poison(shape, dtype, rng) -> np.ndarray:
+    """Random bytes of a buffer's size (an output or a scratch buffer must be written before it is read)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return rng.integers(0, 256, n, dtype=np.uint8).view(dtype).reshape(shape)
+
+
+def problem(entry: dict, seed: int) -> dict:
+    """The NumPy side of one measurement: the kernels' input buffers in calling order (before the residual),
+    the residual buffers, the reference output (logical values), the output's storage shape and dtype."""
+    spec = Spec(entry["spec"])
+    rng = np.random.default_rng(seed)
+    x, w, b, M, S, res = random_problem(spec, rng)
+    head = [to_storage(x, spec.x_dtype), weights(spec, w, entry.get("w_expand", False), entry.get("w_kperm", 0)),
+            np.ascontiguousarray(b, np.int32), np.ascontiguousarray(M, np.int32), np.ascontiguousarray(S, np.int32)]
+    resargs = [] if res is None else [to_storage(res[0], spec.res_dtype), np.ascontiguousarray(res[1], np.int32)]
+    ref = conv_reference(spec, x, w, b, M, S, res)
+    return dict(spec=spec, head=head, res=resargs, ref=ref, out_shape=spec.shapes()[2],
+                out_dtype=_STORAGE[spec.out_dtype], rng=rng)
+
+
+class Layer:
+    """A candidate's kernels bound to device buffers in its calling convention (schedules/planned.py)."""
+
+    def __init__(self, mod, entry: dict, dev, prob: dict):
+        import tvm
+
+        self.tvm, self.dev, self.entry, self.prob = tvm, dev, entry, prob
+        self.names = list(entry["funcs"])
+        self.funcs = [mod[n] for n in self.names]
+        self.mod = mod
+        rng = prob["rng"]
+        put = lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev)
+        self.head = [put(a) for a in prob["head"]]
+        self.res = [put(a) for a in prob["res"]]
+        self.out = put(poison(prob["out_shape"], prob["out_dtype"], rng))
+        self.ws = self.cnt = self.skw = None
+        if entry.get("split_k", 1) > 1:
+            self.ws = put(poison(tuple(entry["workspace"]), "int32", rng))
+        if entry.get("streamk"):
+            counters, words = entry["streamk"]
+            self.cnt = put(np.zeros(counters, np.int32))
+            self.skw = put(poison((words,), "int32", rng))
+
+    def args(self) -> list:
+        """The argument list of each kernel, in launch order."""
+        x, w, *rest = self.head  # rest: bias, M, S
+        if self.ws is not None:
+            return [[x, w, self.ws], [self.ws, *rest, *self.res, self.out]]
+        if self.cnt is not None:
+            return [[x, w, *rest, *self.res, self.cnt, self.out, self.skw]]
+        return [[x, w, *rest, *self.res, self.out]]
+
+    def run(self):
+        for f, a in zip(self.funcs, self.args()):
+            f(*a)
+        self.dev.sync()
+
+    def repoison(self):
+        self.out.copyfrom(poison(self.prob["out_shape"], self.prob["out_dtype"], self.prob["rng"]))
+
+    def mismatches(self) -> int:
+        """Output values that differ from the reference (+1 for stream-K counters not left at zero)."""
+        spec, ref = self.prob["spec"], self.prob["ref"]
+        got = from_storage(self.out.numpy(), spec.out_dtype, spec.K)
+        bad = int((got != ref).sum()) if got.shape == ref.shape else int(ref.size)
+        if self.cnt is not None and self.cnt.numpy().any():
+            bad += 1
+        return bad
+
+    def time_ms(self, repeat: int, min_repeat_ms: float) -> list[float]:
+        """Per kernel, the median ms of ``repeat`` timed repeats (time_evaluator)."""
+        out = []
+        for name, a in zip(self.names, self.args()):
+            ev = self.mod.time_evaluator(name, self.dev, number=1, repeat=repeat, min_repeat_ms=int(min_repeat_ms))
+            out.append(float(ev(*a).median) * 1e3)
+        return out
+
+
+def measure_entry(mod, entry: dict, dev, seed: int, repeat: int = 7, min_repeat_ms: int = 20) -> dict:
+    """Check one loaded candidate bit for bit on ``dev`` (two poisoned runs), time it, check it again; a result
+    record: status, ms (None unless ok), kernel_ms, detail, seed, distinct (values in the reference output)."""
+    prob = problem(entry, seed)
+    ref = prob["ref"]
+    rec = dict(id=entry["id"], seed=seed, distinct=int(np.unique(ref).size), ms=None, kernel_ms=None, detail="")
+    layer = Layer(mod, entry, dev, prob)
+    bad = 0
+    for i in range(2):  # two poisons: every output byte is written, each time
+        if i:
+            layer.repoison()
+        layer.run()
+        bad += layer.mismatches()
+    if bad:
+        return dict(rec, status=MISMATCH, detail=f"{bad} of {2 * ref.size} outputs differ from the reference "
+                                                 f"(seed {seed})")
+    layer.repoison()
+    kms = layer.time_ms(repeat, min_repeat_ms)
+    bad = layer.mismatches()  # (the last timed launch's output)
+    if bad:
+        return dict(rec, status=MISMATCH, detail=f"{bad} of {ref.size} outputs differ after the timing runs "
+                                                 f"(seed {seed})")
+    return dict(rec, status=OK, ms=float(sum(kms)), kernel_ms=kms)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# devices
+# ---------------------------------------------------------------------------------------------------------------
+def cuda_runtime_library() -> str:
+    """Path of TVM's CUDA runtime library (``libtvm_runtime_cuda.so``, beside ``libtvm_runtime.so``)."""
+    from tvm import base
+
+    return os.path.join(os.path.dirname(os.path.realpath(base._LOADED_LIBS["tvm_runtime"]._name)),
+                        "libtvm_runtime_cuda.so")
+
+
+def load_cuda_runtime() -> None:
+    """Load TVM's CUDA runtime library into this process: runtime-only TVM (``TVM_USE_RUNTIME_LIB=1``, the runtime
+    bundle) does not load its backends, so without this no CUDA device and no CUDA kernels (the full TVM loads it
+    where ``libcuda.so.1`` loads). An rpc_server takes the same library with ``--load-library``."""
+    import ctypes
+
+    from tvm import base
+
+    if "tvm_runtime_cuda" not in base._LOADED_LIBS:
+        base._LOADED_LIBS["tvm_runtime_cuda"] = ctypes.CDLL(cuda_runtime_library(), mode=ctypes.RTLD_GLOBAL)
+
+
+def get_device(kind: str = "cuda", index: int = 0):
+    import tvm
+
+    if kind == "cuda":
+        load_cuda_runtime()
+    dev = tvm.runtime.cuda(index) if kind == "cuda" else tvm.runtime.cpu(index)
+    if not dev.exist:
+        raise RuntimeError(f"no {kind} device {index} (the TVM runtime found none)")
+    return dev
+
+
+def _smem_optin(index: int) -> int | None:
+    """The opt-in shared memory per block (bytes) from the CUDA driver, or None."""
+    import ctypes
+
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+        v, d = ctypes.c_int(0), ctypes.c_int(0)
+        if cu.cuInit(0) or cu.cuDeviceGet(ctypes.byref(d), index):
+            return None
+        return v.value if not cu.cuDeviceGetAttribute(ctypes.byref(v), 97, d) else None  # ..._PER_BLOCK_OPTIN
+    except (OSError, AttributeError):
+        return None
+
+
+def device_info(dev, kind: str = "cuda", local: bool = True) -> dict:
+    """name, arch (sm_XY from the compute capability), sms, smem_per_block: from the device itself."""
+    if kind != "cuda":
+        import platform
+
+        return dict(name=f"cpu ({platform.machine()})", arch="cpu", sms=os.cpu_count() or 1, smem_per_block=None)
+    cv = str(dev.compute_version)
+    smem = _smem_optin(dev.index) if local else None
+    return dict(name=str(dev.device_name), arch="sm_" + cv.replace(".", ""), sms=int(dev.multi_processor_count),
+                smem_per_block=smem or int(dev.max_shared_memory_per_block))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a batch: manifest, worker, supervisor
+# ---------------------------------------------------------------------------------------------------------------
+def read_manifest(batch: str) -> tuple[dict, str]:
+    """(manifest, folder its ``so`` paths are relative to) of a batch folder or manifest file."""
+    path = os.path.join(batch, "manifest.json") if os.path.isdir(batch) else batch
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{batch}: no manifest.json (a batch folder of qcompile.tune.build, or its manifest)")
+    with open(path) as f:
+        man = json.load(f)
+    if not isinstance(man, dict) or man.get("format") != FORMAT or not isinstance(man.get("candidates"), list):
+        raise ValueError(f"{path}: not a qcompile tuning batch manifest (format {FORMAT})")
+    return man, os.path.dirname(os.path.abspath(path))
+
+
+def candidate_seed(base: int, cid: str) -> int:
+    """A candidate's seed: the batch seed and the candidate's id (reproducible from the results file)."""
+    import zlib
+
+    return (base * 1000003 + zlib.crc32(cid.encode())) % (1 << 63)
+
+
+def worker(args) -> int:
+    """Measure the candidates of ``args.ids`` (all without) in this process, one JSON line per event to
+    ``args.progress``: {"start": id} before a candidate, then its result record. Returns 3 after a run_error (the
+    device context may be lost: the supervisor starts a new worker for the rest)."""
+    import tvm
+
+    man, root = read_manifest(args.batch)
+    todo = set(args.ids) if args.ids else None
+    dev = get_device(args.device, args.device_id)
+    with open(args.progress, "a") as prog:
+        def emit(rec):
+            prog.write(json.dumps(rec) + "\n")
+            prog.flush()
+
+        for entry in man["candidates"]:
+            if todo is not None and entry["id"] not in todo:
+                continue
+            emit({"start": entry["id"]})
+            seed = candidate_seed(args.seed, entry["id"])
+            try:
+                mod = tvm.runtime.load_module(os.path.join(root, entry["so"]))
+                rec = measure_entry(mod, entry, dev, seed, args.repeat, args.min_repeat_ms)
+            except Exception as e:  # noqa: BLE001  (reported per candidate; the worker ends)
+                msg = " ".join(str(e).split())
+                emit(dict(id=entry["id"], status=RUN_ERROR, ms=None, seed=seed,
+                          detail=f"{type(e).__name__}: {msg[-300:]}"))
+                return 3
+            emit(rec)
+    return 0
+
+
+def _read_progress(path: str) -> tuple[dict, str | None]:
+    """(results by id, the id started and not finished) of a worker's progress file."""
+    done, started = {}, None
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue  # (a line cut by the worker's death)
+                if "start" in r:
+                    started = r["start"]
+                else:
+                    done[r["id"]] = r
+                    started = None if started == r["id"] else started
+    return done, started
+
+
+def supervise(batch: str, ids=None, device: str = "cuda", device_id: int = 0, seed: int | None = None,
+              repeat: int = 7, min_repeat_ms: int = 20, timeout: float = 120.0, log=None) -> dict:
+    """Measure a batch in worker processes (this file, ``--worker``): a candidate that kills its worker or runs
+    past ``timeout`` seconds is ``run_error`` and a new worker measures the rest. Returns the results document."""
+    import tempfile
+
+    man, _ = read_manifest(batch)
+    order = [e["id"] for e in man["candidates"] if not ids or e["id"] in set(ids)]
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else int(seed)
+    info = None
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="qtune-measure-") as td:
+        prog = os.path.join(td, "progress.jsonl")
+        info_path = os.path.join(td, "device.json")
+        rounds = 0
+        while len(results) < len(order):
+            rounds += 1
+            if rounds > len(order) + 2:
+                raise RuntimeError("measurement workers keep failing before they measure anything")
+            left = [i for i in order if i not in results]
+            open(prog, "w").close()
+            cmd = [sys.executable, os.path.abspath(__file__), batch, "--worker", "--progress", prog,
+                   "--device", device, "--device-id", str(device_id), "--seed", str(seed), "--repeat", str(repeat),
+                   "--min-repeat-ms", str(min_repeat_ms), "--device-json", info_path, "--ids", *left]
+            env = dict(os.environ, TVM_USE_RUNTIME_LIB="1")  # (the runtime alone: no compiler library loaded)
+            wlog = open(os.path.join(td, f"worker{rounds}.log"), "w+")
+            p = subprocess.Popen(cmd, stdout=wlog, stderr=subprocess.STDOUT, text=True, env=env)
+            last, seen, why = time.time(), 0, None
+            while p.poll() is None:
+                time.sleep(0.05)
+                done, started = _read_progress(prog)
+                if len(done) + (started is not None) != seen:
+                    seen, last = len(done) + (started is not None), time.time()
+                    for i in done:
+                        if i not in results and log:
+                            log(_line(done[i]))
+                        results.setdefault(i, done[i])
+                elif started is not None and time.time() - last > timeout:
+                    p.kill()
+                    why = f"timed out after {timeout:.0f} s"
+                elif started is None and time.time() - last > max(timeout, 600):  # (its start: importing TVM)
+                    p.kill()
+            wlog.seek(0)
+            tail = wlog.read().strip().splitlines()
+            wlog.close()
+            done, started = _read_progress(prog)
+            for i, r in done.items():
+                if i not in results and log:
+                    log(_line(r))
+                results.setdefault(i, r)
+            if info is None and os.path.exists(info_path):
+                with open(info_path) as f:
+                    info = json.load(f)
+            if started is not None and started not in results:
+                detail = why or (f"the measuring process died (exit {p.returncode})"
+                                 + (f": {tail[-1][-300:]}" if tail else ""))
+                results[started] = dict(id=started, status=RUN_ERROR, ms=None, detail=detail,
+                                        seed=candidate_seed(seed, started))
+                if log:
+                    log(_line(results[started]))
+            elif p.returncode not in (0, 3) and len(results) < len(order):
+                if info is None:  # (no device: every candidate alike)
+                    msg = tail[-1][-300:] if tail else f"exit {p.returncode}"
+                    raise RuntimeError(f"the measuring process failed before the first candidate: {msg}")
+    entries = {e["id"]: e for e in man["candidates"]}
+    return dict(format=FORMAT, device=info, timing=TIMING, seed=seed, repeat=repeat, min_repeat_ms=min_repeat_ms,
+                date=time.strftime("%Y-%m-%d"),
+                results=[dict(results[i], candidate=candidate_info(entries[i])) for i in order])
+
+
+def candidate_info(entry: dict) -> dict:
+    """What a results record carries of its candidate: enough to rebuild it (qcompile.tune.runners)."""
+    return {k: entry.get(k) for k in ("key", "arch", "target", "spec", "strategy", "label", "knobs", "knobs_type")}
+
+
+def _line(r: dict) -> str:
+    ms = f"{r['ms']:.4f} ms" if r.get("ms") is not None else ""
+    return f"{r['status'].upper():<9} {r['id']:<22} {ms} {r.get('detail', '')}".rstrip()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="measure.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("batch", help="a batch folder (with manifest.json) or a manifest file")
+    ap.add_argument("-o", "--output", help="results file (JSON; default: BATCH/results.json)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the device (default: cuda)")
+    ap.add_argument("--device-id", type=int, default=0, help="which GPU (default: 0)")
+    ap.add_argument("--seed", type=int, help="the batch seed (default: random, recorded in the results)")
+    ap.add_argument("--ids", nargs="+", help="measure only these candidates")
+    ap.add_argument("--repeat", type=int, default=7, help="timed repeats per kernel (default: 7)")
+    ap.add_argument("--min-repeat-ms", type=int, default=20, help="launches per repeat: at least this long")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds one candidate may take (default: 120)")
+    ap.add_argument("--device-info", action="store_true", help="print the device's name, arch, SMs (JSON) and exit")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--progress", help=argparse.SUPPRESS)
+    ap.add_argument("--device-json", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.repeat < 1 or a.min_repeat_ms < 0 or a.timeout <= 0:
+        print("measure.py: error: --repeat must be >= 1, --min-repeat-ms >= 0, --timeout > 0", file=sys.stderr)
+        return 2
+    try:
+        if a.device_info or a.worker:
+            dev = get_device(a.device, a.device_id)
+            info = device_info(dev, a.device)
+            if a.device_info:
+                print(json.dumps(info))
+                return 0
+            with open(a.device_json, "w") as f:
+                json.dump(info, f)
+            return worker(a)
+        read_manifest(a.batch)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"measure.py: error: {e}", file=sys.stderr)
+        return 2
+    out = a.output or os.path.join(a.batch if os.path.isdir(a.batch) else os.path.dirname(a.batch), "results.json")
+    t0 = time.time()
+    try:
+        doc = supervise(a.batch, a.ids, a.device, a.device_id, a.seed, a.repeat, a.min_repeat_ms, a.timeout,
+                        log=lambda s: print(s, flush=True))
+    except RuntimeError as e:
+        print(f"measure.py: error: {e}", file=sys.stderr)
+        return 2
+    doc["command"] = "python measure.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, out)
+    n = {s: sum(r["status"] == s for r in doc["results"]) for s in (OK, MISMATCH, RUN_ERROR)}
+    dev = doc["device"] or {}
+    print(f"{dev.get('name', '?')}: {n[OK]} ok, {n[MISMATCH]} mismatch, {n[RUN_ERROR]} run_error of "
+          f"{len(doc['results'])} in {time.time() - t0:.0f} s -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,399 @@
+"""Runners: where built candidates are measured (the ``Runner`` of qcompile.tune.common). All three produce the
+same ``Measured`` records, from the same code (``qcompile.tune.measure``: fresh random inputs, a bit-exact check
+against the NumPy reference with poisoned outputs, then the time):
+
+* ``local`` -- the GPU of this machine. Each batch is measured in a child process (measure.py's supervisor), so a
+  candidate that crashes the CUDA context or hangs is reported ``run_error`` and the rest are measured.
+* ``rpc`` -- TVM's RPC tracker and one ``rpc_server`` per GPU (``--rpc-tracker HOST:PORT --rpc-key KEY``). The
+  candidates go to every server of the key at once, one thread per server, one session per candidate (a fresh
+  server process each, killed by the server after ``--measure-timeout`` seconds): N GPUs measure N candidates in
+  parallel. Inputs are made here and sent; the kernels' libraries are uploaded.
+* ``offline`` -- for a GPU host that cannot reach this one: ``export(built, DIR)`` writes a self-contained batch
+  (the libraries, manifest.json, measure.py, run.sh, README.txt); on the GPU host, with only NumPy and the TVM
+  runtime, ``python measure.py . -o results.json``; ``import_results(results.json)`` reads the measurements back.
+
+The servers of an rpc runner need only the TVM runtime: ``python -m tvm.exec.rpc_server --tracker HOST:PORT --key
+KEY --host 127.0.0.1`` (runtime-only TVM, e.g. scripts/make_runtime_bundle.sh's bundle with TVM_USE_RUNTIME_LIB=1,
+also needs ``--load-library <tvm>/lib/libtvm_runtime_cuda.so``: it does not load its CUDA backend by itself; and
+``--no-fork``: CUDA failed to initialise in the forked session processes on our H100 host).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import tempfile
+import threading
+
+from qcompile.errors import QCompileError
+
+from . import measure as M
+from .common import BUILD_ERROR, OK, RUN_ERROR, Built, Candidate, DeviceInfo, Measured, Runner
+
+RUNNERS = ("local", "rpc", "offline")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("measuring candidates (runners)")
+    g.add_argument("--runner", choices=RUNNERS, default=None,
+                   help="local: this machine's GPU; rpc: the GPUs of an RPC tracker's servers; offline: export "
+                        "batches to measure elsewhere (--export / --import). Default: local, or offline with "
+                        "--export / --import")
+    g.add_argument("--rpc-tracker", metavar="HOST:PORT", help="the RPC tracker (rpc runner)")
+    g.add_argument("--rpc-key", metavar="KEY", help="the servers' key at the tracker (rpc runner)")
+    g.add_argument("--rpc-sessions", type=int, default=0, metavar="N",
+                   help="candidates measured at once (default: one per server of the key)")
+    g.add_argument("--export", metavar="DIR", help="offline runner: write each batch to measure to DIR/batch_NNNN")
+    g.add_argument("--import", dest="import_results", metavar="RESULTS", nargs="+",
+                   help="offline runner: results files of exported batches (measure.py's -o)")
+    g.add_argument("--measure-device", choices=("cuda", "cpu"), default="cuda",
+                   help="the device kind the candidates run on (cpu: llvm-built candidates; default: cuda)")
+    g.add_argument("--device-id", type=int, default=0, help="which GPU the local runner uses (default: 0)")
+    g.add_argument("--measure-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds one candidate may take on the device (default: 120)")
+    g.add_argument("--repeat", type=int, default=7, help="timed repeats per kernel (default: 7)")
+    g.add_argument("--min-repeat-ms", type=int, default=20, metavar="MS",
+                   help="each timed repeat runs back-to-back launches for at least this long (default: 20)")
+
+
+def _tracker_addr(s: str) -> tuple[str, int]:
+    host, _, port = (s or "").rpartition(":")
+    if not host or not port.isdigit():
+        raise QCompileError(f"--rpc-tracker {s!r}: expected HOST:PORT (e.g. 127.0.0.1:9190)")
+    return host, int(port)
+
+
+def make_runner(args) -> Runner:
+    """The runner the command line asks for (``add_arguments``' options)."""
+    g = lambda k, d=None: getattr(args, k, d)
+    kind = g("runner") or ("offline" if g("export") or g("import_results") else "local")
+    if g("repeat", 7) < 1 or g("min_repeat_ms", 20) < 0 or g("measure_timeout", 120.0) <= 0:
+        raise QCompileError("--repeat must be at least 1, --min-repeat-ms at least 0, --measure-timeout above 0")
+    common = dict(device=g("measure_device") or "cuda", timeout=g("measure_timeout", 120.0), repeat=g("repeat", 7),
+                  min_repeat_ms=g("min_repeat_ms", 20))
+    if kind == "local":
+        return LocalRunner(device_id=g("device_id", 0), **common)
+    if kind == "rpc":
+        if not g("rpc_tracker") or not g("rpc_key"):
+            raise QCompileError("--runner rpc needs --rpc-tracker HOST:PORT and --rpc-key KEY")
+        if g("rpc_sessions", 0) < 0:
+            raise QCompileError("--rpc-sessions must be at least 0")
+        host, port = _tracker_addr(g("rpc_tracker"))
+        return RPCRunner(host, port, g("rpc_key"), sessions=g("rpc_sessions", 0), **common)
+    if not g("export") and not g("import_results"):
+        raise QCompileError("--runner offline needs --export DIR (and --import RESULTS once they are measured)")
+    return OfflineRunner(g("export"), g("import_results") or (), arch=g("arch"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# results -> Measured
+# ---------------------------------------------------------------------------------------------------------------
+def candidate_from(info: dict) -> Candidate:
+    """A Candidate from a manifest entry or a results record's ``candidate``."""
+    from qcompile.schedules.spec import ConvSpec
+
+    spec = ConvSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in info["spec"].items()})
+    knobs = None
+    if info.get("knobs") is not None:
+        if info.get("knobs_type") == "KtKnobs":
+            from qcompile.schedules.igemm_t import KtKnobs as T
+        elif info.get("knobs_type") == "HaloKnobs":
+            from qcompile.schedules.stem import HaloKnobs as T
+        else:
+            from qcompile.schedules.spec import GemmKnobs as T
+        knobs = T(**info["knobs"])
+    return Candidate(info["key"], spec, info["arch"], info["strategy"], knobs)
+
+
+def to_measured(cand: Candidate, rec: dict, dev: dict | None) -> Measured:
+    dev = dev or {}
+    return Measured(cand, rec["status"], rec.get("ms") if rec["status"] == OK else None, rec.get("detail", ""),
+                    dev.get("name", ""), dev.get("sms"))
+
+
+def _unbuilt(b: Built) -> Measured:
+    return Measured(b.candidate, BUILD_ERROR, None, b.error or "not built")
+
+
+def _entries(built: list[Built], absolute: bool) -> list[dict]:
+    """The distinct manifest entries of the built candidates (``so`` absolute where asked)."""
+    out, seen = [], set()
+    for b in built:
+        if b.error is None and b.path and b.entry.get("id") not in seen:
+            seen.add(b.entry["id"])
+            e = dict(b.entry, so=os.path.abspath(b.path) if absolute else os.path.basename(b.path))
+            out.append(e)
+    return out
+
+
+def _device_info(d: dict) -> DeviceInfo:
+    return DeviceInfo(d["name"], d["arch"], int(d["sms"]), d.get("smem_per_block"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# local
+# ---------------------------------------------------------------------------------------------------------------
+class LocalRunner(Runner):
+    """This machine's device; each batch measured by measure.py's supervisor (a worker process per batch, a new
+    one after a candidate that kills it)."""
+
+    def __init__(self, device: str = "cuda", device_id: int = 0, timeout: float = 120.0, repeat: int = 7,
+                 min_repeat_ms: int = 20, seed: int | None = None, log=None):
+        self.kind, self.device_id, self.timeout = device, device_id, timeout
+        self.repeat, self.min_repeat_ms, self.seed, self.log = repeat, min_repeat_ms, seed, log
+        self._info = None
+        self.last_results = None  # the last batch's results document (seed, timing, per-candidate records)
+
+    def device(self) -> DeviceInfo:
+        if self._info is None:
+            import subprocess
+            import sys
+
+            r = subprocess.run([sys.executable, M.__file__, "-", "--device-info", "--device", self.kind,
+                                "--device-id", str(self.device_id)], capture_output=True, text=True,
+                               env=dict(os.environ, TVM_USE_RUNTIME_LIB="1"), timeout=self.timeout)
+            if r.returncode != 0:
+                msg = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+                raise QCompileError(f"local runner: no {self.kind} device {self.device_id}: {msg}")
+            self._info = json.loads(r.stdout.strip().splitlines()[-1])
+        return _device_info(self._info)
+
+    def measure(self, built: list[Built]) -> list[Measured]:
+        entries = _entries(built, absolute=True)
+        recs, dev = {}, None
+        if entries:
+            with tempfile.TemporaryDirectory(prefix="qtune-batch-") as td:
+                man = os.path.join(td, "manifest.json")
+                with open(man, "w") as f:
+                    json.dump(dict(format=M.FORMAT, candidates=entries), f)
+                doc = M.supervise(man, None, self.kind, self.device_id, self.seed, self.repeat, self.min_repeat_ms,
+                                  self.timeout, log=self.log)
+            self.last_results = doc
+            recs, dev = {r["id"]: r for r in doc["results"]}, doc["device"]
+            if dev and self._info is None:
+                self._info = dev
+        return [to_measured(b.candidate, recs[b.entry["id"]], dev) if b.error is None and b.path else _unbuilt(b)
+                for b in built]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rpc
+# ---------------------------------------------------------------------------------------------------------------
+class RPCRunner(Runner):
+    """The servers of ``key`` at the tracker ``host:port``: one thread per server (or ``sessions``), each taking
+    candidates from a shared queue, one session per candidate."""
+
+    def __init__(self, host: str, port: int, key: str, sessions: int = 0, device: str = "cuda",
+                 timeout: float = 120.0, repeat: int = 7, min_repeat_ms: int = 20, seed: int | None = None,
+                 priority: int = 1, log=None):
+        self.host, self.port, self.key, self.sessions = host, port, key, sessions
+        self.kind, self.timeout, self.repeat, self.min_repeat_ms = device, timeout, repeat, min_repeat_ms
+        self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+        self.priority, self.log = priority, log
+        self._info = None
+
+    def _tracker(self):
+        from tvm import rpc
+
+        try:
+            return rpc.connect_tracker(self.host, self.port)
+        except (OSError, RuntimeError) as e:
+            raise QCompileError(f"rpc runner: cannot reach the tracker at {self.host}:{self.port} ({e})") from None
+
+    def servers(self) -> int:
+        """Servers of the key registered at the tracker now (busy or free)."""
+        summ = self._tracker().summary()
+        n = sum(1 for s in summ.get("server_info", []) if s.get("key", "").split(":")[1:2] == [self.key])
+        return max(n, summ.get("queue_info", {}).get(self.key, {}).get("free", 0))
+
+    def _session(self, tracker):
+        return tracker.request(self.key, priority=self.priority, session_timeout=self.timeout)
+
+    def _remote_device(self, sess):
+        return sess.cuda(0) if self.kind == "cuda" else sess.cpu(0)
+
+    def device(self) -> DeviceInfo:
+        if self._info is None:
+            if self.servers() == 0:
+                raise QCompileError(f"rpc runner: no server of key {self.key!r} at the tracker {self.host}:{self.port}")
+            sess = self._session(self._tracker())
+            dev = self._remote_device(sess)
+            if not dev.exist:
+                raise QCompileError(
+                    f"rpc runner: the servers of key {self.key!r} have no {self.kind} device (a runtime-only TVM "
+                    "server needs --load-library <tvm>/lib/libtvm_runtime_cuda.so --no-fork)")
+            self._info = M.device_info(dev, self.kind, local=False)
+        return _device_info(self._info)
+
+    def _measure_one(self, tracker, entry: dict, path: str) -> dict:
+        seed = M.candidate_seed(self.seed, entry["id"])
+        try:
+            sess = self._session(tracker)
+            sess.upload(path, entry["id"] + ".so")
+            mod = sess.load_module(entry["id"] + ".so")
+            rec = M.measure_entry(mod, entry, self._remote_device(sess), seed, self.repeat, self.min_repeat_ms)
+        except Exception as e:  # noqa: BLE001  (the candidate's failure; the session is dropped)
+            msg = " ".join(str(e).split())
+            rec = dict(id=entry["id"], status=RUN_ERROR, ms=None, seed=seed, detail=f"{type(e).__name__}: "
+                                                                                    f"{msg[-300:]}")
+        return dict(rec, candidate=M.candidate_info(entry))
+
+    def measure(self, built: list[Built]) -> list[Measured]:
+        entries = _entries(built, absolute=True)
+        recs: dict = {}
+        if entries:
+            self.device()
+            info = self._info
+            n = self.sessions or max(1, self.servers())
+            q: queue.Queue = queue.Queue()
+            for e in entries:
+                q.put(e)
+            lock = threading.Lock()
+
+            def loop():
+                tracker = self._tracker()
+                while True:
+                    try:
+                        e = q.get_nowait()
+                    except queue.Empty:
+                        return
+                    r = self._measure_one(tracker, e, e["so"])
+                    with lock:
+                        recs[e["id"]] = r
+                    if self.log:
+                        self.log(M._line(r))
+
+            threads = [threading.Thread(target=loop, daemon=True) for _ in range(min(n, len(entries)))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            info = self._info
+        return [to_measured(b.candidate, recs[b.entry["id"]], info) if b.error is None and b.path else _unbuilt(b)
+                for b in built]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# offline
+# ---------------------------------------------------------------------------------------------------------------
+README = """A batch of qcompile tuning candidates to measure on a GPU host.
+
+Needs Python 3 with NumPy and the TVM runtime (no compiler, no qcompile): an installed apache-tvm, or the runtime
+bundle of qcompile's scripts/make_runtime_bundle.sh:
+
+    tar xJf tvm_runtime.tar.xz -C /tmp/tvmrt
+    pip install --no-index --no-deps --target /tmp/tvmrt apache_tvm_ffi-*-cp3XX-*.whl
+    export PYTHONPATH=/tmp/tvmrt TVM_USE_RUNTIME_LIB=1
+
+then, in this folder (or: sh run.sh):
+
+    python measure.py . -o results.json
+
+It checks every candidate bit for bit against a NumPy reference on fresh random inputs, times the exact ones, and
+writes results.json; bring that file back and pass it to --import. `python measure.py --help` lists the options
+(--device-id for another GPU).
+"""
+
+
+class OfflineBatchPending(Exception):
+    """A batch was exported and awaits its measurements (``folder``, ``command``)."""
+
+    def __init__(self, folder: str, command: str):
+        super().__init__(f"batch exported to {folder}: measure it on the GPU host with `{command}` (in that folder), "
+                         "then pass its results.json to --import")
+        self.folder, self.command = folder, command
+
+
+def export(built: list[Built], folder: str) -> str:
+    """Write a self-contained batch of the built candidates to ``folder`` (new, or empty): their libraries,
+    manifest.json, measure.py, run.sh, README.txt. Returns the command that measures it there."""
+    entries = _entries(built, absolute=False)
+    if os.path.exists(folder) and os.listdir(folder):
+        raise QCompileError(f"{folder}: exists and is not empty (an export goes to a new folder)")
+    os.makedirs(folder, exist_ok=True)
+    by_id = {b.entry["id"]: b.path for b in built if b.error is None and b.path}
+    for e in entries:
+        shutil.copy2(by_id[e["id"]], os.path.join(folder, e["so"]))
+    targets = sorted({e.get("target", "cuda") for e in entries}) or ["cuda"]
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        json.dump(dict(format=M.FORMAT, target=targets[0], candidates=entries), f, indent=1)
+    shutil.copy2(M.__file__, os.path.join(folder, "measure.py"))
+    command = "python measure.py . -o results.json" + (" --device cpu" if targets == ["llvm"] else "")
+    with open(os.path.join(folder, "run.sh"), "w") as f:
+        f.write('#!/bin/sh\n# measure this batch: needs NumPy and the TVM runtime (README.txt)\ncd "$(dirname "$0")" && '
+                + command.replace("python ", "${PYTHON:-python3} ") + ' "$@"\n')
+    os.chmod(os.path.join(folder, "run.sh"), 0o755)
+    with open(os.path.join(folder, "README.txt"), "w") as f:
+        f.write(README)
+    return command
+
+
+def read_results(path: str) -> dict:
+    """A measure.py results document (checked)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise QCompileError(f"{path}: no such results file") from None
+    except ValueError as e:
+        raise QCompileError(f"{path}: not a JSON results file ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != M.FORMAT or not isinstance(doc.get("results"), list):
+        raise QCompileError(f"{path}: not the results of qcompile's measure.py (format {M.FORMAT})")
+    return doc
+
+
+def import_results(path: str, built: list[Built] | None = None) -> list[Measured]:
+    """The measurements of an exported batch: with ``built``, one per Built in its order (those not in the file:
+    run_error "not measured"); without, one per record, the candidates rebuilt from the records."""
+    doc = read_results(path)
+    dev = doc.get("device")
+    if built is None:
+        return [to_measured(candidate_from(r["candidate"]), r, dev) for r in doc["results"]]
+    recs = {r["id"]: r for r in doc["results"]}
+    out = []
+    for b in built:
+        if b.error is not None or not b.path:
+            out.append(_unbuilt(b))
+        elif b.entry["id"] in recs:
+            out.append(to_measured(b.candidate, recs[b.entry["id"]], dev))
+        else:
+            out.append(Measured(b.candidate, RUN_ERROR, None, f"not measured (not in {path})"))
+    return out
+
+
+class OfflineRunner(Runner):
+    """``measure`` answers from the imported results where they hold every built candidate; otherwise it exports
+    the batch to ``export_dir/batch_NNNN`` and raises ``OfflineBatchPending``."""
+
+    def __init__(self, export_dir: str | None, results=(), arch: str | None = None):
+        self.export_dir, self.arch = export_dir, arch
+        self.docs = [read_results(p) for p in results]
+        self.paths = list(results)
+
+    def device(self) -> DeviceInfo:
+        for d in self.docs:
+            if d.get("device"):
+                return _device_info(d["device"])
+        if not self.arch:
+            raise QCompileError("offline runner: no device known yet (no --import results, no --arch)")
+        from qcompile.schedules.spec import arch_info
+
+        return DeviceInfo(f"unknown {self.arch} GPU", self.arch, arch_info(self.arch).sms)
+
+    def measure(self, built: list[Built]) -> list[Measured]:
+        want = {b.entry["id"] for b in built if b.error is None and b.path}
+        for doc, path in zip(self.docs, self.paths):
+            if want <= {r["id"] for r in doc["results"]}:
+                return import_results(path, built)
+        if not self.export_dir:
+            raise QCompileError("offline runner: these candidates are in no --import results; --export DIR writes "
+                                "them for measuring")
+        os.makedirs(self.export_dir, exist_ok=True)
+        n = 1
+        while os.path.exists(os.path.join(self.export_dir, f"batch_{n:04d}")):
+            n += 1
+        folder = os.path.join(self.export_dir, f"batch_{n:04d}")
+        raise OfflineBatchPending(folder, export(built, folder))

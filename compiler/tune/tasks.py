@@ -1,0 +1,159 @@
+"""Tuning tasks: the distinct tensor-core kernels of a model, exactly as ``qcompile`` will look their records up.
+
+``extract_tasks(model, arch, batches, layout, ...)`` imports the model as ``qcompile`` does (``driver.import_model``:
+ONNX QDQ, float ONNX with ``--bits``/``--calibrate``, PT2E, HAWQ) once per batch size, and runs the compilation
+pipeline (``pipeline.qcompile_pipeline``) as far as the kernel dispatch -- integer lowering and
+``DispatchTensorCore``, no packing, no backend, no nvcc. The dispatcher leaves, per tensor-core layer, the kernel it
+planned (``PipelineRecord.planned``: the ConvSpec after the stem's space-to-depth rewrite, the strategy
+``select_strategy`` took, the knobs the logs gave). Layers with the same ``tuning_key(spec)`` and strategy are one
+task: one record serves them all, and the task's weight is how many layers use it.
+
+Each task carries a time estimate before anything is measured: a roofline of the arch's nominal peaks
+(``ARCH_PEAKS``: integer tensor-core throughput, DRAM bandwidth of the reference part) plus a launch cost,
+``est_ms = max(ops / peak, bytes / bandwidth) + LAUNCH_MS``; ``share`` is the task's part of the model's
+tensor-core time, weight x time over the sum. Once the default knobs are measured, ``set_shares`` replaces the
+estimate with the measured default time (the scheduler does this after its baseline round).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from qcompile.schedules.spec import ConvSpec
+
+# Nominal dense peaks per arch, of the part named (what a roofline needs; only the ratios between tasks matter):
+# (int8 tensor-core TOPS, 4-bit TOPS as the kernels run it, DRAM GB/s). sm_90 unpacks 4-bit to 8-bit for the MMA.
+ARCH_PEAKS = {
+    "sm_75": (130.0, 260.0, 320.0),    # T4
+    "sm_80": (624.0, 1248.0, 2039.0),  # A100 SXM 80GB
+    "sm_86": (250.0, 500.0, 600.0),    # A10
+    "sm_89": (242.0, 485.0, 300.0),    # L4
+    "sm_90": (1979.0, 1979.0, 3350.0),  # H100 SXM
+}
+LAUNCH_MS = 0.003  # a kernel's fixed cost (launch, fill and drain), CUDA graph replay
+
+
+@dataclass
+class Task:
+    key: str  # schedules.tuning.tuning_key(spec)
+    spec: ConvSpec
+    strategy: str  # what select_strategy took (the records qcompile looks up are this strategy's)
+    arch: str
+    layers: list  # conv/dense binding names that run this kernel
+    source: str = ""  # where the planned knobs came from (device / arch / nearest / default)
+    planned_knobs: object = None  # the knobs the logs gave when the tasks were extracted (None: the kernel's own)
+    est_ms: float = 0.0  # roofline estimate of one layer
+    default_ms: Optional[float] = None  # measured time of the default knobs (the scheduler fills it in)
+    share: float = 0.0  # of the model's tensor-core time (weight x time / sum)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def weight(self) -> int:
+        return len(self.layers)
+
+    @property
+    def batch(self) -> int:
+        return self.spec.N
+
+    @property
+    def gemm(self) -> tuple:
+        """(M, N, K) of the conv as a GEMM."""
+        return tuple(self.spec.gemm_shape())
+
+    @property
+    def ops(self) -> int:
+        return 2 * self.spec.macs()
+
+    @property
+    def label(self) -> str:
+        more = f" +{self.weight - 1}" if self.weight > 1 else ""
+        return f"{self.layers[0]}{more} b{self.spec.N}"
+
+
+def estimate_ms(spec: ConvSpec, arch: str) -> float:
+    """Roofline time of one conv on ``arch`` (``ARCH_PEAKS``; another sm_9x takes sm_90's)."""
+    i8, i4, bw = ARCH_PEAKS.get(arch, ARCH_PEAKS["sm_90" if arch.startswith("sm_9") else "sm_80"])
+    peak = i4 if spec.x_bits == 4 and spec.w_bits == 4 else i8
+    x = spec.N * spec.H * spec.W * spec.C * spec.x_bits / 8
+    w = spec.K * spec.R * spec.S * spec.C * spec.w_bits / 8
+    out = spec.N * spec.P * spec.Q * spec.K * spec.out_bits / 8
+    res = out if spec.has_residual else 0
+    return max(2 * spec.macs() / (peak * 1e9), (x + w + out + res) / (bw * 1e6)) + LAUNCH_MS
+
+
+def set_shares(tasks: list, measured: bool = True) -> None:
+    """Each task's share of the model's tensor-core time: weight x (measured default time where known and
+    ``measured``, else the estimate), over the sum; shares of one batch size sum to 1."""
+    by_batch: dict = {}
+    for t in tasks:
+        by_batch.setdefault(t.extra.get("model_batch", t.spec.N), []).append(t)
+    for group in by_batch.values():
+        def cost(t):
+            ms = t.default_ms if measured and t.default_ms else None
+            if ms is None and measured and any(u.default_ms for u in group):
+                # (some measured, this one not: scale its estimate by the measured / estimated ratio of the others)
+                known = [u for u in group if u.default_ms]
+                ms = t.est_ms * sum(u.default_ms * u.weight for u in known) / sum(u.est_ms * u.weight for u in known)
+            return t.weight * (ms if ms is not None else t.est_ms)
+        total = sum(cost(t) for t in group) or 1.0
+        for t in group:
+            t.share = cost(t) / total
+
+
+def tasks_from_planned(planned: list, arch: str) -> list:
+    """Tasks from a ``PipelineRecord.planned`` list of (layer name, PlannedKernel), in first-use order; layers on the
+    generic kernel (``fallback``: no knobs) are no task."""
+    from qcompile.schedules.tuning import tuning_key
+
+    from qcompile.schedules.tuning import RECORD_STRATEGIES
+
+    out: dict = {}
+    for name, pk in planned:
+        if pk.strategy not in RECORD_STRATEGIES:  # (the generic kernel: no knobs, nothing to tune)
+            continue
+        k = (tuning_key(pk.spec), pk.strategy)
+        if k not in out:
+            out[k] = Task(k[0], pk.spec, pk.strategy, arch, [], pk.source, pk.knobs, estimate_ms(pk.spec, arch))
+        out[k].layers.append(name)
+    tasks = list(out.values())
+    set_shares(tasks, measured=False)
+    return tasks
+
+
+def tasks_from_module(mod_qdq, arch: str, layout: str = "NHWC", tuning_logs=(), gpu: Optional[str] = None) -> list:
+    """The tasks of a QDQ-form module (phase 1's output): the pipeline up to the tensor-core dispatch."""
+    import tvm
+
+    from qcompile.errors import run_pass
+    from qcompile.pipeline import PipelineRecord, qcompile_pipeline
+
+    record = PipelineRecord()
+    pipeline = qcompile_pipeline({"kind": "cuda", "arch": arch}, layout, pack_int4=False, backend=False,
+                                 record=record, tuning_logs=tuple(tuning_logs or ()), gpu=gpu)
+    with tvm.transform.PassContext(opt_level=3):
+        run_pass(pipeline, mod_qdq)
+    return tasks_from_planned(record.planned, arch)
+
+
+def extract_tasks(model: str, arch: str, batches=(1,), layout: str = "NHWC", bits: Optional[str] = None,
+                  net: Optional[str] = None, input_size: Optional[int] = None, calibrate: Optional[str] = None,
+                  tuning_logs=(), gpu: Optional[str] = None, log: Callable = print) -> list:
+    """The distinct tuning tasks of ``model`` (a file qcompile takes) for each batch size, in order: batch by batch,
+    first-use order within one. A task seen at two batch sizes is two tasks (the batch is part of the key)."""
+    from qcompile.driver import CompileOptions, import_model, model_bits
+    from qcompile.errors import QCompileError
+
+    tasks: list = []
+    for batch in batches:
+        opts = CompileOptions(bits=bits, layout=layout, target="cuda", arch=arch, batch=batch, calibrate=calibrate,
+                              net=net, input_size=input_size)
+        mod_qdq, info = import_model(model, opts, log)
+        found = model_bits(mod_qdq)
+        if bits is not None and bits != found and info.get("format") != "float":
+            raise QCompileError(f"--bits {bits} conflicts with the model, which is quantized as '{found}' "
+                                f"(omit --bits for an already-quantized model)")
+        got = tasks_from_module(mod_qdq, arch, layout, tuning_logs, gpu)
+        for t in got:
+            t.extra["model_batch"] = batch
+        tasks += got
+    return tasks

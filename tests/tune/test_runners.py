@@ -1,0 +1,165 @@
+"""qcompile.tune.runners and the check command, on the CPU with llvm-built fallback candidates: the local runner,
+the offline export -> measure.py (runtime-only TVM) -> import round trip, the rpc runner against a real TVM RPC
+tracker and rpc_servers on loopback (runtime-only TVM), and the user-facing errors."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from qcompile.errors import QCompileError
+from qcompile.schedules import ConvSpec
+from qcompile.tune import runners as RN
+from qcompile.tune.build import LocalBuilder
+from qcompile.tune.common import BUILD_ERROR, OK, Candidate
+from test_measure import runtime_only_tvm  # noqa: F401  (the fixture)
+
+SPECS = [
+    ConvSpec(N=2, H=6, W=6, C=16, K=24, R=1, S=1, layout="HWNC", x_dtype="uint8", out_dtype="uint8", lo=-128,
+             hi=127, has_residual=True, res_dtype="uint8", lo2=0, hi2=255, res_i32=True, shift_ge33=True),
+    ConvSpec(N=1, H=7, W=7, C=8, K=8, R=3, S=3, padding=1, x_dtype="int4", w_bits=4, out_dtype="int4", lo=-8, hi=7),
+]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Two llvm-built fallback candidates and one the llvm target refuses (not the fallback)."""
+    b = LocalBuilder(jobs=1, build_dir=str(tmp_path_factory.mktemp("built")), target="llvm")
+    cands = [Candidate(f"t{i}", s, "sm_90", "fallback", None) for i, s in enumerate(SPECS)]
+    cands.append(Candidate("t2", SPECS[1], "sm_90", "implicit_gemm", None))
+    out = b.build(cands)
+    assert [x.error is None for x in out] == [True, True, False]
+    return out
+
+
+def _check(measured, built):
+    assert [m.candidate for m in measured] == [b.candidate for b in built]
+    assert [m.status for m in measured] == [OK, OK, BUILD_ERROR]
+    assert all(m.ms > 0 and m.device.startswith("cpu") for m in measured[:2])
+    assert "fallback kernel only" in measured[2].detail
+
+
+def test_local_runner_on_the_cpu(built):
+    r = RN.LocalRunner(device="cpu", min_repeat_ms=1, repeat=3)
+    assert r.device().arch == "cpu"
+    _check(r.measure(built), built)
+
+
+def test_offline_export_measure_import_round_trip(built, runtime_only_tvm, tmp_path):  # noqa: F811
+    """export -> the exported folder's own run.sh / measure.py under runtime-only TVM -> import: the same records
+    (with the Built list, or rebuilt from the results alone)."""
+    runner = RN.OfflineRunner(str(tmp_path / "exp"), arch="sm_90")
+    with pytest.raises(RN.OfflineBatchPending) as e:
+        runner.measure(built)
+    folder = e.value.folder
+    assert sorted(os.listdir(folder)) == sorted(["manifest.json", "measure.py", "run.sh", "README.txt"]
+                                                + [os.path.basename(b.path) for b in built[:2]])
+    assert e.value.command == "python measure.py . -o results.json --device cpu"
+    r = subprocess.run(["sh", os.path.join(folder, "run.sh"), "--min-repeat-ms", "1", "--repeat", "3"],
+                       env=dict(runtime_only_tvm, PYTHON=sys.executable), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = os.path.join(folder, "results.json")
+    _check(RN.import_results(results, built), built)
+    alone = RN.import_results(results)
+    assert [(m.candidate, m.status) for m in alone] == [(b.candidate, OK) for b in built[:2]]
+    again = RN.OfflineRunner(None, [results])
+    assert again.device().arch == "cpu"
+    _check(again.measure(built), built)
+    with pytest.raises(QCompileError, match="not empty"):
+        RN.export(built, folder)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port, proc, secs=120):
+    t = time.time()
+    while time.time() - t < secs:
+        assert proc.poll() is None, "the tracker exited"
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on {port}")
+
+
+def test_rpc_runner_on_loopback(built, runtime_only_tvm, tmp_path):  # noqa: F811
+    """A TVM RPC tracker and two rpc_servers of runtime-only TVM on 127.0.0.1: the runner finds both servers,
+    asks the device from a server, measures every candidate through its own session and gets the local records."""
+    pytest.importorskip("tornado", reason="TVM's RPC tracker needs tornado")
+    tp = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(tp),
+                               "--port-end", str(tp + 1)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        _wait_port(tp, procs[0])
+        srv_env = runtime_only_tvm  # (the servers: TVM's runtime alone, as on a GPU host with the runtime bundle)
+        for _ in range(2):
+            p = _free_port()
+            procs.append(subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{tp}",
+                                           "--key", "cpu-test", "--host", "127.0.0.1", "--port", str(p),
+                                           "--port-end", str(p + 1)], env=srv_env, cwd=tmp_path,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        runner = RN.make_runner(type("A", (), dict(runner="rpc", rpc_tracker=f"127.0.0.1:{tp}", rpc_key="cpu-test",
+                                                  measure_device="cpu", repeat=3, min_repeat_ms=1))())
+        t = time.time()
+        while runner.servers() < 2 and time.time() - t < 120:
+            time.sleep(0.3)
+        assert runner.servers() == 2
+        assert runner.device().arch == "cpu"
+        _check(runner.measure(built), built)
+        with pytest.raises(QCompileError, match="no server of key"):
+            RN.RPCRunner("127.0.0.1", tp, "no-such-key", device="cpu").device()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+
+
+def test_runner_options_are_checked():
+    A = lambda **kw: type("A", (), kw)()
+    for args, msg in ((A(runner="rpc"), "needs --rpc-tracker"),
+                      (A(runner="rpc", rpc_tracker="nohost", rpc_key="k"), "HOST:PORT"),
+                      (A(runner="offline"), "needs --export"),
+                      (A(runner="local", repeat=0), "--repeat")):
+        with pytest.raises(QCompileError, match=msg):
+            RN.make_runner(args)
+    assert isinstance(RN.make_runner(A(export="x")), RN.OfflineRunner)
+    with pytest.raises(QCompileError, match="no such results file"):
+        RN.make_runner(A(import_results=["/nonexistent/results.json"]))
+    with pytest.raises(QCompileError, match="no device known"):
+        RN.OfflineRunner("x").device()
+
+
+def test_check_command_on_the_cpu(tmp_path):
+    """`python -m qcompile.tune.check --target llvm --measure-device cpu`: the fallback cases built and bit-exact;
+    a bad option is one line and exit status 2."""
+    r = subprocess.run([sys.executable, "-m", "qcompile.tune.check", "--target", "llvm", "--measure-device", "cpu",
+                        "--jobs", "1", "--min-repeat-ms", "1", "--repeat", "3", "--build-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("PASS", "FAIL"))]
+    assert len(lines) == 3 and all(ln.startswith("PASS") for ln in lines)
+    assert "3 of 3 kernels bit-exact on cpu" in r.stdout
+    for bad in (["--arch", "sm_99"], ["--runner", "rpc", "--rpc-tracker", "x", "--rpc-key", "k"]):
+        r = subprocess.run([sys.executable, "-m", "qcompile.tune.check", *bad], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "error:" in r.stderr, r.stderr
+
+
+def test_check_lists_every_strategy_for_sm90_and_sm75():
+    from qcompile.tune import check
+
+    s90 = {c.strategy for c in check.candidates("sm_90")}
+    assert s90 == {"implicit_gemm", "implicit_gemm_t", "direct_hwnc", "direct_halo", "fallback"}
+    assert {c.strategy for c in check.candidates("sm_75")} == {"implicit_gemm", "direct_hwnc", "fallback"}
+    assert check.arch_for("sm_90") == ("sm_90", "sass") and check.arch_for("sm_86") == ("sm_86", "sass")
+    assert check.arch_for("sm_100") == ("sm_89", "ptx") and check.arch_for("sm_87") == ("sm_86", "sass")

@@ -1,0 +1,127 @@
+"""The task scheduler (qcompile.tune.scheduler): baseline first, trials where the whole model gains most, failures
+recorded and never selected, budgets, the summary. Fake space / builder / runner: no GPU, no TIR."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from fakes import FakeBuilder, FakeRunner, cost_ms, fake_space, is_build_error, is_mismatch, make_task
+
+from qcompile.schedules import tuning as TU
+from qcompile.tune.scheduler import Tuner, format_summary
+from qcompile.tune.tasks import set_shares
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch, tmp_path):
+    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path / "no_default_logs"))
+    TU.clear_cache()
+    yield
+    TU.clear_cache()
+
+
+def _tuner(tasks, log, runner=None, builder=None, **kw):
+    spaces = {"implicit_gemm": fake_space()}
+    set_shares(tasks, measured=False)
+    return Tuner(tasks, builder or FakeBuilder(), runner or FakeRunner(), log, spaces=spaces, log=lambda s: None,
+                 **kw)
+
+
+def _lines(log):
+    return [json.loads(ln) for ln in log.read_text().splitlines()]
+
+
+def test_baseline_first_and_trials_follow_the_model_time(tmp_path):
+    """Every task's default knobs are measured first (in one batch); then a task with most of the model's time gets
+    most of the rounds, the next one some; a tiny task gets rounds once the others' gains dry up (the optimistic
+    term decays with the rounds a task got)."""
+    big = make_task(N=64, H=56, C=64, K=64, layers=("l1a", "l1b", "l1c"), batch=64)
+    mid = make_task(N=64, H=28, C=128, K=128, layers=("l2",), batch=64)
+    tiny = make_task(N=64, H=7, C=512, K=512, R=1, layers=("l4",), batch=64)
+    log = tmp_path / "t.jsonl"
+    tu = _tuner([big, mid, tiny], log)
+    s = tu.run(trials=60)
+    recs = _lines(log)
+    assert [r["variant"] for r in recs[:3]] == ["default"] * 3 and {r["key"] for r in recs[:3]} == {
+        big.key, mid.key, tiny.key}
+    assert s.trials == len(recs) == 60
+    per = {t.key: sum(r["key"] == t.key for r in recs) for t in (big, mid, tiny)}
+    assert per[big.key] > per[mid.key] > per[tiny.key] == 1 and per[mid.key] > 8, per
+    tu = _tuner([big, mid, tiny], tmp_path / "long.jsonl")
+    tu.run(trials=300)
+    per = {st.task.key: st.trials for st in tu.states}
+    assert per[big.key] > per[mid.key] and per[tiny.key] > 1, per
+    assert abs(sum(t.share for t in (big, mid, tiny)) - 1) < 1e-9 and big.share > mid.share > tiny.share
+    assert all(t.default_ms == pytest.approx(cost_ms(t.spec, fake_space().default(t.spec, t.arch)), rel=1e-5)
+               for t in (big, mid, tiny))
+
+
+def test_failures_are_recorded_never_selected(tmp_path):
+    """Mismatches and build errors go to the log with their status (a build error never reaches the runner);
+    knobs_for and the summary take the fastest OK record, which is the task's best measured time."""
+    t = make_task(N=8, H=28, C=128, K=128)
+    log = tmp_path / "t.jsonl"
+    runner, builder = FakeRunner(), FakeBuilder()
+    s = _tuner([t], log, runner, builder, eps=0.5).run(trials=120)
+    recs = _lines(log)
+    status = {r["status"] for r in recs}
+    assert {"ok", "mismatch", "build_error"} <= status, status
+    for r in recs:
+        kn = TU.knobs_from_dict(r["knobs"])
+        assert (r["status"] == "build_error") == is_build_error(kn)
+        assert (r["status"] == "mismatch") == (is_mismatch(kn) and not is_build_error(kn))
+        assert (r["ms"] is None) == (r["status"] != "ok") and r["device"] == "Fake GPU" and r["sms"] == 132
+    assert not any(is_build_error(c.knobs) for c in runner.measured)
+    best = min((r for r in recs if r["status"] == "ok"), key=lambda r: r["ms"])
+    kn, src = TU.knobs_for(t.spec, "sm_90", "Fake GPU", [str(log)])
+    assert src == "device" and kn == TU.knobs_from_dict(best["knobs"])
+    row = s.rows[0]
+    assert row["best_ms"] == pytest.approx(best["ms"]) and row["failed"] == sum(r["status"] != "ok" for r in recs)
+    assert row["gain"] == pytest.approx(row["default_ms"] / row["best_ms"]) and row["gain"] > 1
+    assert s.model_gain[8] == pytest.approx(row["gain"])
+    table = format_summary(s)
+    assert table.splitlines()[0].split()[:3] == ["task", "strategy", "share"] and "estimated whole-model gain" in table
+
+
+def test_minutes_budget_and_exhaustion(tmp_path):
+    """--minutes stops at the deadline (checked between rounds); a task whose space is used up drops out and the run
+    ends early, every distinct candidate measured once."""
+    now = [0.0]
+
+    def clock():
+        now[0] += 7.0  # (seconds per call)
+        return now[0]
+
+    t = make_task(N=8, H=28, C=128, K=128)
+    s = _tuner([t], tmp_path / "a.jsonl", clock=clock).run(minutes=1.0)
+    assert s.stop == "budget spent" and 0 < s.trials < 60
+    small = make_task(N=2, H=2, C=64, K=64, R=1)  # (every BM builds one kernel: 48 points less the illegal ones)
+    s = _tuner([small], tmp_path / "b.jsonl", pool=64).run(trials=500)
+    recs = _lines(tmp_path / "b.jsonl")
+    ids = [json.dumps(TU.knobs_to_dict(fake_space().effective(small.spec, "sm_90", TU.knobs_from_dict(r["knobs"]))),
+                      sort_keys=True) for r in recs]
+    assert s.stop.startswith("every task") and len(ids) == len(set(ids)) == s.trials < 48
+
+
+def test_arch_mismatch_is_refused(tmp_path):
+    from qcompile.errors import QCompileError
+
+    with pytest.raises(QCompileError, match="sm_80"):
+        _tuner([make_task()], tmp_path / "t.jsonl", FakeRunner(arch="sm_80")).run(trials=4)
+    with pytest.raises(QCompileError, match="budget"):
+        _tuner([make_task()], tmp_path / "t.jsonl").run()
+
+
+def test_several_tasks_per_round_measured_together(tmp_path):
+    """``tasks_per_round``: the rounds of the T tasks of largest gradient are one batch for the builder and runner
+    (one offline export, or every GPU of an rpc key busy); each task still gets ``batch`` candidates of its own."""
+    tasks = [make_task(N=64, H=h, C=c, K=c, layers=(f"l{h}",), batch=64) for h, c in ((56, 64), (28, 128), (14, 256))]
+    runner = FakeRunner()
+    tu = _tuner(tasks, tmp_path / "t.jsonl", runner=runner, batch=4, tasks_per_round=3)
+    tu.run(trials=3 + 12)
+    recs = _lines(tmp_path / "t.jsonl")
+    assert len(recs) == 15 and [r["variant"] for r in recs[:3]] == ["default"] * 3
+    assert all(sum(r["key"] == t.key for r in recs[3:]) >= 3 for t in tasks)
+    # the baseline batch, then one round of the three tasks in one batch (a task may have fewer new proposals)
+    assert len(runner.batches[0]) == 3 and len({c.key for c in runner.batches[1]}) == 3
+    assert 9 <= len(runner.batches[1]) <= 12

@@ -1,0 +1,61 @@
+"""Per-task search (qcompile.tune.search): baseline first, dedupe by effective knobs and by what was measured,
+failures never proposed again, deterministic proposals. Fake space, no GPU."""
+from __future__ import annotations
+
+from fakes import fake_space, make_task
+
+from qcompile.schedules.spec import GemmKnobs
+from qcompile.tune.search import TaskState, baseline, propose
+
+
+def _state(**kw):
+    st = TaskState(make_task(**kw), fake_space())
+    st.default_id = st.knobs_id(st.space.default(st.spec, st.arch))
+    return st
+
+
+def test_baseline_first_then_the_planned_knobs():
+    st = _state()
+    assert propose(st, 8) == [GemmKnobs(BM=128, BN=128, BK=64, stages=3)]  # (the baseline goes alone)
+    st.task.planned_knobs = GemmKnobs(BM=64, BN=128, BK=64, stages=4)
+    assert baseline(st) == [GemmKnobs(BM=128, BN=128, BK=64, stages=3), GemmKnobs(BM=64, BN=128, BK=64, stages=4)]
+    for kn in baseline(st):
+        st.add(kn, "ok", 1.0)
+    assert baseline(st) == [] and st.default_ms == 1.0
+    nxt = propose(st, 8)
+    assert len(nxt) == 8 and not {st.knobs_id(k) for k in nxt} & set(st.measured)
+
+
+def test_dedupe_by_effective_knobs_until_exhausted():
+    """A tiny problem (8 GEMM rows): every BM builds the 32-row kernel, so the space has |BN| x |BK| x |stages| = 48
+    distinct candidates (less the illegal ones); rounds of proposals never repeat one, measured or failed, and end
+    empty with the state exhausted."""
+    st = _state(N=2, H=2, C=64, K=64, R=1)
+    seen = []
+    for _ in range(40):
+        cands = propose(st, 8, seed=3, pool=64)
+        if not cands:
+            break
+        for i, kn in enumerate(cands):
+            kid = st.knobs_id(kn)
+            assert kid not in st.measured and kid not in seen
+            seen.append(kid)
+            st.add(kn, "mismatch" if i % 3 == 0 else "ok", None if i % 3 == 0 else 1.0 + i)
+    assert st.exhausted and propose(st, 8, seed=3) == []
+    assert len(seen) == len(st.measured) <= 48 and len({k for k in seen}) == len(seen)
+    assert st.best.status == "ok" and st.best_ms == 1.0 + min(i for i in range(8) if i % 3)
+
+
+def test_proposals_are_a_function_of_the_measurements_and_seed():
+    a, b = _state(), _state()
+    for st in (a, b):
+        for kn in baseline(st):
+            st.add(kn, "ok", 1.0)
+    assert propose(a, 8, seed=1) == propose(b, 8, seed=1)
+    assert propose(a, 8, seed=1) != propose(_with_baseline(_state()), 8, seed=2)
+
+
+def _with_baseline(st):
+    for kn in baseline(st):
+        st.add(kn, "ok", 1.0)
+    return st

@@ -1,0 +1,59 @@
+"""Task extraction (qcompile.tune.tasks): the distinct kernels of a model, keyed exactly as qcompile looks records
+up, weighted by layers, with a roofline time share. Runs the pipeline up to the dispatch (no nvcc, no GPU)."""
+from __future__ import annotations
+
+import pytest
+
+from qcompile.schedules import tuning as TU
+from qcompile.schedules.spec import ConvSpec
+from qcompile.tune.tasks import estimate_ms, set_shares, tasks_from_module
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch, tmp_path):
+    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path / "no_default_logs"))
+    TU.clear_cache()
+    yield
+    TU.clear_cache()
+
+
+def test_tasks_of_a_small_model_are_the_keys_qcompile_looks_up(tmp_path):
+    """tiny_resnet_qdq (stem, a basic block with its residual add, fc) for sm_90 NHWC: one task per conv/dense, the
+    residual conv keyed ``|res``, shares summing to 1; a log holding a record for each task's key, read back by the
+    same extraction with that GPU named, serves every layer from the GPU's own records ("device")."""
+    import warnings
+
+    from qdq_models import tiny_resnet_qdq
+
+    mod, _ = tiny_resnet_qdq(seed=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TU.TuningLogWarning)
+        tasks = tasks_from_module(mod, "sm_90", "NHWC")
+    assert [t.layers for t in tasks] == [["stem"], ["c1"], ["c2"], ["fc"]]
+    assert [t.key.endswith("|res") for t in tasks] == [False, False, True, False]
+    assert all(t.key == TU.tuning_key(t.spec) and t.strategy in TU.RECORD_STRATEGIES for t in tasks)
+    assert abs(sum(t.share for t in tasks) - 1) < 1e-9 and all(t.source == "default" for t in tasks)
+    assert tasks[3].gemm == (2, 5, 8) and tasks[3].ops == 2 * 2 * 5 * 8
+    log = tmp_path / "t.jsonl"
+    log.write_text("".join(TU.format_record(TU.make_record("sm_90", "GPU T", 132, t.key, t.strategy, t.planned_knobs,
+                                                           ms=0.01)) + "\n" for t in tasks))
+    again = tasks_from_module(tiny_resnet_qdq(seed=2)[0], "sm_90", "NHWC", [str(log)], "GPU T")
+    assert [t.source for t in again] == ["device"] * 4
+
+
+def test_shares_use_measured_defaults_once_known():
+    a = ConvSpec(N=64, H=56, W=56, C=64, K=64, R=3, S=3, padding=1)
+    b = a.replace(H=7, W=7, C=512, K=512)
+    from qcompile.tune.tasks import Task
+
+    ta = Task("a", a, "implicit_gemm", "sm_90", ["x", "y"], est_ms=estimate_ms(a, "sm_90"))
+    tb = Task("b", b, "implicit_gemm", "sm_90", ["z"], est_ms=estimate_ms(b, "sm_90"))
+    set_shares([ta, tb], measured=False)
+    assert ta.share > tb.share and abs(ta.share + tb.share - 1) < 1e-12
+    ta.default_ms, tb.default_ms = 0.01, 0.06  # (measured: b is the slow one after all)
+    set_shares([ta, tb])
+    assert ta.share == pytest.approx(0.02 / 0.08) and tb.share == pytest.approx(0.06 / 0.08)
+    # roofline: more work, more time; 4-bit no slower than 8-bit; every arch has its peaks
+    assert estimate_ms(a.replace(N=128), "sm_90") > estimate_ms(a, "sm_90")
+    for arch in ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90"):
+        assert estimate_ms(a.replace(x_dtype="uint4", w_bits=4), arch) <= estimate_ms(a, arch)
