@@ -118,7 +118,7 @@ def _warm(seconds: float, call, sync):
         sync()
 
 
-def _bench(a) -> int:
+def _bench(a, argv) -> int:
     import numpy as np
 
     from .checks import check_output_path
@@ -148,7 +148,7 @@ def _bench(a) -> int:
     _warm(a.warm, lambda: m._run(x), sync)
     device = _device_name(m)
     res = {"module": a.module, "device": device, "date": datetime.date.today().isoformat(), "batch": batch,
-           "command": shlex.join([PROG, *sys.argv[1:]]), "qcompile": time_calls(lambda: m._run(x), sync, number,
+           "command": shlex.join([PROG, *argv]), "qcompile": time_calls(lambda: m._run(x), sync, number,
                                                                                a.repeat, a.calls)}
     if a.host_io:
         res["qcompile_host_io"] = time_calls(lambda: m(x_np), sync, max(2, number // 4), a.repeat, a.calls)
@@ -211,7 +211,8 @@ def _host(r: dict) -> str:
 
 def qbench_main(argv=None) -> int:
     ap = _parser()
-    return run_cli(PROG, lambda: _bench(ap.parse_args(argv)))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return run_cli(PROG, lambda: _bench(ap.parse_args(argv), argv))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/qdq_models.py
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tune"))  # tests/tune/fakes.py (one conftest module)
 
 # A child process asks the CUDA driver for device 0's compute capability, so that this process never loads
 # libcuda (the CUDA build tests load a stand-in libcuda on GPU-less hosts).

@@ -128,7 +128,7 @@ def test_dispatch_cuda_stream_k(monkeypatch):
     from qcompile.schedules import GemmKnobs
 
     kn = GemmKnobs(BM=128, BN=128, BK=128, WM=2, WN=1, stages=3, mma="wgmma", pipe=-1, sk=1)
-    monkeypatch.setattr(S, "knobs_for", lambda spec, arch, *_: (kn, "arch"))
+    monkeypatch.setattr(S, "knobs_for", lambda spec, arch, *_, **__: (kn, "arch"))
     rng = np.random.default_rng(4)
     b = QDQBuilder()
     x = b.input("x", (8, 512, 7, 7))
@@ -257,7 +257,7 @@ def test_dispatch_cuda_int4_weights_expanded_for_w8_kernels(monkeypatch):
     packed = int4.pack(ohwi).view(np.int8)
     # (the record's knobs, DispatchTensorCore's expand_w4 -- False: `qcompile --packed-int4-weights`, the weights)
     for w8, expand, want in ((True, True, expand_w4(ohwi)), (False, True, packed), (True, False, packed)):
-        monkeypatch.setattr(S, "knobs_for", lambda spec, arch, *_, kn=aw.replace(w8=w8): (kn, "arch"))
+        monkeypatch.setattr(S, "knobs_for", lambda spec, arch, *_, kn=aw.replace(w8=w8), **__: (kn, "arch"))
         md = run_pass(DispatchTensorCore("sm_90", expand_w4=expand), mi)
         f = md["qconv_q_conv"]
         assert ("qcompile.w8" in f.attrs) == (w8 and expand)
@@ -291,7 +291,7 @@ def test_dispatch_cuda_int8_weights_kpermuted_for_agl_kernels(monkeypatch):
                28, 29, 46, 47, 44, 45, 62, 63, 60, 61]
     for kn, expand, want, kp in ((agl, True, permute_k8(ohwi, 64), 64), (agl.replace(agl=False), True, ohwi, 0),
                                  (agl, False, permute_k8(ohwi, 64), 64)):
-        monkeypatch.setattr(S, "knobs_for", lambda spec, arch, *_, kn=kn: (kn, "arch"))
+        monkeypatch.setattr(S, "knobs_for", lambda spec, arch, *_, kn=kn, **__: (kn, "arch"))
         md = run_pass(DispatchTensorCore("sm_90", expand_w4=expand), mi)
         f = md["qconv_q_conv"]
         assert w8_kperm(f) == kp and "qcompile.w8" not in f.attrs

@@ -208,13 +208,18 @@ def conv_acc_nhwc(x, w, spec: Spec) -> np.ndarray:
     xp = np.full((N, H + pt + pb, W + pl + pr, C), spec.pad_value, np.int64)
     xp[:, pt:pt + H, pl:pl + W, :] = x
     P, Q = spec.P, spec.Q
-    acc = np.zeros((N, P, Q, spec.K), np.int64)
     wt = np.asarray(w).astype(np.int64)
+    # float64 BLAS where every partial sum is an integer below 2^53 (then exact, in any order): |x|, |pad| <= 255 and
+    # |w| <= 128 give |acc| <= 255 * 128 * R * S * C; else int64
+    bound = max(int(np.abs(xp).max(initial=0)), 1) * max(int(np.abs(wt).max(initial=0)), 1) * spec.R * spec.S * C
+    dt = np.float64 if bound < (1 << 53) else np.int64
+    acc = np.zeros((N * P * Q, spec.K), dt)
+    wd = wt.astype(dt)
     for r in range(spec.R):
         for s in range(spec.S):
             patch = xp[:, r * dh: r * dh + sh * (P - 1) + 1: sh, s * dw: s * dw + sw * (Q - 1) + 1: sw, :]
-            acc += np.tensordot(patch, wt[:, r, s, :], axes=([3], [1]))
-    return acc
+            acc += patch.reshape(N * P * Q, C).astype(dt) @ wd[:, r, s, :].T
+    return acc.astype(np.int64).reshape(N, P, Q, spec.K)
 
 
 def requant(acc, bias, M, S, spec: Spec, res=None) -> np.ndarray:
