@@ -355,3 +355,17 @@ def test_sampled_families_cover_the_shapes():
     want = set(gemm_families(SHAPES["r50_l4_3x3_u4_n64"], "sm_90")) | set(gemm_families(SHAPES["r50_l4_3x3_res_n8"],
                                                                                          "sm_90"))
     assert len(fams & want) >= len(want) - 2, (sorted(want - fams))
+
+
+def test_ping_pong_takes_k_chunks_of_64_bytes_or_more():
+    """The ping-pong kernel with 32-byte K-chunks hung on the H100 (qtune, ResNet-50 layer1 downsample at batch 256,
+    BM=BN=64 BK=32 pipe 1: run_error after 120 s; the same kernel with BK 64 ran exact): the space refuses it."""
+    from qcompile.schedules import ConvSpec, GemmKnobs
+    from qcompile.schedules.space import SPACES
+
+    spec = ConvSpec(N=256, H=56, W=56, C=256, K=512, R=1, S=1, stride=2, x_dtype="uint8", out_dtype="uint8", lo=0,
+                    hi=255)
+    kn = GemmKnobs(BM=64, BN=64, BK=32, WM=1, WN=1, stages=4, vec=16, ev=4, pipe=1, split_k=1, mma="wgmma", minb=2,
+                   erq=True, pp=True)
+    assert SPACES["implicit_gemm"].legal(spec, "sm_90", kn) is not None
+    assert SPACES["implicit_gemm"].legal(spec, "sm_90", kn.replace(BK=64)) is None

@@ -294,21 +294,45 @@ def random_problem(spec: Spec, rng: np.random.Generator):
 def poison(shape, dtype, rng) -> np.ndarray:
     """Random bytes of a buffer's size (an output or a scratch buffer must be written before it is read)."""
     n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    return rng.integers(0, 256, n, dtype=np.uint8).view(dtype).reshape(shape)
+    return np.frombuffer(rng.bytes(n), np.uint8).copy().view(dtype).reshape(shape)
 
 
-def problem(entry: dict, seed: int) -> dict:
+_LAST: dict = {}  # the last shape's logical problem and reference (candidates of one shape come in a row)
+
+
+def spec_key(entry: dict) -> str:
+    return json.dumps(entry["spec"], sort_keys=True)
+
+
+def _logical(entry: dict, seed: int):
+    """(spec, logical weights, [x, bias, M, S] as stored, the residual buffers, reference) of the shape of ``entry``
+    drawn with ``seed``; the last one is kept, so the candidates of one shape in a batch share their inputs and the
+    reference is computed once."""
+    import threading
+
+    key = (spec_key(entry), seed)
+    with _LAST.setdefault("lock", threading.Lock()):  # (the rpc runner measures from several threads)
+        if key not in _LAST:
+            for k in [k for k in _LAST if k != "lock"]:
+                del _LAST[k]
+            spec = Spec(entry["spec"])
+            x, w, b, M, S, res = random_problem(spec, np.random.default_rng(seed))
+            stored = [to_storage(x, spec.x_dtype), np.ascontiguousarray(b, np.int32), np.ascontiguousarray(M, np.int32),
+                      np.ascontiguousarray(S, np.int32)]
+            resargs = [] if res is None else [to_storage(res[0], spec.res_dtype), np.ascontiguousarray(res[1], np.int32)]
+            _LAST[key] = (spec, w, stored, resargs, conv_reference(spec, x, w, b, M, S, res))
+        return _LAST[key]
+
+
+def problem(entry: dict, seed: int, poison_seed: int | None = None) -> dict:
     """The NumPy side of one measurement: the kernels' input buffers in calling order (before the residual),
-    the residual buffers, the reference output (logical values), the output's storage shape and dtype."""
-    spec = Spec(entry["spec"])
-    rng = np.random.default_rng(seed)
-    x, w, b, M, S, res = random_problem(spec, rng)
-    head = [to_storage(x, spec.x_dtype), weights(spec, w, entry.get("w_expand", False), entry.get("w_kperm", 0)),
-            np.ascontiguousarray(b, np.int32), np.ascontiguousarray(M, np.int32), np.ascontiguousarray(S, np.int32)]
-    resargs = [] if res is None else [to_storage(res[0], spec.res_dtype), np.ascontiguousarray(res[1], np.int32)]
-    ref = conv_reference(spec, x, w, b, M, S, res)
+    the residual buffers, the reference output (logical values), the output's storage shape and dtype. Inputs come
+    from ``seed`` (one per shape and batch: ``shape_seed``); the poison from ``poison_seed`` (one per candidate)."""
+    spec, w, (xs, b, M, S), resargs, ref = _logical(entry, seed)
+    head = [xs, weights(spec, w, entry.get("w_expand", False), entry.get("w_kperm", 0)), b, M, S]
     return dict(spec=spec, head=head, res=resargs, ref=ref, out_shape=spec.shapes()[2],
-                out_dtype=_STORAGE[spec.out_dtype], rng=rng)
+                out_dtype=_STORAGE[spec.out_dtype], rng=np.random.default_rng(seed if poison_seed is None
+                                                                             else poison_seed))
 
 
 class Layer:
@@ -369,10 +393,11 @@ class Layer:
         return out
 
 
-def measure_entry(mod, entry: dict, dev, seed: int, repeat: int = 7, min_repeat_ms: int = 20) -> dict:
+def measure_entry(mod, entry: dict, dev, seed: int, repeat: int = 7, min_repeat_ms: int = 20,
+                  poison_seed: int | None = None) -> dict:
     """Check one loaded candidate bit for bit on ``dev`` (two poisoned runs), time it, check it again; a result
     record: status, ms (None unless ok), kernel_ms, detail, seed, distinct (values in the reference output)."""
-    prob = problem(entry, seed)
+    prob = problem(entry, seed, poison_seed)
     ref = prob["ref"]
     rec = dict(id=entry["id"], seed=seed, distinct=int(np.unique(ref).size), ms=None, kernel_ms=None, detail="")
     layer = Layer(mod, entry, dev, prob)
@@ -470,10 +495,16 @@ def read_manifest(batch: str) -> tuple[dict, str]:
 
 
 def candidate_seed(base: int, cid: str) -> int:
-    """A candidate's seed: the batch seed and the candidate's id (reproducible from the results file)."""
+    """A candidate's seed (its output poison): the batch seed and the candidate's id."""
     import zlib
 
     return (base * 1000003 + zlib.crc32(cid.encode())) % (1 << 63)
+
+
+def shape_seed(base: int, entry: dict) -> int:
+    """The inputs' seed of a candidate's shape in this batch: the batch seed and the shape (the results file records
+    it: a mismatch is reproducible), shared by the batch's candidates of that shape."""
+    return candidate_seed(base, spec_key(entry))
 
 
 def worker(args) -> int:
@@ -490,14 +521,15 @@ def worker(args) -> int:
             prog.write(json.dumps(rec) + "\n")
             prog.flush()
 
-        for entry in man["candidates"]:
+        for entry in sorted(man["candidates"], key=spec_key):  # (one shape's candidates in a row: one reference)
             if todo is not None and entry["id"] not in todo:
                 continue
             emit({"start": entry["id"]})
-            seed = candidate_seed(args.seed, entry["id"])
+            seed = shape_seed(args.seed, entry)
             try:
                 mod = tvm.runtime.load_module(os.path.join(root, entry["so"]))
-                rec = measure_entry(mod, entry, dev, seed, args.repeat, args.min_repeat_ms)
+                rec = measure_entry(mod, entry, dev, seed, args.repeat, args.min_repeat_ms,
+                                    poison_seed=candidate_seed(args.seed, entry["id"]))
             except Exception as e:  # noqa: BLE001  (reported per candidate; the worker ends)
                 msg = " ".join(str(e).split())
                 emit(dict(id=entry["id"], status=RUN_ERROR, ms=None, seed=seed,

@@ -228,12 +228,13 @@ class RPCRunner(Runner):
         return _device_info(self._info)
 
     def _measure_one(self, tracker, entry: dict, path: str) -> dict:
-        seed = M.candidate_seed(self.seed, entry["id"])
+        seed = M.shape_seed(self.seed, entry)
         try:
             sess = self._session(tracker)
             sess.upload(path, entry["id"] + ".so")
             mod = sess.load_module(entry["id"] + ".so")
-            rec = M.measure_entry(mod, entry, self._remote_device(sess), seed, self.repeat, self.min_repeat_ms)
+            rec = M.measure_entry(mod, entry, self._remote_device(sess), seed, self.repeat, self.min_repeat_ms,
+                                  poison_seed=M.candidate_seed(self.seed, entry["id"]))
         except Exception as e:  # noqa: BLE001  (the candidate's failure; the session is dropped)
             msg = " ".join(str(e).split())
             rec = dict(id=entry["id"], status=RUN_ERROR, ms=None, seed=seed, detail=f"{type(e).__name__}: "

@@ -181,7 +181,7 @@ class Tuner:
                 best, g_best = st, g
         return best
 
-    def _propose_round(self, left: int):
+    def _propose_round(self, left: int, carry=()):
         """The next round: the ``tasks_per_round`` tasks of largest gradient (one, by default), each with up to
         ``batch`` proposals, measured together. None when no task has a gradient left; [] when the picked ones turned
         out exhausted (they drop out: pick again)."""
@@ -193,7 +193,8 @@ class Tuner:
             n = min(self.batch, left - sum(len(c) for _, c in picked))
             if n <= 0:
                 break
-            cands = propose(st, n, self.model, self.seed, self.eps, self.pool)
+            pending = frozenset(st.knobs_id(kn) for s2, kn in carry if s2 is st)
+            cands = propose(st, n, self.model, self.seed, self.eps, self.pool, pending=pending)
             if cands:
                 picked.append((st, cands))
         return picked
@@ -223,8 +224,13 @@ class Tuner:
         try:
             # baseline: every task's default (and planned) knobs, in batches across tasks
             todo = [(st, kn) for st in self.states for kn in baseline(st)]
+            cap = self.batch * max(4, self.tasks_per_round)
+            carry = []  # with several tasks per round: the last baseline batch goes out with the first round
             while todo and self._budget_left(trials, deadline) > 0:
-                n = min(len(todo), self._budget_left(trials, deadline), 4 * self.batch)
+                n = min(len(todo), self._budget_left(trials, deadline), cap)
+                if n == len(todo) and self.tasks_per_round > 1 and n < self._budget_left(trials, deadline):
+                    carry, todo = todo, []
+                    break
                 self._measure(todo[:n])
                 todo = todo[n:]
             self._shares()
@@ -234,14 +240,18 @@ class Tuner:
                 if st.default_ms:
                     self._progress(st, "baseline")
             while self._budget_left(trials, deadline) > 0:
-                picked = self._propose_round(self._budget_left(trials, deadline))
-                if picked is None:
+                picked = self._propose_round(self._budget_left(trials, deadline) - len(carry), carry)
+                if picked is None and not carry:
                     summary.stop = "every task's proposals are exhausted"
                     break
-                if not picked:
+                if not picked and not carry:
                     continue  # (exhausted now: pick others)
+                picked = picked or []
                 before = {id(st): st.best_ms for st, _ in picked}
-                self._measure([(st, kn) for st, cands in picked for kn in cands])
+                self._measure(carry + [(st, kn) for st, cands in picked for kn in cands])
+                if carry:
+                    carry = []
+                    self._shares()
                 for st, _ in picked:
                     b = before[id(st)]
                     st.rounds += 1

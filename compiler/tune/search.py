@@ -163,13 +163,14 @@ def baseline(state: TaskState) -> list:
 
 
 def propose(state: TaskState, n: int, model=None, seed: int = 0, eps: float = 0.1, pool: int = 48,
-            top: int = 4) -> list:
+            top: int = 4, pending=frozenset()) -> list:
     """Up to ``n`` new candidates (knobs) for ``state``'s task, the baseline first (see the module docstring);
-    ``[]`` when nothing new turns up (the state is then marked exhausted)."""
+    ``[]`` when nothing new turns up (the state is then marked exhausted). ``pending``: knobs ids (``knobs_id``) on
+    their way to the runner in the same batch (not proposed again)."""
     if not state.tunable or n <= 0:
         return []
     spec, arch, space = state.spec, state.arch, state.space
-    out, ids = [], set(state.measured)
+    out, ids = [], set(state.measured) | set(pending)
 
     def take(kn) -> bool:
         if kn is None or len(out) >= n:

@@ -114,14 +114,16 @@ def test_arch_mismatch_is_refused(tmp_path):
 
 def test_several_tasks_per_round_measured_together(tmp_path):
     """``tasks_per_round``: the rounds of the T tasks of largest gradient are one batch for the builder and runner
-    (one offline export, or every GPU of an rpc key busy); each task still gets ``batch`` candidates of its own."""
+    (one offline export, or every GPU of an rpc key busy), the last baseline batch included; each task still gets
+    ``batch`` candidates of its own."""
     tasks = [make_task(N=64, H=h, C=c, K=c, layers=(f"l{h}",), batch=64) for h, c in ((56, 64), (28, 128), (14, 256))]
     runner = FakeRunner()
     tu = _tuner(tasks, tmp_path / "t.jsonl", runner=runner, batch=4, tasks_per_round=3)
-    tu.run(trials=3 + 12)
+    tu.run(trials=3 + 24)
     recs = _lines(tmp_path / "t.jsonl")
-    assert len(recs) == 15 and [r["variant"] for r in recs[:3]] == ["default"] * 3
-    assert all(sum(r["key"] == t.key for r in recs[3:]) >= 3 for t in tasks)
-    # the baseline batch, then one round of the three tasks in one batch (a task may have fewer new proposals)
-    assert len(runner.batches[0]) == 3 and len({c.key for c in runner.batches[1]}) == 3
-    assert 9 <= len(runner.batches[1]) <= 12
+    assert len(recs) == 27 and [r["variant"] for r in recs[:3]] == ["default"] * 3
+    assert all(sum(r["key"] == t.key for r in recs[3:]) >= 6 for t in tasks)
+    # the baseline and the first round of the three tasks in one batch (a task may have fewer new proposals)
+    first = runner.batches[0]
+    assert {c.key for c in first[:3]} == {t.key for t in tasks} and 3 + 9 <= len(first) <= 3 + 12
+    assert len({c.key for c in runner.batches[1]}) == 3 and all(st.rounds >= 2 for st in tu.states)
