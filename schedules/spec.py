@@ -392,7 +392,8 @@ class GemmKnobs:
                        and not (self.persist and self.sk) and (not self.sk or self.split_k in (0, 1))
                        and (not self.pp or (self.WM == 1 and self.WN == 1 and not self.wsp and not self.persist
                                             and not self.sk and (not self.agl or self.areg) and self.split_k in (0, 1)
-                                            and self.stages <= 5 and self.BK >= 64  # (BK 32: hung on the H100)
+                                            and self.stages <= 5
+                                            and (self.BK >= 64 or self.pstages > 0)  # (8-bit BK 32 hung, H100)
                                             and ((self.pstages == 0 and not self.areg)  # 8-bit
                                                  or (self.pstages >= 2 and not self.areg and self.pipe in (-1, 0))
                                                  or (self.areg and self.w8 and not self.awarp and self.pipe in (-1, 0)

@@ -358,8 +358,9 @@ def test_sampled_families_cover_the_shapes():
 
 
 def test_ping_pong_takes_k_chunks_of_64_bytes_or_more():
-    """The ping-pong kernel with 32-byte K-chunks hung on the H100 (qtune, ResNet-50 layer1 downsample at batch 256,
-    BM=BN=64 BK=32 pipe 1: run_error after 120 s; the same kernel with BK 64 ran exact): the space refuses it."""
+    """The 8-bit ping-pong kernel with 32-byte K-chunks hung on the H100 (qtune, ResNet-50 layer1 downsample at batch
+    256, BM=BN=64 BK=32 pipe 1: run_error after 120 s; the same kernel with BK 64 ran exact; 4-bit ping-pong kernels
+    with 32 packed bytes per chunk ran exact in earlier measurements): the space refuses it."""
     from qcompile.schedules import ConvSpec, GemmKnobs
     from qcompile.schedules.space import SPACES
 
