@@ -234,7 +234,7 @@ def parse_record(line: str) -> tuple[Record | None, str]:
 
 # ---------------------------------------------------------------------------------------------
 _LOCK = threading.Lock()
-_CACHE: dict[str, list] = {}
+_CACHE: dict[str, tuple] = {}  # path -> ((mtime, size), records)
 _WARNED: set[str] = set()
 
 
@@ -305,10 +305,15 @@ def read_log(path) -> list[Record]:
     """The records of one log file, every arch, strategy and status, in file order (cached). Lines that do not fit
     are skipped, with one warning per file naming the file and the first such line."""
     path = pathlib.Path(path)
+    try:
+        st = path.stat()
+        stamp = (st.st_mtime_ns, st.st_size)  # (a log appended to since it was read is read again)
+    except OSError:
+        stamp = None
     key = str(path.resolve())
     with _LOCK:
-        if key in _CACHE:
-            return _CACHE[key]
+        if key in _CACHE and _CACHE[key][0] == stamp:
+            return _CACHE[key][1]
     recs, bad = [], []
     try:
         text = path.read_text()
@@ -328,7 +333,7 @@ def read_log(path) -> list[Record]:
         _warn_once(path, f"skipped {len(bad)} stale or unreadable record(s) in tuning log, {where}"
                          + (f" (and {more} more)" if more else ""))
     with _LOCK:
-        _CACHE[key] = recs
+        _CACHE[key] = (stamp, recs)
     return recs
 
 

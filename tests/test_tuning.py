@@ -591,3 +591,29 @@ def test_fastest_ok_record_wins_and_failures_are_never_selected(tmp_path, monkey
     _write(tmp_path / "t.jsonl", [mk(c, "mismatch", 0.001), mk(a, "build_error", None)])
     TU.clear_cache()
     assert knobs_for(spec, "sm_90", "GPU A", logs) == (default_knobs(spec, "sm_90"), "default")
+
+
+def test_a_log_appended_to_is_read_again(tmp_path, monkeypatch):
+    """The parsed-log cache follows the file: records appended after a lookup (a tuner writing its log in the same
+    process) are seen by the next lookup without clearing the cache."""
+    import dataclasses
+
+    from qcompile.schedules import ConvSpec, GemmKnobs
+    from qcompile.schedules import tuning as TU
+
+    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path / "none"))
+    TU.clear_cache()
+    spec = ConvSpec(N=8, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8", lo=0,
+                    hi=255)
+    log = tmp_path / "t.jsonl"
+    log.write_text("")
+    kn, src = TU.knobs_for(spec, "sm_90", "GPU A", [str(log)])
+    assert src == "default"
+    mine = GemmKnobs(BM=64, BN=64, BK=128, WM=1, WN=1, stages=3, pipe=-1, mma="wgmma")
+    line = json.dumps({"arch": "sm_90", "device": "GPU A", "sms": 132, "key": TU.tuning_key(spec),
+                       "strategy": "implicit_gemm", "knobs": dataclasses.asdict(mine), "ms": 0.01})
+    with open(log, "a") as f:
+        f.write(line + "\n")
+    kn, src = TU.knobs_for(spec, "sm_90", "GPU A", [str(log)])
+    assert src == "device" and kn == mine
+    TU.clear_cache()
