@@ -132,10 +132,13 @@ def knobs_to_dict(kn) -> dict:
     return {f.name: getattr(kn, f.name) for f in dataclasses.fields(kn)}
 
 
-def knobs_from_dict(d: dict, strategy: str = RECORD_STRATEGY):
-    """``strategy``'s knobs from a record's knobs, or None when they do not fit (stale): a value outside the space, a
-    value of another type, or knobs not valid together. An absent field takes its default; a field the knobs type
-    does not have (a knob since removed) is ignored."""
+def knobs_from_dict(d: dict, strategy: str = RECORD_STRATEGY, spec=None, arch: str | None = None,
+                    sms: int | None = None):
+    """``strategy``'s knobs from a record's knobs, or None when they do not fit (stale): a value of another type, or
+    -- with the record's shape (``spec``) and ``arch`` -- knobs its strategy's space does not take for that shape
+    (``KernelSpace.legal``: the builder's own check; the sampler's values and the knobs the builder adapts are
+    taken); without a shape, a value outside the space's dimensions or knobs not valid together. An absent field
+    takes its default; a field the knobs type does not have (a knob since removed) is ignored."""
     if not isinstance(d, dict) or strategy not in RECORD_STRATEGIES:
         return None
     kt = knobs_type(strategy)
@@ -145,11 +148,18 @@ def knobs_from_dict(d: dict, strategy: str = RECORD_STRATEGY):
         kn, base = kt(**kw), kt()
     except TypeError:
         return None
-    for f, choices in knob_dims(strategy).items():
-        if f in names and getattr(kn, f) not in choices:
-            return None
     for f in kw:  # (bool knobs: 1 == True would pass the choices test)
         if type(getattr(kn, f)) is not type(getattr(base, f)):
+            return None
+    if spec is not None and arch is not None:
+        from .space import SPACES
+
+        try:
+            return kn if SPACES[strategy].legal(spec, arch, kn, sms) is None else None
+        except Exception:  # noqa: BLE001  (an arch or shape the space does not know: the record is stale)
+            return None
+    for f, choices in knob_dims(strategy).items():
+        if f in names and getattr(kn, f) not in choices:
             return None
     valid = getattr(kn, "valid", None)
     return kn if valid is None or valid() else None
@@ -225,10 +235,10 @@ def parse_record(line: str) -> tuple[Record | None, str]:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
             return None, f"{f} {v!r} is not a positive number"
         ms[f] = None if v is None else float(v)
-    kn = knobs_from_dict(d.get("knobs"), strategy)
+    kn = knobs_from_dict(d.get("knobs"), strategy, spec_from_key(d["key"]), d["arch"], sms)
     if kn is None:
-        return None, (f"knobs do not fit {knobs_type(strategy).__name__} (a value outside its space or of another "
-                      f"type, or knobs not valid together)")
+        return None, (f"knobs do not fit {knobs_type(strategy).__name__} (a value of another type, or knobs the "
+                      f"{strategy} space does not take for the record's shape on {d['arch']})")
     return Record(d["arch"], d["device"], d["key"], kn, sms, strategy, status, ms["ms"], ms["default_ms"]), ""
 
 

@@ -540,13 +540,18 @@ def test_every_record_strategy_parses_with_its_knobs_type():
     from qcompile.schedules import GemmKnobs
     from qcompile.tune.common import STATUSES
 
+    from qcompile.schedules.spec import space_to_depth
+
     assert TU.RECORD_STATUSES == STATUSES
     spec = ConvSpec(N=8, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8")
-    for strategy, kn, layout in (("implicit_gemm", GemmKnobs(BM=64), "NHWC"), ("direct_hwnc", GemmKnobs(BN=64), "HWNC"),
-                                 ("implicit_gemm_t", KtKnobs(bn=96, stages=4), "NHWC"),
-                                 ("direct_halo", HaloKnobs(th=2, minb=2, pipe=1), "NHWC")):
+    stem = space_to_depth(ConvSpec(N=8, H=224, W=224, C=4, K=64, R=7, S=7, stride=2, padding=3, x_dtype="uint8",
+                                   out_dtype="uint8", lo=0, hi=255))
+    for strategy, kn, sp in (("implicit_gemm", GemmKnobs(BM=64), spec), ("direct_hwnc", GemmKnobs(BN=64),
+                                                                          spec.replace(layout="HWNC")),
+                             ("implicit_gemm_t", KtKnobs(bn=96, stages=4), spec),
+                             ("direct_halo", HaloKnobs(th=2, minb=2, pipe=1), stem)):
         assert TU.knobs_type(strategy) is type(kn)
-        key = tuning_key(spec.replace(layout=layout))
+        key = tuning_key(sp)
         for status in TU.RECORD_STATUSES:
             d = TU.make_record("sm_90", "GPU A", 132, key, strategy, kn, status, 0.01 if status == "ok" else None,
                                0.02, variant="v1")
@@ -557,6 +562,26 @@ def test_every_record_strategy_parses_with_its_knobs_type():
     assert TU.parse_record(json.dumps(dict(d, knobs={"th": "wide"})))[0] is None  # (a value of another type)
     with pytest.raises(ValueError):
         TU.make_record("sm_90", "GPU A", 132, key, "fallback", kn)
+
+
+def test_records_take_what_the_space_takes_for_their_shape():
+    """A record's knobs are checked by its strategy's space for the record's own shape and arch (the builder's check):
+    knobs the builder adapts (here wgmma tiles that ``GemmKnobs.valid`` alone refuses before the shape adapts them,
+    measured exact by qtune on the H100) are read; knobs the space refuses for that shape or arch make the record
+    stale."""
+    from qcompile.schedules import GemmKnobs
+    from qcompile.schedules.space import SPACES
+
+    key = "NHWC|N256|H56|W56|C64|K256|R1|S1|st1,1|pad0,0,0,0|dil1,1|x8|w8|res"
+    kn = GemmKnobs(BM=256, BN=192, BK=32, WM=2, WN=2, stages=2, vec=16, ev=4, pipe=-1, mma="wgmma")
+    assert not kn.valid() and SPACES["implicit_gemm"].legal(TU.spec_from_key(key), "sm_90", kn, 132) is None
+    d = TU.make_record("sm_90", "GPU A", 132, key, "implicit_gemm", kn, "ok", 1.05, 0.29)
+    rec, why = TU.parse_record(TU.format_record(d))
+    assert not why and rec.knobs == kn
+    assert TU.parse_record(TU.format_record(dict(d, arch="sm_75")))[0] is None  # (wgmma on sm_75)
+    small = key.replace("C64", "C8")
+    assert SPACES["implicit_gemm"].legal(TU.spec_from_key(small), "sm_90", kn, 132) is not None
+    assert TU.parse_record(TU.format_record(dict(d, key=small)))[0] is None
 
 
 def test_spec_from_key_round_trips():

@@ -137,14 +137,26 @@ def _device_info(d: dict) -> DeviceInfo:
 # ---------------------------------------------------------------------------------------------------------------
 class LocalRunner(Runner):
     """This machine's device; each batch measured by measure.py's supervisor (a worker process per batch, a new
-    one after a candidate that kills it)."""
+    one after a candidate that kills it). One seed for the runner's life (random unless given): a shape's inputs
+    and reference are drawn once, kept in a temporary folder (``cache_dir``, removed at exit) and reused by the
+    following rounds."""
 
     def __init__(self, device: str = "cuda", device_id: int = 0, timeout: float = 120.0, repeat: int = 7,
-                 min_repeat_ms: int = 20, seed: int | None = None, log=None):
+                 min_repeat_ms: int = 20, seed: int | None = None, log=None, cache_dir: str | None = None):
         self.kind, self.device_id, self.timeout = device, device_id, timeout
-        self.repeat, self.min_repeat_ms, self.seed, self.log = repeat, min_repeat_ms, seed, log
+        self.repeat, self.min_repeat_ms, self.log = repeat, min_repeat_ms, log
+        self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+        self.cache_dir = cache_dir
         self._info = None
         self.last_results = None  # the last batch's results document (seed, timing, per-candidate records)
+
+    def _cache(self) -> str:
+        if self.cache_dir is None:
+            import atexit
+
+            self.cache_dir = tempfile.mkdtemp(prefix="qtune-problems-")
+            atexit.register(shutil.rmtree, self.cache_dir, True)
+        return self.cache_dir
 
     def device(self) -> DeviceInfo:
         if self._info is None:
@@ -169,7 +181,7 @@ class LocalRunner(Runner):
                 with open(man, "w") as f:
                     json.dump(dict(format=M.FORMAT, candidates=entries), f)
                 doc = M.supervise(man, None, self.kind, self.device_id, self.seed, self.repeat, self.min_repeat_ms,
-                                  self.timeout, log=self.log)
+                                  self.timeout, log=self.log, cache_dir=self._cache())
             self.last_results = doc
             recs, dev = {r["id"]: r for r in doc["results"]}, doc["device"]
             if dev and self._info is None:

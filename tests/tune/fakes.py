@@ -12,7 +12,7 @@ from qcompile.tune.tasks import Task, estimate_ms
 DIMS = {"BM": (32, 64, 128, 256), "BN": (32, 64, 128, 256), "BK": (32, 64, 128), "stages": (2, 3, 4, 5)}
 
 
-def _legal(spec, arch, kn):
+def _legal(spec, arch, kn, sms=None):
     if kn.BM * kn.BN > 128 * 256:
         return "tile too large"
     return None if kn.valid() else "not valid"

@@ -24,13 +24,19 @@ def _held_out(key: str) -> bool:
 
 
 def _rows():
-    out = []
+    """The OK implicit-GEMM records, as qcompile reads them: the few whose knobs the space now refuses for their shape
+    (4-bit ping-pong forms since refused by the builder) are stale and left out."""
+    out, stale = [], 0
     for ln in DATA.read_text().splitlines():
         d = json.loads(ln)
         if d["strategy"] == "implicit_gemm" and d["status"] == "ok":
             rec, why = TU.parse_record(ln)
-            assert rec is not None, why
+            if rec is None:
+                assert "space does not take" in why, why
+                stale += 1
+                continue
             out.append((rec, d["round"]))
+    assert len(out) > 2000 and stale <= len(out) // 100
     return out
 
 

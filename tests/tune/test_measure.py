@@ -55,6 +55,32 @@ def test_reference_equals_the_schedules_reference(spec):
         assert np.array_equal(M.to_storage(x, spec.x_dtype), R.to_storage(x, spec.x_dtype))
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=_ids)
+def test_reference_in_chunks_and_storage_form(spec):
+    """The reference computed over chunks of the batch in threads equals the one-piece computation, and its
+    storage form equals to_storage of the logical values; a problem saved to disk loads back equal."""
+    d = M.Spec(__import__("dataclasses").asdict(spec))
+    x, w, b, Mq, S, res = R.random_problem(spec, np.random.default_rng(5))
+    one = M.conv_reference(d, x, w, b, Mq, S, res, threads=1)
+    for t in (2, 3):
+        assert np.array_equal(M.conv_reference(d, x, w, b, Mq, S, res, threads=t), one)
+        store = M.reference_storage(d, x, w, b, Mq, S, res, threads=t)
+        assert store.shape == spec.shapes()[2] and np.array_equal(store, R.to_storage(one, spec.out_dtype))
+
+
+def test_problem_cache_round_trip(tmp_path):
+    """A shape's problem drawn once is saved and loaded back equal (the local runner's later rounds), and two seeds
+    give two problems."""
+    e = dict(spec=__import__("dataclasses").asdict(SPECS[1]))
+    a = M.Problems(str(tmp_path)).get(e, 7)
+    assert len(list(tmp_path.iterdir())) == 1
+    b = M.Problems(str(tmp_path)).get(e, 7)  # (a new process's view: from the disk)
+    assert set(a.arrays) == set(b.arrays) == {"w", "x", "b", "M", "S", "r", "rq2", "ref"}
+    assert all(np.array_equal(a.arrays[k], b.arrays[k]) for k in a.arrays) and a.distinct == b.distinct > 3
+    c = M.Problems(str(tmp_path)).get(e, 8)
+    assert len(list(tmp_path.iterdir())) == 2 and not np.array_equal(c.arrays["x"], a.arrays["x"])
+
+
 @pytest.mark.parametrize("w_bits,w_expand,kperm", [(4, False, 0), (4, True, 0), (4, True, 32), (4, True, 64),
                                                    (8, False, 0), (8, False, 32), (8, False, 64)])
 def test_weight_formats_equal_the_planned_kernels(w_bits, w_expand, kperm):
@@ -167,6 +193,25 @@ def test_supervisor_isolates_mismatch_crash_hang_and_bad_library(cpu_batch, tmp_
     assert res["abort"]["status"] == "run_error" and "died" in res["abort"]["detail"]
     assert res["hang"]["status"] == "run_error" and "timed out" in res["hang"]["detail"]
     assert res["junk"]["status"] == "run_error" and res["junk"]["detail"]
+
+
+def test_results_written_after_every_candidate(cpu_batch, tmp_path):
+    """The supervisor rewrites the results file after each candidate (``complete`` false), so a batch cut short can be
+    imported; the finished file has every result and no ``complete`` mark. A second batch with the same seed and
+    cache folder loads the shapes' problems instead of drawing them."""
+    batch, built = cpu_batch
+    out, cache = tmp_path / "r.json", tmp_path / "cache"
+    seen = []
+    log = lambda line: seen.append(json.loads(out.read_text()) if out.exists() else None)
+    doc = M.supervise(batch, device="cpu", seed=3, repeat=1, min_repeat_ms=0, log=log, cache_dir=str(cache),
+                      partial=str(out))
+    assert seen[0] is None and seen[1]["complete"] is False and len(seen[1]["results"]) == 1
+    assert seen[1]["results"][0]["id"] in {b.entry["id"] for b in built}
+    assert len(doc["results"]) == 2 and "complete" not in doc and all(r["status"] == "ok" for r in doc["results"])
+    assert len(list(cache.iterdir())) == 2  # (two shapes)
+    again = M.supervise(batch, device="cpu", seed=3, repeat=1, min_repeat_ms=0, cache_dir=str(cache))
+    assert [r["status"] for r in again["results"]] == ["ok", "ok"] and len(list(cache.iterdir())) == 2
+    assert [r["distinct"] for r in again["results"]] == [r["distinct"] for r in doc["results"]]
 
 
 def test_bad_batch_is_one_message(tmp_path):
