@@ -396,6 +396,11 @@ class OfflineRunner(Runner):
 
         return DeviceInfo(f"unknown {self.arch} GPU", self.arch, arch_info(self.arch).sms)
 
+    def imported(self) -> list[Measured]:
+        """Every measurement of the imported results files (a batch cut short included: measure.py rewrites its
+        results after each candidate); the tuner merges those its log lacks before it proposes the next batch."""
+        return [m for path in self.paths for m in import_results(path)]
+
     def measure(self, built: list[Built]) -> list[Measured]:
         want = {b.entry["id"] for b in built if b.error is None and b.path}
         for doc, path in zip(self.docs, self.paths):

@@ -127,8 +127,6 @@ class Tuner:
     def _measure(self, batch: list) -> list:
         """``batch``: (state, knobs) pairs. Builds them (all at once), measures the built ones, records every result
         (log line, task state, cost model). Returns the Measured list in order."""
-        from qcompile.schedules.tuning import make_record, round_ms
-
         cands = [Candidate(st.task.key, st.spec, st.arch, st.task.strategy, kn) for st, kn in batch]
         built = self.builder.build(cands)
         if len(built) != len(cands):
@@ -142,6 +140,34 @@ class Tuner:
             else:
                 m = Measured(b.candidate, BUILD_ERROR, None, (b.error or "not built").splitlines()[0][:300])
             results.append(m)
+        self._record(batch, results)
+        return results
+
+    def merge(self, measured: list) -> int:
+        """Record measurements made elsewhere (an offline runner's imported results, whole or cut short) that the
+        log does not hold yet: each one whose task and knobs are this run's and not yet measured. Returns how many."""
+        from qcompile.schedules.tuning import family
+
+        by_key = {}
+        for st in self.states:
+            if st.tunable:
+                by_key.setdefault((st.task.key, family(st.task.strategy)), []).append(st)
+        batch, results, seen = [], [], set()
+        for m in measured:
+            c = m.candidate
+            for st in by_key.get((c.key, family(c.strategy)), []):
+                kid = st.knobs_id(c.knobs) if isinstance(c.knobs, st.space.knobs_type) else None
+                if kid is not None and kid not in st.measured and (id(st), kid) not in seen:
+                    seen.add((id(st), kid))
+                    batch.append((st, c.knobs))
+                    results.append(m)
+        self._record(batch, results)
+        return len(batch)
+
+    def _record(self, batch: list, results: list) -> None:
+        """Append the measurements of ``batch`` ((state, knobs) pairs) to the log, the task states and the model."""
+        from qcompile.schedules.tuning import make_record, round_ms
+
         date = datetime.date.today().isoformat()
         lines = []
         for (st, kn), m in zip(batch, results):
@@ -160,7 +186,6 @@ class Tuner:
             if self.model is not None and ms:
                 self.model.add(st.space, st.spec, st.arch, kn, ms, (self.device.name, st.task.key), self.device.sms)
         self._append(lines)
-        return results
 
     # ---- scheduling -------------------------------------------------------------------------------------------
     def gradient(self, st: TaskState) -> float:
@@ -216,6 +241,13 @@ class Tuner:
             raise QCompileError(f"the runner's GPU ({self.device.name}) is {self.device.arch}; the tasks are for "
                                 f"{self.arch} (--arch)")
         found = self.resume()
+        imported = getattr(self.runner, "imported", None)
+        if imported is not None:
+            merged = self.merge(imported())
+            if merged:
+                self.log(f"{merged} measurements merged from the imported results")
+                if self.model is not None:
+                    self.model.fit()
         untunable = sorted({st.task.strategy for st in self.states if not st.tunable})
         self.log(f"tuning {sum(st.tunable for st in self.states)} tasks on {self.device.name} ({self.device.arch}, "
                  f"{self.device.sms} SMs); {found} measurements resumed from {self.log_path}"

@@ -89,3 +89,33 @@ def test_resume_with_the_cost_model_is_deterministic(tmp_path):
     _, _, ra = _run(log, 16, model=CostModel())
     _, _, rb = _run(tmp_path / "u.jsonl", 16, model=CostModel())
     assert [c.knobs for c in ra.measured] == [c.knobs for c in rb.measured] and len(ra.measured) == 16
+
+
+class _ImportingRunner(FakeRunner):
+    """An offline runner whose imported results hold ``measured`` (a batch cut short: some of a run's candidates)."""
+
+    def __init__(self, measured):
+        super().__init__()
+        self._imported = list(measured)
+
+    def imported(self):
+        return self._imported
+
+
+def test_imported_results_cut_short_are_merged_not_measured_again(tmp_path):
+    """Measurements a runner imported (here: 7 of a run's 20, as a cut batch's results file holds them) are written
+    to the log before anything is proposed, counted as trials, and never built or measured again."""
+    _, _, first = _run(tmp_path / "a.jsonl", 20)
+    src = FakeRunner()
+    got = src.measure([__import__("qcompile.tune.common", fromlist=["Built"]).Built(c, "/fake/x.so")
+                       for c in first.measured[:7]])
+    runner = _ImportingRunner(got)
+    log = tmp_path / "b.jsonl"
+    tu, s, runner = _run(log, 20, runner)
+    lines = [json.loads(ln) for ln in log.read_text().splitlines()]
+    assert len(lines) == 20 and s.trials == 20
+    imported = {(c.key, json.dumps(TU.knobs_to_dict(c.knobs), sort_keys=True)) for c in first.measured[:7]}
+    head = {(r["key"], json.dumps(r["knobs"], sort_keys=True)) for r in lines[:7]}
+    assert head == imported  # (merged first, as they were measured)
+    again = {(c.key, json.dumps(TU.knobs_to_dict(c.knobs), sort_keys=True)) for c in runner.measured}
+    assert not (again & imported) and len(runner.measured) == 13
