@@ -2,7 +2,7 @@
 the strategy qcompile selects for it, run bit-exact on the GPU -- or refused at build time with a reason, and then
 built with the generic kernel (the compiler's fallback for that layer) and run.
 
-    python scripts/tune_reliability.py run --count 1000 --arch sm_90 [--seed 0] [--jobs J] [-o results.json]
+    python scripts/tune_reliability.py run --count 1000 --arch sm_90 [--seed 0] [--start I] [--jobs J] [-o results.json]
     python scripts/tune_reliability.py run ... --export DIR      # build only: measure DIR on a GPU host with
                                                                  # `python measure.py DIR -o DIR/results.json`
     python scripts/tune_reliability.py report results.json [--import DIR/results.json]
@@ -10,7 +10,7 @@ built with the generic kernel (the compiler's fallback for that layer) and run.
 The shapes (``random_specs``): batch 1-256 (log-uniform), H and W 1-64 (square or not), C and K 1-512 (odd ones
 included; most a multiple of 16), kernels 1-7 (square or not), stride 1-3, padding 0 to the kernel's size, dilation
 1-3, NHWC or HWNC (most HWNC batches a multiple of 8), 8-bit, 4-bit or mixed (8-bit activations, 4-bit weights: a
-tenth), signed or unsigned, int32 outputs, a residual add on a third of them; tensors capped at 32 M elements and the reference at 20 G multiply-adds (the NumPy check runs on the host).
+tenth), signed or unsigned, int32 outputs, a residual add on a third of them; tensors capped at 16 M elements and the reference at 8 G multiply-adds (the NumPy check runs on the host).
 Every candidate goes through ``qcompile.tune``'s builder (``LocalBuilder``) and measuring code (``measure.supervise``:
 fresh random inputs, poisoned outputs, the NumPy reference bit for bit), as ``qtune`` does.
 
@@ -30,7 +30,7 @@ import sys
 import time
 
 
-def random_specs(count: int, seed: int, max_elems: int = 32 << 20, max_macs: float = 20e9) -> list:
+def random_specs(count: int, seed: int, max_elems: int = 16 << 20, max_macs: float = 8e9) -> list:
     """``count`` random ConvSpecs (module docstring), reproducible from ``seed``."""
     from qcompile.schedules.spec import ConvSpec
 
@@ -112,13 +112,13 @@ def plan_candidates(specs: list, arch: str, seed: int, sms: int | None = None) -
     return cands, notes
 
 
-def build_all(cands: list, jobs: int, build_dir: str | None, log) -> list:
+def build_all(cands: list, jobs: int, build_dir: str | None, log, timeout: float = 120.0) -> list:
     """Build every candidate; a refused one (``Built.error``) is built again as the fallback of its shape. Returns
     [(candidate Built, fallback Built or None)]."""
     from qcompile.tune.build import LocalBuilder
     from qcompile.tune.common import Candidate
 
-    builder = LocalBuilder(jobs=jobs, build_dir=build_dir, target="cuda")
+    builder = LocalBuilder(jobs=jobs, build_dir=build_dir, target="cuda", timeout=timeout)
     t0 = time.time()
     built = builder.build(cands)
     log(f"built {len(built)} candidates in {time.time() - t0:.0f} s ({sum(b.error is not None for b in built)} "
@@ -140,12 +140,13 @@ def cmd_run(a) -> int:
     t0 = time.time()
     specs = random_specs(a.count, a.seed)
     cands, notes = plan_candidates(specs, a.arch, a.seed, arch_info(a.arch).sms)
+    cands, notes = cands[a.start:], notes[a.start:]
     log(f"{len(specs)} shapes, points drawn in {time.time() - t0:.1f} s; strategies: "
         + ", ".join(f"{k} {v}" for k, v in collections.Counter(c.strategy for c in cands).most_common()))
-    pairs = build_all(cands, a.jobs, a.build_dir, log)
+    pairs = build_all(cands, a.jobs, a.build_dir, log, a.build_timeout)
     ready = [b for pair in pairs for b in pair if b is not None and b.error is None and b.path]
     doc = dict(command="python scripts/tune_reliability.py " + " ".join(sys.argv[1:]), date=time.strftime("%Y-%m-%d"),
-               arch=a.arch, count=a.count, seed=a.seed, host_build_s=round(time.time() - t0, 1),
+               arch=a.arch, count=a.count, start=a.start, seed=a.seed, host_build_s=round(time.time() - t0, 1),
                shapes=[])
     for (b, f), note in zip(pairs, notes):
         row = dict(note, spec=b.entry.get("spec") or _spec_dict(b.candidate.spec), id=b.entry.get("id"),
@@ -165,14 +166,18 @@ def cmd_run(a) -> int:
     from qcompile.tune import measure as M
     from qcompile.tune.runners import _entries
 
+    out = a.output or "reliability.json"
+    _write(out, doc)  # (the shapes first; the measurements follow, rewritten after every candidate)
+    partial = os.path.splitext(out)[0] + ".measure.json"
+    t1 = time.time()
     with __import__("tempfile").TemporaryDirectory(prefix="qtune-rel-") as td:
         man = os.path.join(td, "manifest.json")
         with open(man, "w") as f:
             json.dump(dict(format=M.FORMAT, candidates=_entries(ready, absolute=True)), f)
         res = M.supervise(man, device="cuda", device_id=a.device_id, seed=a.seed, repeat=3, min_repeat_ms=1,
-                          timeout=a.timeout, log=log if a.verbose else None)
-    doc["measure"] = dict(device=res["device"], seed=res["seed"], results=res["results"])
-    out = a.output or "reliability.json"
+                          timeout=a.timeout, log=log if a.verbose else None, partial=partial)
+    doc["measure"] = dict(device=res["device"], seed=res["seed"], results=res["results"],
+                          seconds=round(time.time() - t1, 1))
     _write(out, doc)
     return report(doc, log)
 
@@ -218,7 +223,8 @@ def report(doc: dict, log=print) -> int:
             c["fallback: not built"] += 1
             bad.append((row["shape"], "fallback", "build_error", row.get("fallback_error") or row.get("refused")))
     dev = ((doc.get("measure") or {}).get("device") or {}).get("name", "not measured")
-    log(f"{doc['count']} random conv shapes for {doc['arch']} (seed {doc['seed']}), measured on: {dev}")
+    log(f"{len(doc['shapes'])} random conv shapes for {doc['arch']} (seed {doc['seed']}, shapes {doc.get('start', 0)} to "
+        f"{doc.get('start', 0) + len(doc['shapes']) - 1}), measured on: {dev}")
     log("strategies: " + ", ".join(f"{k} {v}" for k, v in by_strategy.most_common()))
     for k in sorted(c):
         log(f"  {k:<40} {c[k]}")
@@ -248,7 +254,9 @@ def main(argv=None) -> int:
     r.add_argument("--count", type=int, default=1000)
     r.add_argument("--arch", default="sm_90")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--start", type=int, default=0, help="run the shapes from this index on (default 0)")
     r.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    r.add_argument("--build-timeout", type=float, default=120.0, help="seconds one build may take (default 120)")
     r.add_argument("--build-dir", help="keep the built kernels here (default: a temporary folder)")
     r.add_argument("--export", metavar="DIR", help="build only: write a measure.py batch to DIR")
     r.add_argument("--device-id", type=int, default=0)
@@ -259,8 +267,9 @@ def main(argv=None) -> int:
     p.add_argument("results")
     p.add_argument("--import", dest="import_results", help="measure.py's results of an exported batch")
     a = ap.parse_args(argv)
-    if a.cmd == "run" and (a.count < 1 or a.jobs < 1 or not math.isfinite(a.timeout) or a.timeout <= 0):
-        ap.error("--count and --jobs must be positive, --timeout above 0")
+    if a.cmd == "run" and (a.count < 1 or a.jobs < 1 or not 0 <= a.start < a.count or not math.isfinite(a.timeout)
+                           or a.timeout <= 0 or not a.build_timeout > 0):
+        ap.error("--count and --jobs must be positive, 0 <= --start < --count, the timeouts above 0")
     return cmd_run(a) if a.cmd == "run" else cmd_report(a)
 
 

@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="parallel build processes (default: %(default)s, the cores of this machine)")
     g.add_argument("--build-dir", help="where the candidates' libraries go (default: a temporary folder, removed "
                                        "at exit)")
+    g.add_argument("--build-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds one candidate may build before its process is killed (default: 300)")
     g.add_argument("--nvcc-mode", choices=NVCC_MODES, default="sass",
                    help="nvcc output: SASS for the arch, PTX (JIT-compiled by the driver on newer GPUs) or both "
                         "(default: sass)")
@@ -63,8 +65,12 @@ def make_builder(args) -> "LocalBuilder":
     target = getattr(args, "target", None) or "cuda"
     if target not in TARGETS:
         raise QCompileError(f"--target {target}: tuning candidates build for {' or '.join(TARGETS)}")
+    timeout = getattr(args, "build_timeout", None)
+    timeout = 300.0 if timeout is None else timeout
+    if not timeout > 0:
+        raise QCompileError(f"--build-timeout {timeout}: must be above 0")
     return LocalBuilder(jobs=jobs, build_dir=getattr(args, "build_dir", None), target=target,
-                        nvcc_mode=getattr(args, "nvcc_mode", None) or "sass")
+                        nvcc_mode=getattr(args, "nvcc_mode", None) or "sass", timeout=timeout)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -197,13 +203,15 @@ class LocalBuilder(Builder):
     process). Each ``build`` call writes one batch folder under ``build_dir``."""
 
     def __init__(self, jobs: int | None = None, build_dir: str | None = None, target: str = "cuda",
-                 nvcc_mode: str = "sass", log=None):
+                 nvcc_mode: str = "sass", log=None, timeout: float = 300.0, task_fn=None):
         if target not in TARGETS:
             raise ValueError(f"target {target!r}: one of {TARGETS}")
         if nvcc_mode not in NVCC_MODES:
             raise ValueError(f"nvcc_mode {nvcc_mode!r}: one of {NVCC_MODES}")
         self.jobs = max(1, jobs or os.cpu_count() or 1)
         self.target, self.nvcc_mode, self.log = target, nvcc_mode, log
+        self.timeout = timeout  # seconds one candidate may build (its process is killed after)
+        self.task_fn = task_fn or _build_task  # (a module-level function of one task tuple: tests replace it)
         self._own_dir = build_dir is None
         self.build_dir = build_dir or tempfile.mkdtemp(prefix="qtune-build-")
         os.makedirs(self.build_dir, exist_ok=True)
@@ -237,7 +245,7 @@ class LocalBuilder(Builder):
         results: dict = {}
         if self.jobs == 1:
             for t in tasks:
-                results[t[1]] = build_one(*t)
+                results[t[1]] = self.task_fn(t)
                 self._report(t[0], t[1], results[t[1]])
         else:
             self._build_parallel(tasks, results)
@@ -252,29 +260,56 @@ class LocalBuilder(Builder):
         return built
 
     def _build_parallel(self, tasks: list, results: dict) -> None:
-        """All tasks at once in the pool; where a build process dies, the pool starts anew and the unfinished tasks
-        run again one at a time, so that the one that kills it is the one reported."""
+        """All tasks at once in the pool; where a build process dies, or no build finishes for ``timeout`` seconds
+        (one hangs: the pool's processes are killed), the pool starts anew and the unfinished tasks run again one at
+        a time, so that the one that kills it or hangs is the one reported."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+        from concurrent.futures import TimeoutError as FutureTimeout
+
         retry = []
         try:
             pool = self._executor()
-            futs = [(t, pool.submit(_build_task, t)) for t in tasks]
+            futs = {pool.submit(self.task_fn, t): t for t in tasks}
         except BrokenProcessPool:
-            futs, retry = [], list(tasks)
-        for t, fut in futs:
-            try:
-                results[t[1]] = fut.result()
-                self._report(t[0], t[1], results[t[1]])
-            except BrokenProcessPool:
-                retry.append(t)
+            futs, retry = {}, list(tasks)
+        pending = set(futs)
+        while pending:
+            done, pending = wait(pending, timeout=self.timeout, return_when=FIRST_COMPLETED)
+            if not done:  # (nothing finished for a whole timeout: a build hangs)
+                self._kill_pool()
+                retry += [futs[f] for f in pending]
+                break
+            for fut in done:
+                t = futs[fut]
+                try:
+                    results[t[1]] = fut.result()
+                    self._report(t[0], t[1], results[t[1]])
+                except BrokenProcessPool:
+                    retry.append(t)
         if retry:
             self._reset_pool()
         for t in retry:
+            fut = self._executor().submit(self.task_fn, t)
             try:
-                results[t[1]] = self._executor().submit(_build_task, t).result()
+                results[t[1]] = fut.result(timeout=self.timeout)
             except BrokenProcessPool:
                 results[t[1]] = (None, "the build process died (a crash in TVM or nvcc)", 0.0)
                 self._reset_pool()
+            except FutureTimeout:
+                results[t[1]] = (None, f"the build did not finish in {self.timeout:.0f} s (its process was "
+                                       "killed)", self.timeout)
+                self._kill_pool()
             self._report(t[0], t[1], results[t[1]])
+
+    def _kill_pool(self):
+        """Kill the pool's processes (a build that hangs in C++ or nvcc does not answer a cancel)."""
+        if self._pool is not None:
+            for p in list(getattr(self._pool, "_processes", {}).values()):
+                try:
+                    p.kill()
+                except (OSError, AttributeError):
+                    pass
+            self._reset_pool()
 
     def _report(self, cand, cid, res):
         if self.log:

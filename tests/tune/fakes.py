@@ -111,3 +111,14 @@ def make_task(N=8, H=14, C=256, K=256, R=3, layers=("l1",), arch="sm_90", batch=
 
 
 __all__ = ["BUILD_ERROR", "FakeBuilder", "FakeRunner", "Pending", "fake_space", "make_task", "cost_ms"]
+
+
+def sleepy_build_task(task):
+    """A builder task (``LocalBuilder(task_fn=...)``) that hangs for a candidate whose key names layer "hang" (a
+    shape with K 77) and builds every other one at once (a manifest entry, no library)."""
+    import time
+
+    cand, cid = task[0], task[1]
+    if cand.spec.K == 77:
+        time.sleep(600)
+    return dict(id=cid, so=cid + ".so"), None, 0.01
