@@ -217,8 +217,8 @@ def report(doc: dict, log=print) -> int:
             r = res.get(rid)
             st = r["status"] if r else "not measured"
             c[f"{kind}: {st}"] += 1
-            if st != "ok" and res:
-                bad.append((row["shape"], kind, st, (r or {}).get("detail", "")))
+            if r is not None and st != "ok":
+                bad.append((row["shape"], kind, st, r.get("detail", "")))
         if row.get("fallback_id") is None and not row["built"]:
             c["fallback: not built"] += 1
             bad.append((row["shape"], "fallback", "build_error", row.get("fallback_error") or row.get("refused")))

@@ -370,3 +370,20 @@ def test_ping_pong_takes_k_chunks_of_64_bytes_or_more():
                    erq=True, pp=True)
     assert SPACES["implicit_gemm"].legal(spec, "sm_90", kn) is not None
     assert SPACES["implicit_gemm"].legal(spec, "sm_90", kn.replace(BK=64)) is None
+
+
+def test_points_that_broke_the_h100_reliability_run_are_refused():
+    """Two legal points of the 1,000-shape reliability run on the H100 that did not build: an m64n96 wgmma kernel
+    under launch bounds that leave it 40 registers per thread (ptxas C7602: it needs 74), and a one-warp 256x256
+    mma.sync tile (2048 accumulators per thread: no build within 90 s). The space refuses both, with the reason."""
+    sp = SPACES["implicit_gemm"]
+    s620 = ConvSpec(N=18, H=46, W=46, C=288, K=384, R=1, S=1, x_dtype="int4", w_bits=4, out_dtype="int32", zo=-49,
+                    lo=-(1 << 31), hi=(1 << 31) - 1)
+    k620 = GemmKnobs(BM=128, BN=96, BK=32, WM=2, WN=1, stages=4, vec=16, ev=16, pipe=0, split_k=8, mma="wgmma",
+                     pstages=3, minb=4, wsp=1)
+    assert "40 registers per thread" in sp.legal(s620, "sm_90", k620, 132)
+    assert sp.legal(s620, "sm_90", k620.replace(minb=0), 132) is None
+    s520 = ConvSpec(N=7, H=40, W=40, C=14, K=352, R=7, S=7, padding=3, x_dtype="uint4", w_bits=4, out_dtype="uint4",
+                    lo=0, hi=15, pad_value=10, has_residual=True, res_dtype="int4", zo2=-2, lo2=-8, hi2=7)
+    k520 = GemmKnobs(BM=256, BN=256, BK=32, WM=1, WN=1, stages=2, vec=4, ev=8, pipe=0, fdb=True, split_k=1)
+    assert "2048 accumulators per thread" in sp.legal(s520, "sm_90", k520, 132)

@@ -195,6 +195,24 @@ def _build_task(args):
     return build_one(*args)
 
 
+def _run_task(fn, task):
+    """Run a build task in a pool process, first marking its start (``out_dir/.started/<id>``: the builder's clock
+    for the task's timeout)."""
+    marks = os.path.join(task[2], ".started")
+    os.makedirs(marks, exist_ok=True)
+    with open(os.path.join(marks, task[1]), "w"):
+        pass
+    return fn(task)
+
+
+def _started(task) -> float | None:
+    """When a task's build started (its mark's time), or None."""
+    try:
+        return os.stat(os.path.join(task[2], ".started", task[1])).st_mtime
+    except OSError:
+        return None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the builder
 # ---------------------------------------------------------------------------------------------------------------
@@ -260,36 +278,46 @@ class LocalBuilder(Builder):
         return built
 
     def _build_parallel(self, tasks: list, results: dict) -> None:
-        """All tasks at once in the pool; where a build process dies, or no build finishes for ``timeout`` seconds
-        (one hangs: the pool's processes are killed), the pool starts anew and the unfinished tasks run again one at
-        a time, so that the one that kills it or hangs is the one reported."""
+        """All tasks at once in the pool. A build running longer than ``timeout`` seconds (from its start) is a build
+        error: the pool's processes are killed and the other unfinished builds start again in a new pool. Where a
+        build process dies, the unfinished tasks run again one at a time, so that the one that kills it is the one
+        reported."""
         from concurrent.futures import FIRST_COMPLETED, wait
         from concurrent.futures import TimeoutError as FutureTimeout
 
-        retry = []
-        try:
-            pool = self._executor()
-            futs = {pool.submit(self.task_fn, t): t for t in tasks}
-        except BrokenProcessPool:
-            futs, retry = {}, list(tasks)
-        pending = set(futs)
-        while pending:
-            done, pending = wait(pending, timeout=self.timeout, return_when=FIRST_COMPLETED)
-            if not done:  # (nothing finished for a whole timeout: a build hangs)
-                self._kill_pool()
-                retry += [futs[f] for f in pending]
+        retry, todo = [], list(tasks)
+        while todo:
+            try:
+                pool = self._executor()
+                futs = {pool.submit(_run_task, self.task_fn, t): t for t in todo}
+            except BrokenProcessPool:
+                retry += todo
                 break
-            for fut in done:
-                t = futs[fut]
-                try:
-                    results[t[1]] = fut.result()
-                    self._report(t[0], t[1], results[t[1]])
-                except BrokenProcessPool:
-                    retry.append(t)
+            todo, pending = [], set(futs)
+            while pending:
+                done, pending = wait(pending, timeout=min(5.0, self.timeout), return_when=FIRST_COMPLETED)
+                for fut in done:
+                    t = futs[fut]
+                    try:
+                        results[t[1]] = fut.result()
+                        self._report(t[0], t[1], results[t[1]])
+                    except BrokenProcessPool:
+                        retry.append(t)
+                now = time.time()
+                hung = [f for f in pending if (_started(futs[f]) or now) < now - self.timeout]
+                if hung:  # (kill them; the others start again)
+                    for f in hung:
+                        t = futs[f]
+                        results[t[1]] = (None, f"the build did not finish in {self.timeout:.0f} s (its process was "
+                                               "killed)", self.timeout)
+                        self._report(t[0], t[1], results[t[1]])
+                    todo = [futs[f] for f in pending if f not in hung]
+                    self._kill_pool()
+                    break
         if retry:
             self._reset_pool()
         for t in retry:
-            fut = self._executor().submit(self.task_fn, t)
+            fut = self._executor().submit(_run_task, self.task_fn, t)
             try:
                 results[t[1]] = fut.result(timeout=self.timeout)
             except BrokenProcessPool:

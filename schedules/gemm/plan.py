@@ -654,6 +654,18 @@ def _plan_grid(v: dict) -> dict:
     res_shape = spec.res_shape()
     MINB = kn.minb or NRES or (1 if PP else 0)  # persist: its blocks must be co-resident (register cap)
     MINB_ON = MINB > 0
+    # registers: a wgmma instruction's accumulators (INS_N / 2 per thread) and its operands must fit under the cap that
+    # the launch bounds (MINB blocks of NTH threads) put on each thread -- ptxas refuses the kernel otherwise ("C7602
+    # Insufficient registers": 40 for an m64n96 wgmma needing 74, H100 reliability run); an mma.sync warp tile of more
+    # than 1024 accumulators per thread spills so much that ptxas runs for minutes (2048 did not build in 90 s)
+    INS_N, WTM = v["INS_N"], v["WTM"]
+    REG_CAP = min(255, 65536 // (NTH * MINB) // 8 * 8) if MINB_ON else 255
+    if WG and REG_CAP < INS_N // 2 + 26:
+        raise NotApplicable(f"launch bounds of {MINB} blocks x {NTH} threads leave {REG_CAP} registers per thread; "
+                            f"an m64n{INS_N} wgmma needs {INS_N // 2 + 26}")
+    if not WG and WTM * WTN // 32 > 1024:
+        raise NotApplicable(f"a {WTM}x{WTN} warp tile is {WTM * WTN // 32} accumulators per thread (the register "
+                            "file holds 255): more than 1024 spill beyond what ptxas builds in reasonable time")
     R_SIZE = math.prod(res_shape)
 
     return {k: x for k, x in locals().items() if k in _FIELDS}

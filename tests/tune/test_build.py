@@ -80,17 +80,17 @@ def test_cuda_candidates_build_for_sm90_and_sm75_in_parallel(tmp_path):
 
 def test_a_build_that_hangs_is_killed_and_reported(tmp_path):
     """A candidate whose build does not finish in the builder's timeout is reported as a build error naming the
-    timeout (its process killed, the batch's unfinished builds run again one at a time); the others are built."""
+    timeout (its process killed, the batch's other unfinished builds started again); the others are built."""
     import time
 
     from fakes import sleepy_build_task
 
-    specs = [ConvSpec(N=1, H=8, W=8, C=16, K=k, R=1, S=1) for k in (16, 77, 32, 48)]
+    specs = [ConvSpec(N=1, H=8, W=8, C=16, K=k, R=1, S=1) for k in (16, 77, 32, 48, 64, 80)]
     cands = [Candidate(f"t{i}", s, "sm_90", "fallback", None) for i, s in enumerate(specs)]
     b = LocalBuilder(jobs=2, build_dir=str(tmp_path), target="llvm", timeout=3, task_fn=sleepy_build_task)
     t0 = time.time()
     built = b.build(cands)
     b.close()
-    assert time.time() - t0 < 60
-    assert [x.error is None for x in built] == [True, False, True, True]
+    assert time.time() - t0 < 30
+    assert [x.error is None for x in built] == [True, False, True, True, True, True]
     assert "did not finish in 3 s" in built[1].error
