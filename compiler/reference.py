@@ -173,6 +173,20 @@ class Reference:
             sl[ax] = slice(b, en, st)
         return x[tuple(sl)]
 
+    def op_take(self, args, attrs, ty):
+        table, idx = args
+        idx = np.asarray(idx, np.int64)
+        axis = int(attrs.axis) if attrs.axis is not None else 0
+        mode = str(getattr(attrs, "mode", "fast") or "fast")
+        if mode in ("clip", "wrap"):  # (the graph's own out-of-range rule)
+            return np.take(table, idx, axis=axis, mode=mode).astype(ty)
+        if idx.size and (idx.min() < 0 or idx.max() >= table.shape[axis]):
+            raise IndexError(f"reference: take index out of range [0, {table.shape[axis]})")
+        return np.take(table, idx, axis=axis).astype(ty)
+
+    def op_concat(self, args, attrs, ty):
+        return np.concatenate(args[0], axis=int(attrs.axis)).astype(ty)
+
     def op_stack(self, args, attrs, ty):
         return np.stack(args[0], axis=int(attrs.axis))
 

@@ -1,4 +1,5 @@
-"""``qmodel``: build (or load), quantize and export a ResNet.
+"""``qmodel``: build (or load), quantize and export an example CNN (ResNet, ResNeXt, MobileNetV2/V3, EfficientNet,
+DenseNet).
 
     qmodel digits --bits 8 -o digits.onnx --save-input x.npy --save-labels y.npy
     qmodel resnet18 --bits 4 --format onnx -o r18_w4.onnx
@@ -24,7 +25,11 @@ FORMATS = {"onnx": ".onnx", "pt2": ".pt2", "hawq": ".hawq.pth"}
 # the file suffixes qcompile tells each format by (-o must end with one)
 FORMAT_SUFFIXES = {"onnx": (".onnx",), "pt2": (".pt2",), "hawq": (".pth", ".pt", ".ckpt", ".tar")}
 # the networks of models/resnet.py (MODELS), named here so that --help and the argument checks import no torch
-MODEL_NAMES = ("resnet18", "resnet50", "resnet_tiny", "resnext50_32x4d", "resnext_tiny")
+MODEL_NAMES = ("resnet18", "resnet50", "resnet_tiny", "resnext50_32x4d", "resnext_tiny", "mobilenet_v2",
+               "mobilenet_v2_tiny", "mobilenet_v3_large", "mobilenet_v3_tiny", "efficientnet_b0", "efficientnet_tiny",
+               "densenet121", "densenet_tiny")
+# the networks of models/mobile.py: quantized by onnxruntime's quantize_static (8 or 4 bits) and written as ONNX QDQ
+ORT_QUANTIZED = MODEL_NAMES[5:]
 PROG = "qmodel"
 
 
@@ -139,6 +144,9 @@ def _check_args(args) -> list:
                     "--num-classes do not apply to it")
     if args.format not in FORMATS:
         raise _Fail(f"unknown format {args.format!r}; choose from: {', '.join(FORMATS)}")
+    if args.model in ORT_QUANTIZED and (args.format != "onnx" or args.bits not in ("8", "4")):
+        raise _Fail(f"{args.model} is quantized by onnxruntime's quantize_static: --format onnx with --bits 8 or 4 "
+                    f"only")
     if not (args.bits in ("8", "4", "mixed") or args.bits.endswith(".json")):
         raise _Fail(f"unsupported --bits {args.bits!r}: use 8, 4, mixed or a .json file "
                     "{layer_name: [w_bits, a_bits]} with widths 4 or 8")
@@ -240,7 +248,7 @@ def _random_or_loaded(args, say):
         say(f"{args.model}: loaded float weights from {args.weights}")
     else:
         say(f"{args.model}: random weights (seed {args.seed}, random BN statistics), "
-            f"input {shape}, {model.fc.out_features} classes")
+            f"input {shape}, {args.num_classes or spec.num_classes} classes")
     if calib is None:
         g = torch.Generator().manual_seed(args.seed + 1)
         calib = torch.randn((args.calib_samples, *shape[1:]), generator=g).numpy()
@@ -253,6 +261,9 @@ def _random_or_loaded(args, say):
 
 def _quantize_export(args, say, model, calib, shape, test) -> None:
     """Quantize ``model`` on ``calib`` and export it; ``test``: (images, labels) to save instead of a random input."""
+    if args.model in ORT_QUANTIZED:
+        _ort_quantize_export(args, say, model, calib, shape)
+        return
     cc = CalibConfig(method8=args.calib_method8, method4=args.calib_method4, percentile=args.percentile,
                      seed=args.seed)
     t = time.time()
@@ -276,6 +287,33 @@ def _quantize_export(args, say, model, calib, shape, test) -> None:
         raise _Fail(f"cannot write '{out}': {e.strerror or e}") from None
     for line in wrote:
         say(line)
+
+
+def _ort_quantize_export(args, say, model, calib, shape) -> None:
+    """A network of models/mobile.py: onnxruntime's quantize_static (QDQ) on ``calib``, then ``--save-input``."""
+    from qcompile.checks import atomic_outputs
+
+    from .export_onnx import export_onnx_ort
+
+    batch = args.batch if args.batch > 0 else None
+    out = args.output
+    t = time.time()
+    say(f"quantizing with onnxruntime's quantize_static (bits={args.bits}) and exporting {out} (onnx) ...")
+    saves = [p for p in (args.save_input, args.save_output) if p]
+    if args.save_output:
+        raise _Fail(f"--save-output needs the fake-quant model of qcompile's own quantizer; {args.model} is quantized "
+                    f"by onnxruntime (run the .onnx with onnxruntime instead)")
+    try:
+        with atomic_outputs(out, *saves) as tmps:
+            om = export_onnx_ort(model, tmps[0], shape, calib, bits=int(args.bits), batch=batch)
+            say(f"wrote {out} (ONNX QDQ, opset {om.opset_import[0].version}, {len(om.graph.node)} nodes, "
+                f"{time.time() - t:.1f}s)")
+            if args.save_input:
+                g = torch.Generator().manual_seed(args.seed + 2)
+                np.save(tmps[1], torch.randn((batch or 1, *shape[1:]), generator=g).numpy())
+                say(f"wrote sample input {args.save_input} {(batch or 1, *shape[1:])}")
+    except OSError as e:
+        raise _Fail(f"cannot write '{out}': {e.strerror or e}") from None
 
 
 def _write_outputs(args, qm, out, shape, batch, example, calib, sample, test) -> list:

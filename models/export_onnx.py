@@ -218,3 +218,39 @@ def run_onnx(path_or_model, x: np.ndarray, disable_optimizations: bool = False) 
         b = inp.shape[0]
         return np.concatenate([sess.run(None, {inp.name: x[i:i + b]})[0] for i in range(0, x.shape[0], b)])
     return sess.run(None, {inp.name: x})[0]
+
+
+def export_onnx_ort(model, path: str, input_shape: tuple[int, ...], calib: np.ndarray, bits: int = 8,
+                    batch: Optional[int] = 1) -> onnx.ModelProto:
+    """A float network (any of :mod:`.mobile`'s) quantized by onnxruntime's own ``quantize_static`` as a user runs
+    it, written as ONNX QDQ: the float model exported by ``torch.onnx`` (opset 13, eval mode: dropout gone, every BN
+    that follows a conv folded into it; DenseNet's pre-activation BNs stay), then per-channel symmetric int8 weights
+    and asymmetric uint8 activations calibrated (min/max) on ``calib`` (float32 NCHW). ``bits`` 4: the compiler's
+    ``--bits 4`` scheme (4-bit weights and activations but the input, the first conv and the last layer; opset 21).
+    Written under a temporary name and renamed; returns the model."""
+    import os
+    import tempfile
+    import warnings
+
+    import torch
+
+    from qcompile.checks import atomic_output
+    from qcompile.frontends.onnx_qdq import quantize_float_onnx
+
+    with tempfile.TemporaryDirectory() as d:
+        fp = os.path.join(d, "float.onnx")
+        n = batch or 1
+        with warnings.catch_warnings():  # (the TorchScript exporter's deprecation notes)
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model.eval(), torch.zeros((n, *input_shape[1:])), fp, input_names=["input"],
+                              output_names=["logits"], opset_version=13, dynamo=False,
+                              dynamic_axes=None if batch else {"input": {0: "N"}, "logits": {0: "N"}})
+        cp = os.path.join(d, "calib.npy")
+        calib = np.asarray(calib, np.float32)
+        if batch:  # (a fixed batch calibrates in whole batches)
+            calib = calib[: max(batch, len(calib) // batch * batch)]
+        np.save(cp, calib)
+        qmodel = quantize_float_onnx(onnx.load(fp), str(bits), cp, batch, log=lambda *_: None)
+    with atomic_output(path) as tmp:
+        onnx.save(qmodel, tmp)
+    return qmodel

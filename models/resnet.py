@@ -218,6 +218,15 @@ MODELS: dict[str, ModelSpec] = {
     "resnext50_32x4d": ModelSpec("resnext50_32x4d", resnext50_32x4d, (1, 3, 224, 224), 1000),
     "resnext_tiny": ModelSpec("resnext_tiny", resnext_tiny, (1, 3, 32, 32), 10),
 }
+# the networks of .mobile: quantized by onnxruntime's quantize_static and exported as ONNX QDQ (export_onnx_ort)
+from . import mobile as _mobile  # noqa: E402
+
+ORT_QUANTIZED = ("mobilenet_v2", "mobilenet_v2_tiny", "mobilenet_v3_large", "mobilenet_v3_tiny", "efficientnet_b0",
+                 "efficientnet_tiny", "densenet121", "densenet_tiny")
+for _name in ORT_QUANTIZED:
+    _full = not _name.endswith("_tiny")
+    MODELS[_name] = ModelSpec(_name, getattr(_mobile, _name), (1, 3, 224, 224) if _full else (1, 3, 32, 32),
+                              1000 if _full else 10)
 
 
 def get_spec(name: str) -> ModelSpec:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import tvm
@@ -81,9 +81,39 @@ class Lin:
     hi: float = math.inf
     qt: Optional[QType] = None  # set for a plain dequantized tensor (one term, storage dtype)
     name: str = ""
+    bias: Optional[np.ndarray] = None  # a real offset (per channel or scalar) added before the clamp
 
     def plain(self) -> bool:
-        return self.qt is not None and len(self.terms) == 1 and self.lo == -math.inf and self.hi == math.inf
+        return (self.qt is not None and len(self.terms) == 1 and self.lo == -math.inf and self.hi == math.inf
+                and self.bias is None)
+
+
+@dataclass
+class Func:
+    """``fn(q)``: an element-wise function of ONE quantized tensor ``expr`` (per-tensor parameters). ``fn`` maps the
+    tensor's integer values (int64) to real values (float64); quantized, it becomes a table lookup over the
+    ``2^bits`` values ``qt`` allows (:meth:`_Lowering.lookup`)."""
+
+    expr: relax.Expr
+    qt: QType
+    fn: Callable
+    rank: int
+    name: str = ""
+
+    def then(self, g: Callable, name: str) -> "Func":
+        f = self.fn
+        return Func(self.expr, self.qt, lambda q: g(f(q)), self.rank, name)
+
+
+@dataclass
+class Cat:
+    """A concatenation along the channels of values (``Lin`` / ``Func``) with their own scales; quantized, each part
+    is requantized to the output's parameters and the integer tensors are concatenated."""
+
+    parts: list
+    sizes: list  # channels of each part
+    rank: int
+    name: str = ""
 
 
 @dataclass
@@ -97,6 +127,14 @@ class Weight:
 @dataclass
 class FloatConst:
     value: np.ndarray
+
+
+def _sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, np.float64)))  # (no overflow for large |x|)
+
+
+def _erf(x):
+    return np.vectorize(math.erf, otypes=[np.float64])(np.asarray(x, np.float64))
 
 
 def _name(var) -> str:
@@ -113,6 +151,7 @@ class _Lowering:
         self.bb = relax.BlockBuilder()
         self.var2val = relax.analysis.get_var2val(func)
         self.env: dict = {}
+        self.qts: dict = {}  # integer tensor -> its quantized type (its range), for the lookup tables
         self.input = func.params[0]
 
     # ------------------------------------------------------------------------------------------
@@ -190,11 +229,17 @@ class _Lowering:
             if isinstance(inner, tuple) and inner[0] == "q":
                 return ("q", inner[1], qtype_of(call, {}, name), inner[3])
             raise UnsupportedOpError("clip", name, "integer clip of an unexpected value")
-        lin = self.get(src, name)
-        if not isinstance(lin, Lin):
-            raise UnsupportedOpError("clip", name)
-        lo, hi = float(call.args[1].value), float(call.args[2].value)
-        return Lin(lin.terms, lin.rank, max(lin.lo, lo), min(lin.hi, hi), None, name)
+        return self._clamp(self.get(src, name), float(call.args[1].value), float(call.args[2].value), "clip", name)
+
+    def _clamp(self, v, lo: float, hi: float, op: str, name: str):
+        """ReLU / clip: the requantize's bounds for a linear value, part of the table for a function."""
+        if isinstance(v, Cat):
+            return Cat([self._clamp(p, lo, hi, op, name) for p in v.parts], v.sizes, v.rank, name)
+        if isinstance(v, Func):
+            return v.then(lambda x: np.clip(x, lo, hi), name)
+        if not isinstance(v, Lin):
+            raise UnsupportedOpError(op, name)
+        return Lin(v.terms, v.rank, max(v.lo, lo), min(v.hi, hi), None, name, v.bias)
 
     def op_quantize(self, call, name):
         # recorded lazily: the clip that may follow decides the bit width
@@ -214,6 +259,10 @@ class _Lowering:
         if isinstance(src, relax.Var) and isinstance(self.env.get(src), tuple) and self.env[src][0] == "input":
             return self.quantize_input(self.env[src][1], s, zp, qt, qname)
         lin = self.get(src, qname)
+        if isinstance(lin, Func):
+            return self.lookup(lin, s, zp, qt, qname)
+        if isinstance(lin, Cat):
+            return self.concat(lin, s, zp, qt, qname)
         if not isinstance(lin, Lin):
             raise UnsupportedOpError("quantize", qname, "operand is not a quantized computation")
         return self.requantize(lin, s, zp, qt, qname)
@@ -239,6 +288,7 @@ class _Lowering:
                 raise UnsupportedOpError("dequantize", name, "per-channel activation quantization is not supported")
             rank = len(src.ty.shape)
             s, z = float(scale.reshape(())), int(zp.reshape(()))
+            self.qts[ent[1]] = ent[2]
             return Lin([Term(ent[1], np.array(-z, np.int64), np.array(s))], rank, qt=ent[2], name=name)
         raise UnsupportedOpError("dequantize", name, "operand is not a quantized tensor")
 
@@ -264,6 +314,12 @@ class _Lowering:
             return relax.Tuple([self.output(f) for f in e.fields])
         if isinstance(v, tuple) and v[0] in ("q", "done"):
             raise UnsupportedOpError("output", _name(e), "the model returns a quantized tensor; expected a dequantized float output")
+        if isinstance(v, Func):  # a function of a quantized tensor returned in float: a float32 table
+            y = self.emit(relax.op.take(relax.const(self._table_values(v).astype("float32"), "float32"),
+                                        self._table_index(v), axis=0, mode="clip"), "output")
+            if v.rank == 4 and self.layout != "NCHW":
+                y = self.emit(relax.op.permute_dims(y, list(np.argsort(self.perm))), "output_layout")
+            return y
         if not isinstance(v, Lin) or len(v.terms) != 1:
             raise UnsupportedOpError("output", _name(e), "the model output is not a single dequantized tensor")
         t = v.terms[0]
@@ -271,6 +327,8 @@ class _Lowering:
         if np.any(t.offset != 0):
             i32 = relax.op.add(i32, self._chan_const(t.offset, v.rank, "int32"))
         y = relax.op.multiply(relax.op.astype(i32, "float32"), self._chan_const(t.scale, v.rank, "float32"))
+        if v.bias is not None:
+            y = relax.op.add(y, self._chan_const(v.bias, v.rank, "float32"))
         if v.lo > -math.inf or v.hi < math.inf:
             y = relax.op.clip(y, v.lo, v.hi)
         y = self.emit(y, "output")
@@ -291,18 +349,31 @@ class _Lowering:
         if lin.hi < math.inf:
             hi = min(hi, max(lo, int(math.floor(lin.hi / s_out + 0.5)) + zp))
         ms = [t.scale / s_out for t in lin.terms]
-        mults, shift = self._multipliers(ms, name)
+        # a real bias (batch norm on a quantized tensor) joins the rounding constant with the shift's precision:
+        # y = round_half_up(sum_i (t_i + c_i) * m_i + bias / s_out)
+        bias = None if lin.bias is None else np.asarray(lin.bias, np.float64) / s_out
+        zeros = [] if bias is None else [np.zeros(bias.shape)]  # (gives the shift the bias's shape)
+        mults, shift = self._multipliers(ms + zeros, name)
+        mults = mults[:len(ms)]
         wide = "int64"
         # Terms that are all 8-bit tensors (residual adds, pools) fit int32 with a narrower multiplier:
-        # sum_i |t_i + c_i| * |M_i| + 2^(S-1) < 2^31 with S <= 30. Integer math in int32 is several times
+        # sum_i |t_i + c_i| * |M_i| + 2^(S-1) + |B| < 2^31 with S <= 30. Integer math in int32 is several times
         # cheaper on GPUs than int64; ~21-bit multipliers are about as precise as float32.
         if all(str(t.expr.ty.dtype) in ("int8", "uint8") for t in lin.terms):
             tmax = sum(255 + int(np.max(np.abs(t.offset))) for t in lin.terms)
             bits = int(np.floor(np.log2((2**31 - 2**29 - 1) / tmax)))
             if bits >= 16:
-                m32, s32 = quantize_multipliers(ms, bits=bits)
-                if np.all(s32 <= 30):
-                    mults, shift, wide = m32, s32, "int32"
+                m32, s32 = quantize_multipliers(ms + zeros, bits=bits)
+                b32 = 0 if bias is None else float(np.max(np.abs(bias) * np.ldexp(1.0, s32))) + 1
+                if np.all(s32 <= 30) and tmax * 2.0**bits + 2.0**29 + b32 < 2.0**31:
+                    mults, shift, wide = m32[:len(ms)], s32, "int32"
+        rnd = np.left_shift(np.int64(1), shift - 1)
+        if bias is not None:
+            b = np.round(bias * np.ldexp(1.0, shift))
+            if np.max(np.abs(b)) >= 2.0**61:
+                raise QCompileError(f"quantize '{name}': the bias {float(np.max(np.abs(bias))):.6g} (in output steps) "
+                                    f"does not fit the fixed-point requantize; the output scale is too small for it")
+            rnd = rnd + b.astype(np.int64)
         acc = None
         for t, M in zip(lin.terms, mults):
             v = relax.op.astype(t.expr, wide)
@@ -310,12 +381,78 @@ class _Lowering:
                 v = relax.op.add(v, self._chan_const(t.offset, lin.rank, wide))
             v = relax.op.multiply(v, self._chan_const(M, lin.rank, wide))
             acc = v if acc is None else relax.op.add(acc, v)
-        rnd = np.left_shift(np.int64(1), shift - 1)
         acc = relax.op.add(acc, self._chan_const(rnd, lin.rank, wide))
         acc = relax.op.right_shift(acc, self._chan_const(shift, lin.rank, wide))
         if zp:
             acc = relax.op.add(acc, relax.const(int(zp), wide))
         return self.emit(relax.op.astype(relax.op.clip(acc, lo, hi), qt.storage), name)
+
+    # -- functions of one quantized tensor: lookup tables ------------------------------------------
+    @staticmethod
+    def _table_values(f: Func) -> np.ndarray:
+        """``f`` at every value the quantized input can hold, ``qt.qmin .. qt.qmax``, in float64."""
+        with np.errstate(all="ignore"):
+            y = np.asarray(f.fn(np.arange(f.qt.qmin, f.qt.qmax + 1, dtype=np.int64)), np.float64)
+        if np.any(np.isnan(y)):
+            raise QCompileError(f"node '{f.name}': the element-wise function is NaN for some input value")
+        return y
+
+    def _table_index(self, f: Func) -> relax.Expr:
+        idx = relax.op.astype(f.expr, "int32")
+        if f.qt.qmin:
+            idx = relax.op.subtract(idx, relax.const(f.qt.qmin, "int32"))
+        return idx
+
+    def lookup(self, f: Func, s_out: float, zp: int, qt: QType, name: str):
+        """``quantize(f(dequantize(q)))`` as ``take(table, q - qmin)``: the table holds, for every input value, the QDQ
+        float semantics evaluated in float64, ``saturate(round_half_to_even(f(x) / s_out) + zp)``."""
+        y = self._table_values(f)
+        with np.errstate(all="ignore"):
+            q = np.clip(np.rint(y / s_out) + zp, qt.qmin, qt.qmax)
+        table = relax.const(q.astype(qt.storage), qt.storage)
+        return self.emit(relax.op.take(table, self._table_index(f), axis=0, mode="clip"), name)
+
+    def _as_func(self, v, op: str, name: str) -> Func:
+        """``v`` as a function of one quantized tensor, or an UnsupportedOpError."""
+        if isinstance(v, Func):
+            return v
+        if isinstance(v, Lin) and len(v.terms) == 1:
+            t = v.terms[0]
+            qt = self.qts.get(t.expr)
+            if qt is not None and np.size(t.scale) == 1 and np.size(t.offset) == 1 \
+                    and (v.bias is None or np.size(v.bias) == 1):
+                off, sc = int(np.asarray(t.offset).reshape(())), float(np.asarray(t.scale).reshape(()))
+                b = 0.0 if v.bias is None else float(np.asarray(v.bias).reshape(()))
+                lo, hi = v.lo, v.hi
+                return Func(t.expr, qt, lambda q: np.clip((q + off) * sc + b, lo, hi), v.rank, name)
+        raise UnsupportedOpError(op, name, "an element-wise function applies only to a quantized tensor "
+                                 "(dequantized, with a per-tensor scale) or a function of one")
+
+    def _unary(self, v, g: Callable, op: str, name: str):
+        """``g`` (float64 NumPy) applied element-wise: to a concatenation part by part, else as a table."""
+        if isinstance(v, Cat):
+            return Cat([self._unary(p, g, op, name) for p in v.parts], v.sizes, v.rank, name)
+        return self._as_func(v, op, name).then(g, name)
+
+    def concat(self, c: Cat, s_out: float, zp: int, qt: QType, name: str):
+        """Each part requantized to the output's scale and zero point, then concatenated. A part that is a quantized
+        tensor (or a function of one) with other parameters is requantized by a table, exactly as the QDQ float
+        semantics round it (half to even); one with the output's parameters is used as it is."""
+        parts = []
+        for i, p in enumerate(c.parts):
+            pname = f"{name}_in{i}"
+            same = isinstance(p, Lin) and p.plain() and p.qt is qt and np.allclose(p.terms[0].scale, s_out, rtol=1e-6,
+                                                                                   atol=0) \
+                and int(-p.terms[0].offset) == zp
+            f = None if same else self._func_of(p)
+            if f is not None:
+                parts.append(self.lookup(f, s_out, zp, qt, pname))
+            elif isinstance(p, Lin):
+                parts.append(self.requantize(p, s_out, zp, qt, pname))
+            else:
+                raise UnsupportedOpError("concat", name, "operand is not a quantized computation")
+        axis = self.caxis if c.rank == 4 else 1
+        return self.emit(relax.op.concat(parts, axis=axis), name)
 
     @staticmethod
     def _multipliers(ms: list, name: str):
@@ -412,24 +549,63 @@ class _Lowering:
         scale = t.scale * np.broadcast_to(w.scale, (w.q.shape[0],))
         return Lin([Term(acc, offset.astype(np.int64), scale)], 2, name=name)
 
-    def _affine(self, lin: Lin, mul=None, add=None, name=""):
-        """``lin * mul + add`` for per-channel constants (BN folding, bias)."""
+    def _affine(self, lin, mul=None, add=None, name=""):
+        """``lin * mul + add`` for per-channel constants (BN folding, bias). On an accumulator the added constant is
+        folded into the integer offset (in accumulator steps, far finer than the output's); on quantized 8-bit
+        tensors (batch norm after a concat or a pool) it stays a real bias that the requantize adds with its
+        fixed-point precision. A per-tensor affine map of one quantized tensor is a function of it (a table)."""
+        if isinstance(lin, (Func, Cat)):
+            return self._affine_fn(lin, mul, add, name)
         if lin.lo > -math.inf or lin.hi < math.inf:
+            if lin.bias is None and self._fn_ok(lin, mul, add):
+                return self._affine_fn(lin, mul, add, name)
             raise UnsupportedOpError("add/multiply", name, "a per-channel affine op after ReLU/clip cannot be folded")
         terms = list(lin.terms)
+        bias = lin.bias
         if mul is not None:
             if np.any(mul == 0):
                 raise UnsupportedOpError("multiply", name, "a zero per-channel scale cannot be folded")
             if not np.all(np.isfinite(mul)):
                 raise QCompileError(f"node '{name}': a per-channel factor (batch norm) is NaN or infinite")
             terms = [Term(t.expr, t.offset, t.scale * mul) for t in terms]
+            if bias is not None:
+                bias = bias * mul
         if add is not None:
+            if all(str(t.expr.ty.dtype) in ("int8", "uint8") for t in terms):
+                if not np.all(np.isfinite(add)):
+                    raise QCompileError(f"node '{name}': a per-channel constant (batch norm) is NaN or infinite")
+                bias = np.asarray(add, np.float64) if bias is None else bias + add
+                out = Lin(terms, lin.rank, name=name, bias=bias)
+                if len(terms) == 1 and np.size(bias) == 1 and np.size(terms[0].scale) == 1 \
+                        and terms[0].expr in self.qts:
+                    return self._as_func(out, "add", name)
+                return out
             t0 = terms[0]
             with np.errstate(all="ignore"):
                 steps = np.round(np.asarray(add, np.float64) / t0.scale) + t0.offset
             self._check_offset(steps, name, "bias")
             terms[0] = Term(t0.expr, steps.astype(np.int64), t0.scale)
-        return Lin(terms, lin.rank, name=name)
+        return Lin(terms, lin.rank, name=name, bias=bias)
+
+    def _fn_ok(self, lin, mul, add) -> bool:
+        """Whether ``lin * mul + add`` is a per-tensor function of one quantized tensor."""
+        return (np.size(mul) <= 1 if mul is not None else True) and (np.size(add) <= 1 if add is not None else True) \
+            and len(lin.terms) == 1 and lin.terms[0].expr in self.qts and np.size(lin.terms[0].scale) == 1
+
+    def _affine_fn(self, v, mul, add, name):
+        if isinstance(v, Cat):  # part by part, each with its channels' constants
+            parts, start = [], 0
+            for p, n in zip(v.parts, v.sizes):
+                sl = lambda c: None if c is None else (c if np.size(c) == 1 else np.asarray(c)[start:start + n])  # noqa: E731
+                parts.append(self._affine(p, sl(mul), sl(add), name))
+                start += n
+            return Cat(parts, v.sizes, v.rank, name)
+        if (mul is not None and np.size(mul) > 1) or (add is not None and np.size(add) > 1):
+            raise UnsupportedOpError("add/multiply", name, "a per-channel constant applied to an element-wise "
+                                     "function of a quantized tensor (only per-tensor constants are supported)")
+        m = 1.0 if mul is None else float(np.asarray(mul).reshape(()))
+        a = 0.0 if add is None else float(np.asarray(add).reshape(()))
+        return self._as_func(v, "add/multiply", name).then(lambda x: x * m + a, name)
 
     @staticmethod
     def _per_channel(c: np.ndarray, rank: int, name: str) -> np.ndarray:
@@ -463,41 +639,185 @@ class _Lowering:
                     if self.layout != "NCHW":
                         e = self.emit(relax.op.permute_dims(e, list(np.argsort(self.perm))), name + "_to_nchw")
                 terms.append(Term(self.emit(relax.op.reshape(e, shape), name), t.offset, t.scale))
-            return Lin(terms, 2, src.lo, src.hi, src.qt, name)
+            if src.bias is not None and np.size(src.bias) != 1 and in_shape[2] * in_shape[3] != 1:
+                raise UnsupportedOpError("reshape", name, "flattening a per-channel value with spatial extent > 1")
+            return Lin(terms, 2, src.lo, src.hi, src.qt, name, src.bias)
         raise UnsupportedOpError("reshape", name, f"reshape {in_shape} -> {shape} is not supported in the integer graph")
 
     def op_add(self, call, name):
         a, b = self.get(call.args[0], name), self.get(call.args[1], name)
-        if isinstance(a, FloatConst) and isinstance(b, Lin):
+        if isinstance(a, FloatConst) and isinstance(b, (Lin, Func, Cat)):
             a, b = b, a
-        if isinstance(a, Lin) and isinstance(b, FloatConst):
-            return self._affine(a, add=np.broadcast_to(self._per_channel(b.value, a.rank, name), (self._channels(a),)), name=name)
+        if isinstance(a, (Lin, Func, Cat)) and isinstance(b, FloatConst):
+            c = self._per_channel(b.value, a.rank, name)
+            return self._affine(a, add=c if c.size == 1 else np.broadcast_to(c, (self._channels(a),)), name=name)
+        if isinstance(a, Func) or isinstance(b, Func):
+            fa, fb = self._as_func(a, "add", name), self._as_func(b, "add", name)
+            if fa.expr is not fb.expr:
+                raise UnsupportedOpError("add", name, "a sum of functions of two different quantized tensors must be "
+                                         "quantized first")
+            return Func(fa.expr, fa.qt, lambda q: fa.fn(q) + fb.fn(q), fa.rank, name)
         if isinstance(a, Lin) and isinstance(b, Lin):
             if a.rank != b.rank:
                 raise UnsupportedOpError("add", name, "operands of different rank")
             for v in (a, b):
                 if v.lo > -math.inf or v.hi < math.inf:
                     raise UnsupportedOpError("add", name, "an operand clamped by ReLU/clip without a quantize in between")
-            return Lin(a.terms + b.terms, a.rank, name=name)
+            bias = a.bias if b.bias is None else (b.bias if a.bias is None else a.bias + b.bias)
+            return Lin(a.terms + b.terms, a.rank, name=name, bias=bias)
         raise UnsupportedOpError("add", name)
 
-    def _channels(self, lin: Lin) -> int:
-        e = lin.terms[0].expr
-        return int(e.ty.shape[self.caxis if lin.rank == 4 else 1])
+    def op_subtract(self, call, name):
+        b = self.get(call.args[1], name)
+        if not isinstance(b, FloatConst):
+            raise UnsupportedOpError("subtract", name, "only the subtraction of a constant is supported")
+        a = self.get(call.args[0], name)
+        if not isinstance(a, (Lin, Func, Cat)):
+            raise UnsupportedOpError("subtract", name)
+        c = -self._per_channel(b.value, a.rank, name)
+        return self._affine(a, add=c if c.size == 1 else np.broadcast_to(c, (self._channels(a),)), name=name)
+
+    def op_divide(self, call, name):
+        b = self.get(call.args[1], name)
+        a = self.get(call.args[0], name)
+        if not isinstance(b, FloatConst) or not isinstance(a, (Lin, Func, Cat)):
+            raise UnsupportedOpError("divide", name, "only the division by a constant is supported")
+        c = self._per_channel(b.value, a.rank, name)
+        if np.any(c == 0):
+            raise UnsupportedOpError("divide", name, "a division by zero")
+        return self._affine(a, mul=1.0 / c, name=name)
+
+    def _channels(self, v) -> int:
+        if isinstance(v, Cat):
+            return int(sum(v.sizes))
+        e = v.expr if isinstance(v, Func) else v.terms[0].expr
+        return int(e.ty.shape[self.caxis if v.rank == 4 else 1])
 
     def op_multiply(self, call, name):
         a, b = self.get(call.args[0], name), self.get(call.args[1], name)
         if isinstance(a, FloatConst):
             a, b = b, a
-        if isinstance(a, Lin) and isinstance(b, FloatConst):
+        if isinstance(a, (Lin, Func, Cat)) and isinstance(b, FloatConst):
             return self._affine(a, mul=self._per_channel(b.value, a.rank, name), name=name)
-        raise UnsupportedOpError("multiply", name, "only multiplication by a per-channel constant (batch norm) is supported")
+        if isinstance(a, (Lin, Func)) and isinstance(b, (Lin, Func)):
+            # x * f(x) (SiLU, hardswish left unquantized in between): a function of the one tensor
+            fa, fb = self._func_of(a), self._func_of(b)
+            if fa is not None and fb is not None and fa.expr is fb.expr:
+                return Func(fa.expr, fa.qt, lambda q: fa.fn(q) * fb.fn(q), fa.rank, name)
+            return self._product(a, b, call, name)
+        raise UnsupportedOpError("multiply", name, "only a product of two quantized tensors or a multiplication by a "
+                                 "per-channel constant (batch norm) is supported")
+
+    def _func_of(self, v) -> Optional[Func]:
+        try:
+            return self._as_func(v, "multiply", "")
+        except UnsupportedOpError:
+            return None
+
+    def _product(self, a, b, call, name):
+        """The product of two quantized tensors (squeeze-and-excitation's channel scaling: (N, C, H, W) x (N, C, 1, 1),
+        broadcast): ``(q_a - zp_a) * (q_b - zp_b)`` exactly in int32 at scale ``s_a * s_b``; the quantize that follows
+        is one fixed-point requantize."""
+        for v in (a, b):
+            if not isinstance(v, Lin) or not v.plain():
+                raise UnsupportedOpError("multiply", name, "a product of two tensors needs both to be quantized "
+                                         "tensors (dequantized, per-tensor scales); quantize each operand first")
+        if a.rank != b.rank:
+            raise UnsupportedOpError("multiply", name, "operands of different rank")
+        ints = []
+        for v in (a, b):
+            t = v.terms[0]
+            e = relax.op.astype(t.expr, "int32")
+            if np.any(t.offset != 0):
+                e = relax.op.add(e, relax.const(int(np.asarray(t.offset).reshape(())), "int32"))
+            ints.append(e)
+        prod = self.emit(relax.op.multiply(ints[0], ints[1]), name)
+        scale = np.asarray(a.terms[0].scale * b.terms[0].scale, np.float64)
+        return Lin([Term(prod, np.zeros((), np.int64), scale)], a.rank, name=name)
 
     def op_nn_relu(self, call, name):
-        a = self.get(call.args[0], name)
-        if not isinstance(a, Lin):
-            raise UnsupportedOpError("relu", name)
-        return Lin(a.terms, a.rank, max(a.lo, 0.0), a.hi, None, name)
+        return self._clamp(self.get(call.args[0], name), 0.0, math.inf, "relu", name)
+
+    # element-wise functions (float64 NumPy; a table once quantized)
+    def _fn_op(self, call, name, op, g):
+        return self._unary(self.get(call.args[0], name), g, op, name)
+
+    def op_sigmoid(self, call, name):
+        return self._fn_op(call, name, "sigmoid", _sigmoid)
+
+    def op_tanh(self, call, name):
+        return self._fn_op(call, name, "tanh", np.tanh)
+
+    def op_nn_silu(self, call, name):
+        return self._fn_op(call, name, "silu", lambda x: x * _sigmoid(x))
+
+    def op_nn_leakyrelu(self, call, name):
+        alpha = float(call.attrs.alpha)
+        return self._fn_op(call, name, "leakyrelu", lambda x: np.where(x >= 0, x, alpha * x))
+
+    def op_nn_gelu(self, call, name):
+        return self._fn_op(call, name, "gelu", lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))))
+
+    def op_nn_gelu_tanh(self, call, name):
+        c = math.sqrt(2.0 / math.pi)
+        return self._fn_op(call, name, "gelu_tanh", lambda x: 0.5 * x * (1.0 + np.tanh(c * (x + 0.044715 * x**3))))
+
+    def op_concat(self, call, name):
+        tup = call.args[0]
+        fields = tup.fields if isinstance(tup, relax.Tuple) else None
+        if fields is None:
+            raise UnsupportedOpError("concat", name, "the operands must be a tuple of tensors")
+        rank = len(call.ty.shape)
+        axis = int(call.attrs.axis) % rank
+        if axis != 1:
+            raise UnsupportedOpError("concat", name, f"only a concatenation along the channels is supported (axis "
+                                     f"{axis})")
+        parts = []
+        for f in fields:
+            v = self.get(f, name)
+            if isinstance(v, Cat):
+                raise UnsupportedOpError("concat", name, "a concatenation of a concatenation must be quantized first")
+            if not isinstance(v, (Lin, Func)):
+                raise UnsupportedOpError("concat", name, "operand is not a quantized computation")
+            parts.append(v)
+        return Cat(parts, [int(f.ty.shape[1]) for f in fields], rank, name)
+
+    def op_nn_avg_pool2d(self, call, name):
+        """A k x k average pool: the window sums of ``q - zp`` exactly in int32 (k*k strided slices of the input, padded
+        with its zero point), at scale ``s / (k*k)``; the quantize that follows is one requantize."""
+        x = self._q_operand(call.args[0], "avg_pool2d", name)
+        a = call.attrs
+        k = [int(p) for p in a.pool_size]
+        st = [int(v) for v in a.strides]
+        dil = [int(v) for v in a.dilation]
+        pad = [int(p) for p in a.padding]  # top, left, bottom, right
+        n_in = [int(v) for v in call.args[0].ty.shape]
+        oh, ow = (int(call.ty.shape[2]), int(call.ty.shape[3]))
+        floor_shape = [(n_in[2 + i] + pad[i] + pad[i + 2] - dil[i] * (k[i] - 1) - 1) // st[i] + 1 for i in range(2)]
+        if floor_shape != [oh, ow]:
+            raise UnsupportedOpError("avg_pool2d", name, "ceil_mode windows that run past the padded input are not "
+                                     "supported")
+        if any(pad) and not bool(a.count_include_pad):
+            raise UnsupportedOpError("avg_pool2d", name, "padding with count_include_pad=0 (a divisor that varies at "
+                                     "the edges) is not supported")
+        t = x.terms[0]
+        data = t.expr
+        if any(pad):
+            hw = self.hw_axes
+            pw = [0] * 8
+            pw[2 * hw[0]], pw[2 * hw[0] + 1], pw[2 * hw[1]], pw[2 * hw[1] + 1] = pad[0], pad[2], pad[1], pad[3]
+            data = self.emit(relax.op.nn.pad(data, pw, pad_value=float(-int(t.offset))), name + "_pad")
+        i32 = self.emit(relax.op.astype(data, "int32"), name + "_i32")
+        acc = None
+        for i in range(k[0]):
+            for j in range(k[1]):
+                b = [i * dil[0], j * dil[1]]
+                e = [b[0] + st[0] * (oh - 1) + 1, b[1] + st[1] * (ow - 1) + 1]
+                win = relax.op.strided_slice(i32, list(self.hw_axes), b, e, st)
+                acc = win if acc is None else relax.op.add(acc, win)
+        acc = self.emit(acc, name)
+        kk = k[0] * k[1]
+        return Lin([Term(acc, t.offset * kk, t.scale / kk)], 4, name=name)
 
     def op_nn_max_pool2d(self, call, name):
         x = self._q_operand(call.args[0], "max_pool2d", name)

@@ -282,8 +282,10 @@ def float_ops_model(path: str, tail: str = "matmul", seed: int = 0, batch: int =
         x (N, 8, 8, 8) -> Conv 3x3 (16) -> Relu -> MaxPool 2x2 -> <tail> -> AveragePool 4x4 (global) -> Reshape (N, 16)
           -> MatMul (16 x 10, no bias)
 
-    ``tail``: "matmul" (nothing more), or one op of quantized tensors: "sigmoid", "leakyrelu", "mul" (of two
-    branches), "concat" (of two 8-channel convs instead of the 16-channel one), "avgpool" (a 2x2 / stride 1 pool).
+    ``tail``: "matmul" (nothing more), or one op of quantized tensors: "sigmoid", "leakyrelu", "hardswish" (after a
+    1x1 conv; opset 14), "mul" (of two branches), "concat" (of two 8-channel convs instead of the 16-channel one),
+    "avgpool_s2" (2x2 / stride 2, before a 2x2 global pool), "avgpool" (2x2 / stride 1 padded bottom and right,
+    count_include_pad=0: the divisor varies at the edges).
     ``quantize_ort(path, ..., "qop")`` turns them into QLinearMatMul, QLinearAveragePool, QLinearSigmoid, ...
     """
     import onnx
@@ -319,14 +321,218 @@ def float_ops_model(path: str, tail: str = "matmul", seed: int = 0, batch: int =
         h = node("Mul", [h, node("Conv", [h, w("mw", (16, 16, 1, 1), 16)], "conv2")], "mul")
     elif tail == "avgpool":
         h = node("AveragePool", [h], "avgpool2", kernel_shape=[2, 2], strides=[1, 1], pads=[0, 0, 1, 1])
-    h = node("AveragePool", [h], "gap", kernel_shape=[4, 4])
+    elif tail == "avgpool_s2":
+        h = node("AveragePool", [h], "avgpool2", kernel_shape=[2, 2], strides=[2, 2])
+    elif tail == "hardswish":
+        h = node("HardSwish", [node("Conv", [h, w("hw", (16, 16, 1, 1), 16)], "conv2")], "hardswish")
+    gap = 2 if tail == "avgpool_s2" else 4
+    h = node("AveragePool", [h], "gap", kernel_shape=[gap, gap])
     inits.append(numpy_helper.from_array(np.array([batch, 16], np.int64), "shape"))
     h = node("Reshape", [h, "shape"], "flat")
     node("MatMul", [h, w("fw", (16, 10), 16)], "y")
     graph = helper.make_graph(nodes, "qop_" + tail, [helper.make_tensor_value_info("x", TensorProto.FLOAT,
                                                                                   [batch, 8, 8, 8])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, 10])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14 if tail == "hardswish" else 13)])
+    model.ir_version = 7
     onnx.checker.check_model(model)
     onnx.save(model, path)
     return path
+
+
+# ------------------------------------------------------------------------------------------------
+# Hand-written QDQ models of one op each (the ops MobileNetV3 / EfficientNet / DenseNet add)
+# ------------------------------------------------------------------------------------------------
+ELEMENTWISE = {  # ONNX op -> (attributes, float64 NumPy semantics from the ONNX specification)
+    "Sigmoid": ({}, lambda x: 1.0 / (1.0 + np.exp(-x))),
+    "HardSigmoid": ({"alpha": 0.2, "beta": 0.5},
+                    lambda x: np.clip(np.float64(np.float32(0.2)) * x + 0.5, 0.0, 1.0)),
+    "HardSwish": ({}, lambda x: x * np.clip(x / 6.0 + 0.5, 0.0, 1.0)),
+    "Tanh": ({}, np.tanh),
+    "LeakyRelu": ({"alpha": 0.1}, lambda x: np.where(x >= 0, x, np.float64(np.float32(0.1)) * x)),
+    "Gelu": ({}, lambda x: 0.5 * x * (1.0 + np.vectorize(__import__("math").erf)(x / np.sqrt(2.0)))),
+    "SiLU": ({}, lambda x: x / (1.0 + np.exp(-x))),  # Sigmoid then Mul(x, .), unquantized in between
+}
+
+
+def _qtypes(bits: int):
+    """(signed zero-point dtype, unsigned, ONNX element types, opset) for 8- or 4-bit activations."""
+    import ml_dtypes
+    from onnx import TensorProto
+
+    if bits == 8:
+        return np.int8, np.uint8, (TensorProto.INT8, TensorProto.UINT8), 13
+    return ml_dtypes.int4, ml_dtypes.uint4, (TensorProto.INT4, TensorProto.UINT4), 21
+
+
+def elementwise_model(path: str, op: str, bits: int = 8, signed_in: bool = False, shape=(1, 4, 8, 8)) -> tuple:
+    """``x -> Q/DQ (s_in, zp_in) -> op -> Q/DQ (s_out, zp_out)``: every input value of the quantized type is reachable.
+
+    Returns ``(path, (s_in, zp_in, qmin, qmax), (s_out, zp_out, qmin_out, qmax_out))``."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    sdt, udt, _, opset = _qtypes(bits)
+    qmax_u = 2 ** bits - 1
+    if signed_in:
+        qlo, qhi, zp_in, dt_in = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1, 2 ** (bits - 3) - 1, sdt
+    else:
+        qlo, qhi, zp_in, dt_in = 0, qmax_u, (qmax_u * 3) // 5, udt
+    s_in = np.float32(8.0 / (qhi - qlo))  # inputs in about [-5, 3]
+    attrs, fn = ELEMENTWISE[op]
+    lo_hi = fn(np.array([(qlo - zp_in) * float(s_in), (qhi - zp_in) * float(s_in)]))
+    grid = fn(np.linspace((qlo - zp_in) * float(s_in), (qhi - zp_in) * float(s_in), 1001))
+    ymin, ymax = min(float(grid.min()), 0.0), max(float(grid.max()), float(lo_hi.max()))
+    s_out = np.float32((ymax - ymin) / qmax_u * 1.003)
+    zp_out = int(np.clip(round(-ymin / float(s_out)), 0, qmax_u))
+    inits = [numpy_helper.from_array(np.float32(s_in), "s_in"), numpy_helper.from_array(np.array(zp_in, dt_in), "z_in"),
+             numpy_helper.from_array(np.float32(s_out), "s_out"),
+             numpy_helper.from_array(np.array(zp_out, udt), "z_out")]
+    # (a depthwise 1x1 conv of weight 1: the compiler takes models with a conv; it requantizes to the same values)
+    c = shape[1]
+    inits += [numpy_helper.from_array(np.ones((c, 1, 1, 1), np.int8), "w"),
+              numpy_helper.from_array(np.ones(c, np.float32), "w_s"), numpy_helper.from_array(np.zeros(c, np.int8), "w_z")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s_in", "z_in"], ["xq"], name="in_Q"),
+             helper.make_node("DequantizeLinear", ["xq", "s_in", "z_in"], ["xdq0"], name="in_DQ"),
+             helper.make_node("DequantizeLinear", ["w", "w_s", "w_z"], ["wdq"], name="w_DQ", axis=0),
+             helper.make_node("Conv", ["xdq0", "wdq"], ["conv"], name="conv", group=c, kernel_shape=[1, 1]),
+             helper.make_node("QuantizeLinear", ["conv", "s_in", "z_in"], ["cq"], name="conv_Q"),
+             helper.make_node("DequantizeLinear", ["cq", "s_in", "z_in"], ["xdq"], name="conv_DQ")]
+    if op == "SiLU":
+        nodes += [helper.make_node("Sigmoid", ["xdq"], ["sig"], name="sigmoid"),
+                  helper.make_node("Mul", ["xdq", "sig"], ["y"], name="silu")]
+    else:
+        nodes.append(helper.make_node(op, ["xdq"], ["y"], name=op.lower(), **attrs))
+    nodes += [helper.make_node("QuantizeLinear", ["y", "s_out", "z_out"], ["yq"], name="out_Q"),
+              helper.make_node("DequantizeLinear", ["yq", "s_out", "z_out"], ["out"], name="out_DQ")]
+    graph = helper.make_graph(nodes, op, [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, list(shape))], inits)
+    opset_v = max(opset, 20) if op == "Gelu" else opset
+    if op == "HardSwish":
+        opset_v = max(opset_v, 14)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset_v)])
+    model.ir_version = 10 if opset_v >= 21 else 9 if opset_v >= 20 else 8 if opset_v >= 14 else 7
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path, (float(s_in), zp_in, qlo, qhi), (float(s_out), zp_out, 0, qmax_u)
+
+
+def two_branch_model(path: str, kind: str, seed: int = 0, batch: int = 2) -> str:
+    """A hand-written QDQ model (opset 13, uint8 activations with non-zero zero points) of one op of two quantized
+    tensors, or of a pool / batch norm of one::
+
+        x (N, 8, 8, 8) -> Q/DQ -> Conv 3x3 (8) -> Q/DQ 'a'
+          kind "mul":      GlobalAveragePool(a) -> Q/DQ -> Conv 1x1 -> Q/DQ -> Sigmoid -> Q/DQ 'g';  Mul(a, g)  (SE)
+          kind "concat":   Conv 3x3 (x, 4) -> Q/DQ 'b' (its own scale and zero point);  Concat(a, b)
+          kind "avgpool":  AveragePool(a) 2x2 / stride 2                                    (DenseNet's transition)
+          kind "avgpool_pad": AveragePool(a) 3x3 / stride 1 / pads 1, count_include_pad=1
+          kind "bn":       Concat(a, b) -> BatchNormalization -> Relu  (pre-activation BN, no Q/DQ in between)
+          kind "bn_q":     Concat(a, b) -> Q/DQ -> BatchNormalization -> Relu
+        -> Q/DQ 'out'
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    inits, nodes = [], []
+
+    def init(name, arr):
+        inits.append(numpy_helper.from_array(np.asarray(arr), name))
+        return name
+
+    def qdq(src, name, scale, zp):
+        init(name + "_s", np.float32(scale))
+        init(name + "_z", np.uint8(zp))
+        nodes.append(helper.make_node("QuantizeLinear", [src, name + "_s", name + "_z"], [name + "_q"], name=name + "_Q"))
+        nodes.append(helper.make_node("DequantizeLinear", [name + "_q", name + "_s", name + "_z"], [name + "_dq"],
+                                      name=name + "_DQ"))
+        return name + "_dq"
+
+    def conv(src, name, s_in, cout, cin, k):
+        wq = rng.integers(-127, 128, (cout, cin, k, k)).astype(np.int8)
+        ws = (rng.uniform(0.6, 1.4, cout) / (127 * np.sqrt(cin * k * k) / 2)).astype(np.float32)
+        init(name + "_wq", wq)
+        init(name + "_ws", ws)
+        init(name + "_wz", np.zeros(cout, np.int8))
+        nodes.append(helper.make_node("DequantizeLinear", [name + "_wq", name + "_ws", name + "_wz"], [name + "_w"],
+                                      axis=0, name=name + "_wDQ"))
+        init(name + "_bq", rng.integers(-3000, 3000, cout).astype(np.int32))
+        init(name + "_bs", (np.float32(s_in) * ws).astype(np.float32))
+        init(name + "_bz", np.zeros(cout, np.int32))
+        nodes.append(helper.make_node("DequantizeLinear", [name + "_bq", name + "_bs", name + "_bz"], [name + "_b"],
+                                      axis=0, name=name + "_bDQ"))
+        nodes.append(helper.make_node("Conv", [src, name + "_w", name + "_b"], [name + "_y"], kernel_shape=[k, k],
+                                      pads=[k // 2] * 4, name=name))
+        return name + "_y"
+
+    def node(op, ins, out, **attrs):
+        nodes.append(helper.make_node(op, ins, [out], name=out, **attrs))
+        return out
+
+    x = qdq("x", "in", 0.03, 117)
+    a = qdq(conv(x, "conv_a", 0.03, 8, 8, 3), "a", 0.05, 101)
+    out_shape = [batch, 8, 8, 8]
+    if kind == "mul":
+        p = qdq(node("GlobalAveragePool", [a], "gap"), "p", 0.01, 90)
+        h = qdq(conv(p, "fc", 0.01, 8, 8, 1), "h", 0.04, 128)
+        g = qdq(node("Sigmoid", [h], "sigmoid"), "g", 1 / 255, 0)
+        y = node("Mul", [a, g], "mul")
+    elif kind in ("concat", "bn", "bn_q"):
+        b = qdq(conv(x, "conv_b", 0.03, 4, 8, 3), "b", 0.02, 140)
+        y = node("Concat", [a, b], "concat", axis=1)
+        out_shape[1] = 12
+        if kind != "concat":
+            if kind == "bn_q":
+                y = qdq(y, "cat", 0.05, 110)
+            c = 12
+            bn = [init("bn_" + n, v.astype(np.float32)) for n, v in
+                  (("g", rng.uniform(0.5, 1.5, c)), ("b", rng.normal(0, 0.3, c)), ("m", rng.normal(0, 0.3, c)),
+                   ("v", rng.uniform(0.5, 2.0, c)))]
+            y = node("Relu", [node("BatchNormalization", [y] + bn, "bn", epsilon=1e-5)], "relu")
+    elif kind == "avgpool":
+        y = node("AveragePool", [a], "avgpool", kernel_shape=[2, 2], strides=[2, 2])
+        out_shape[2:] = [4, 4]
+    elif kind == "avgpool_pad":
+        y = node("AveragePool", [a], "avgpool", kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1)
+    else:
+        raise ValueError(kind)
+    out = qdq(y, "out", {"mul": 0.03, "avgpool": 0.02, "avgpool_pad": 0.015}.get(kind, 0.04), 60 if "bn" in kind else 100)
+    graph = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 8, 8, 8])],
+                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, out_shape)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 7
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def spec_reference(model):
+    """``tests/spec_reference.py``'s evaluation of a QDQ model, with the element-wise functions (float64, the ONNX
+    specification's formulas above) and Concat."""
+    from spec_reference import SpecReference
+
+    class Spec(SpecReference):
+        def _fn(self, node, env, fn):
+            return fn(self._float(self._get(env, node.input[0])))
+
+        def op_Sigmoid(self, node, env, a):
+            return self._fn(node, env, ELEMENTWISE["Sigmoid"][1])
+
+        def op_Tanh(self, node, env, a):
+            return self._fn(node, env, np.tanh)
+
+        def op_HardSwish(self, node, env, a):
+            return self._fn(node, env, ELEMENTWISE["HardSwish"][1])
+
+        def op_HardSigmoid(self, node, env, a):
+            al, be = np.float64(np.float32(a.get("alpha", 0.2))), np.float64(np.float32(a.get("beta", 0.5)))
+            return self._fn(node, env, lambda x: np.clip(al * x + be, 0.0, 1.0))
+
+        def op_LeakyRelu(self, node, env, a):
+            al = np.float64(np.float32(a.get("alpha", 0.01)))
+            return self._fn(node, env, lambda x: np.where(x >= 0, x, al * x))
+
+        def op_Concat(self, node, env, a):
+            return np.concatenate([self._float(self._get(env, i)) for i in node.input], axis=a["axis"])
+
+    return Spec(model)

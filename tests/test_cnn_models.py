@@ -114,3 +114,52 @@ def test_resnext50_32x4d_compiles_and_matches_the_reference(tmp_path):
     assert np.array_equal(y, Reference(res.integer_mod)(x))
     with torch.no_grad():
         _within_one_step(y, qm(torch.from_numpy(x)).numpy(), qm.fc.output.scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# MobileNetV2 / V3, EfficientNet, DenseNet (models/mobile.py), quantized by onnxruntime's quantize_static
+# ------------------------------------------------------------------------------------------------
+def test_mobile_structures_are_torchvisions():
+    from qcompile.models.resnet import build_model
+
+    counts = {"mobilenet_v2": 3_504_872, "mobilenet_v3_large": 5_483_032, "efficientnet_b0": 5_288_548,
+              "densenet121": 7_978_856}  # torchvision's
+    for name, n in counts.items():
+        assert sum(p.numel() for p in build_model(name).parameters()) == n, name
+    v3 = build_model("mobilenet_v3_large")
+    assert isinstance(v3.features[4].block[2].scale_activation, torch.nn.Hardsigmoid)
+    assert v3.features[4].block[2].fc1.out_channels == 24 and v3.features[1].block[0][0].groups == 16
+    d = build_model("densenet121")
+    assert d.features.denseblock4.denselayer16.conv1.in_channels == 992 and d.classifier.in_features == 1024
+
+
+@pytest.mark.parametrize("name,ops,layout", [
+    ("mobilenet_v2_tiny", {"Add", "Conv"}, "NHWC"),  # ReLU6: the quantizer folds it into the ranges
+    ("mobilenet_v3_tiny", {"HardSigmoid", "Mul"}, "NCHW"),       # hardswish = x * hardsigmoid(x); SE
+    ("efficientnet_tiny", {"Sigmoid", "Mul"}, "HWNC"),           # SiLU = x * sigmoid(x); SE
+    ("densenet_tiny", {"Concat", "BatchNormalization", "AveragePool"}, "NHWC"),
+])
+def test_mobile_tiny_onnx(tmp_path, name, ops, layout):
+    """The tiny nets at INT8 through qmodel's path (export_onnx_ort): bit-exact against the NumPy reference; within one
+    output step of onnxruntime on the QDQ graph evaluated literally (optimizations off) and the same top-1."""
+    from onnx import numpy_helper
+
+    from qcompile.models.export_onnx import export_onnx_ort, run_onnx
+    from qcompile.models.resnet import build_model
+
+    calib = np.random.default_rng(1).standard_normal((16, 3, 32, 32)).astype("float32")
+    path = str(tmp_path / f"{name}.onnx")
+    model = export_onnx_ort(build_model(name, seed=3), path, (2, 3, 32, 32), calib, batch=2)
+    assert ops <= {n.op_type for n in model.graph.node}
+    res = compile_model(path, CompileOptions(layout=layout, batch=2), log=_quiet)
+    last_dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"][-1]
+    step = float(next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == last_dq.input[1]))
+    ref = Reference(res.integer_mod)
+    for seed in range(2):  # fresh inputs each time
+        x = np.random.default_rng(80 + seed).standard_normal((2, 3, 32, 32)).astype("float32")
+        y = _run(res, x)
+        assert np.array_equal(y, ref(x)), "compiled module differs from the NumPy integer reference"
+        y_ort = run_onnx(path, x, disable_optimizations=True)
+        _within_one_step(y, y_ort, step)
+        assert np.array_equal(y.argmax(1), y_ort.argmax(1))
+        assert len(np.unique(y)) > 5

@@ -1,6 +1,7 @@
 """ONNX QOperator models (onnxruntime's ``quantize_static`` with ``QuantFormat.QOperator``): QLinearConv, QGemm,
-QLinearMatMul, QLinearAdd, QLinearGlobalAveragePool / QLinearAveragePool and MaxPool / Reshape / Flatten on quantized
-tensors, rewritten to QDQ (``qcompile.frontends.onnx_qop``) and compiled for llvm.
+QLinearMatMul, QLinearAdd, QLinearMul, QLinearConcat, QLinearSigmoid, QLinearLeakyRelu, QLinearGlobalAveragePool /
+QLinearAveragePool, a float HardSwish between DequantizeLinear and QuantizeLinear, and MaxPool / Reshape / Flatten on
+quantized tensors, rewritten to QDQ (``qcompile.frontends.onnx_qop``) and compiled for llvm.
 
 * bit-exact: the compiled module equals the NumPy integer reference of its integer graph, and equals the module
   compiled from the rewritten QDQ model (the rewrite is the whole of the QOperator support);
@@ -24,7 +25,6 @@ from qcompile.driver import CompileOptions, compile_model
 from qcompile.errors import QCompileError, UnsupportedOpError
 from qcompile.frontends.onnx_qop import is_qoperator, qoperator_to_qdq
 from qcompile.reference import Reference
-from spec_reference import SpecReference
 
 QOP_STEPS = 3
 
@@ -60,6 +60,12 @@ def _output_step(model) -> float:
     ("mobilenet_v2_mini", {"QLinearConv", "QLinearAdd", "QLinearGlobalAveragePool", "QGemm", "Flatten"}),
     ("resnext_mini", {"QLinearConv", "QLinearAdd", "QLinearGlobalAveragePool", "QGemm"}),
     ("matmul", {"QLinearConv", "MaxPool", "QLinearAveragePool", "Reshape", "QLinearMatMul"}),
+    ("sigmoid", {"QLinearSigmoid"}),
+    ("leakyrelu", {"QLinearLeakyRelu"}),
+    ("hardswish", {"DequantizeLinear", "HardSwish", "QuantizeLinear"}),  # no QLinear op: the float op between DQ / Q
+    ("mul", {"QLinearMul"}),
+    ("concat", {"QLinearConcat"}),
+    ("avgpool_s2", {"QLinearAveragePool"}),
 ])
 def test_qoperator_model(folder, name, ops):
     path, shape = _qop_model(folder, name)
@@ -76,7 +82,7 @@ def test_qoperator_model(folder, name, ops):
     res_qdq = compile_model(qdq_path, CompileOptions(batch=shape[0]), log=_quiet)
     assert res_qdq.meta["format"] == "onnx"
     step = _output_step(model)
-    ref, spec = Reference(res.integer_mod), SpecReference(qdq)
+    ref, spec = Reference(res.integer_mod), F.spec_reference(qdq)
     for seed in range(2):  # fresh inputs each time
         x = F.fresh_input(500 + seed, shape)
         y = _run(res, x)
@@ -92,29 +98,26 @@ def test_qoperator_model(folder, name, ops):
         assert len(np.unique(y)) > 5, "degenerate output"
 
 
-@pytest.mark.parametrize("tail,op,node", [
-    ("sigmoid", "QLinearSigmoid", "sigmoid_node_quant"),
-    ("leakyrelu", "QLinearLeakyRelu", "leaky_node_quant"),
-    ("mul", "QLinearMul", "mul_node_quant"),
-    ("concat", "QLinearConcat", "concat_node_quant"),
-    ("avgpool", "AveragePool", "avgpool2_node_quant"),  # a 2x2 pool: the float op is the one not supported
-])
-def test_unsupported_qoperator_op_is_one_clear_error(folder, tail, op, node):
-    path, _ = _qop_model(folder, tail)
-    assert op.replace("AveragePool", "QLinearAveragePool") in {n.op_type for n in onnx.load(path).graph.node}
-    with pytest.raises(UnsupportedOpError, match=rf"unsupported op {op} \(node '{node}'\)"):
+def test_unsupported_qoperator_op_is_one_clear_error(folder):
+    """A QLinearAveragePool whose padding makes the divisor vary at the edges (count_include_pad=0) names the
+    QOperator node and the float op it stands for."""
+    path, _ = _qop_model(folder, "avgpool")
+    assert "QLinearAveragePool" in {n.op_type for n in onnx.load(path).graph.node}
+    with pytest.raises(UnsupportedOpError, match=r"unsupported op AveragePool \(node 'avgpool2_node_quant'\): "
+                                                  r"padding with count_include_pad=0"):
         compile_model(path, CompileOptions(), log=_quiet)
 
 
 def test_unsupported_qoperator_op_on_the_command_line(folder, capsys):
     from qcompile.cli import qcompile_main
 
-    path, _ = _qop_model(folder, "sigmoid")
+    path, _ = _qop_model(folder, "avgpool")
     rc = qcompile_main([path, "-o", f"{folder}/s.so"])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err
-    assert err.strip().splitlines()[-1] == ("qcompile: error: unsupported op QLinearSigmoid (node 'sigmoid_node_quant'): "
-                                            "Sigmoid of quantized tensors has no integer lowering")
+    assert err.strip().splitlines()[-1] == ("qcompile: error: unsupported op AveragePool (node 'avgpool2_node_quant'): "
+                                            "padding with count_include_pad=0 (a divisor that varies at the edges) is "
+                                            "not supported")
 
 
 def test_qoperator_weight_needs_a_constant(folder):

@@ -2,9 +2,10 @@
 
 Accepted: per-channel or per-tensor weights (int8, or INT4 at opset 21), int8 or uint8 activations
 (4-bit INT4/UINT4 activations at opset 21), int32 biases through DequantizeLinear, float biases,
-BatchNormalization left unfolded, and the ResNet op set (Conv, Gemm/MatMul, Add, Relu, Clip, MaxPool,
-GlobalAveragePool, AveragePool as a global pool, Flatten, Reshape, Identity). Anything else is an
-:class:`UnsupportedOpError` naming the node.
+BatchNormalization left unfolded or on its own, and the CNN op set: Conv (grouped, depthwise), Gemm/MatMul, Add, Mul
+(of two tensors or by a constant), Concat, Relu, Clip, MaxPool, GlobalAveragePool, AveragePool (k x k),
+Flatten, Reshape, Identity, and the element-wise functions Sigmoid, HardSigmoid, HardSwish, Tanh, LeakyRelu, Gelu.
+Anything else is an :class:`UnsupportedOpError` naming the node.
 """
 from __future__ import annotations
 
@@ -99,6 +100,8 @@ class _Importer:
         self.const_types: dict[str, int] = {}
         self.vals: dict = {}          # ONNX tensor name -> relax expr
         self.qdq_consts: dict = {}    # name -> (q array, QType, scale, zp, axis) for DQ of an initializer
+        self.dq_values: dict = {}     # name -> its float value (computed on use) of a DequantizeLinear of an initializer
+        self.asymmetric: dict = {}    # name -> node: a DequantizeLinear of an initializer with a non-zero zero point
         self.opset = _default_opset(model) or PER_CHANNEL_OPSET
         for t in model.graph.initializer:
             self.consts[t.name] = _to_array(t)
@@ -113,6 +116,9 @@ class _Importer:
     def val(self, name: str, node):
         if name in self.vals:
             return self.vals[name]
+        if name in self.asymmetric:
+            raise UnsupportedOpError("DequantizeLinear", self.asymmetric[name], "asymmetric weights (non-zero weight "
+                                     "zero point) are not supported")
         if name in self.consts:
             raise UnsupportedOpError(node.op_type, node.name, f"constant float input '{name}' is not quantized")
         raise QCompileError(f"node '{node.name}' ({node.op_type}): input '{name}' is not produced by any node")
@@ -201,13 +207,24 @@ class _Importer:
             if dt == onnx.TensorProto.INT32:
                 if np.any(zp != 0):
                     raise QCompileError(f"node '{name}': int32 bias with a non-zero zero point")
+                self.dq_values[node.output[0]] = lambda q=q, scale=scale: (q.astype(np.float64)
+                                                                         * scale.astype(np.float64)).astype(np.float32)
                 self.vals[node.output[0]] = self.b.qbias(q, scale, name)
                 return
             qt = _ONNX_QTYPES.get(dt)
             if qt is None:
                 raise QCompileError(f"node '{name}': quantized initializer '{src}' has unsupported dtype {onnx.TensorProto.DataType.Name(dt)}")
+            # its float value, for the ops that take a constant parameter (BatchNormalization's, quantized by
+            # onnxruntime's quantize_static when the BN follows no conv)
+            shp = [1] * q.ndim
+            if scale.ndim and q.ndim:
+                shp[axis % q.ndim] = -1
+            self.dq_values[node.output[0]] = lambda q=q, zp=zp, scale=scale, shp=tuple(shp): (
+                (q.astype(np.float64) - zp.astype(np.float64).reshape(shp)) * scale.astype(np.float64).reshape(shp)
+            ).astype(np.float32)
             if np.any(zp != 0):
-                raise UnsupportedOpError("DequantizeLinear", name, "asymmetric weights (non-zero weight zero point) are not supported")
+                self.asymmetric[node.output[0]] = name
+                return
             self.vals[node.output[0]] = self.b.qweight(q, scale, qt, axis=axis if scale.ndim else 0, name=name)
             return
         self.vals[node.output[0]] = self.b.dequantize(self.val(src, node), scale, zp, axis, name)
@@ -316,12 +333,98 @@ class _Importer:
         self.vals[node.output[0]] = self.b.global_avg_pool(self.val(node.input[0], node), node.name or node.output[0])
 
     def op_AveragePool(self, node):
+        from tvm import relax
+
         a = _attrs(node)
         x = self.val(node.input[0], node)
+        if len(x.ty.shape) != 4:
+            raise UnsupportedOpError("AveragePool", node.name, f"only 2-D pooling of NCHW tensors is supported (input "
+                                     f"rank {len(x.ty.shape)})")
         h, w = int(x.ty.shape[2]), int(x.ty.shape[3])
-        if list(a["kernel_shape"]) != [h, w] or any(a.get("pads", [0])):
-            raise UnsupportedOpError("AveragePool", node.name, "only a global average pool (kernel = input size, no padding) is supported")
-        self.vals[node.output[0]] = self.b.global_avg_pool(x, node.name)
+        if a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            raise UnsupportedOpError("AveragePool", node.name, f"auto_pad={a['auto_pad']} is not supported; use explicit "
+                                     f"pads")
+        k = list(a["kernel_shape"])
+        if len(k) != 2:
+            raise UnsupportedOpError("AveragePool", node.name, f"only 2-D pooling is supported (kernel {k})")
+        pads = list(a.get("pads", [0, 0, 0, 0]))
+        if k == [h, w] and not any(pads):
+            self.vals[node.output[0]] = self.b.global_avg_pool(x, node.name)
+            return
+        if any(pads) and not a.get("count_include_pad", 0):
+            raise UnsupportedOpError("AveragePool", node.name, "padding with count_include_pad=0 (a divisor that varies "
+                                     "at the edges) is not supported")
+        self.vals[node.output[0]] = self.b.emit(relax.op.nn.avg_pool2d(
+            x, k, list(a.get("strides", [1, 1])), pads, list(a.get("dilations", [1, 1])), bool(a.get("ceil_mode", 0)),
+            bool(a.get("count_include_pad", 0))), node.name or node.output[0])
+
+    # -- element-wise functions, products, concatenation -------------------------------------------
+    def _unary(self, node, make):
+        self.vals[node.output[0]] = self.b.emit(make(self.val(node.input[0], node)), node.name or node.output[0])
+
+    def op_Sigmoid(self, node):
+        from tvm import relax
+
+        self._unary(node, relax.op.sigmoid)
+
+    def op_Tanh(self, node):
+        from tvm import relax
+
+        self._unary(node, relax.op.tanh)
+
+    def op_LeakyRelu(self, node):
+        from tvm import relax
+
+        alpha = float(_attrs(node).get("alpha", 0.01))
+        self._unary(node, lambda x: relax.op.nn.leakyrelu(x, alpha))
+
+    def op_Gelu(self, node):
+        from tvm import relax
+
+        approx = _attrs(node).get("approximate", b"none")
+        approx = approx.decode() if isinstance(approx, bytes) else approx
+        if approx not in ("none", "tanh"):
+            raise UnsupportedOpError("Gelu", node.name, f"approximate='{approx}' is not supported")
+        self._unary(node, relax.op.nn.gelu if approx == "none" else relax.op.nn.gelu_tanh)
+
+    def _hard_sigmoid(self, x, alpha: float, beta: float, name: str):
+        """``max(0, min(1, alpha * x + beta))`` in float32 ops (ONNX HardSigmoid)."""
+        from tvm import relax
+
+        f32 = lambda v: relax.const(np.float32(v), "float32")  # noqa: E731
+        y = self.b.emit(relax.op.add(relax.op.multiply(x, f32(alpha)), f32(beta)), name + "_affine")
+        return self.b.emit(relax.op.clip(y, 0.0, 1.0), name)
+
+    def op_HardSigmoid(self, node):
+        a = _attrs(node)
+        self.vals[node.output[0]] = self._hard_sigmoid(self.val(node.input[0], node), float(a.get("alpha", 0.2)),
+                                                       float(a.get("beta", 0.5)), node.name or node.output[0])
+
+    def op_HardSwish(self, node):
+        from tvm import relax
+
+        x = self.val(node.input[0], node)
+        name = node.name or node.output[0]
+        hs = self._hard_sigmoid(x, 1.0 / 6.0, 0.5, name + "_hardsigmoid")
+        self.vals[node.output[0]] = self.b.emit(relax.op.multiply(x, hs), name)
+
+    def op_Mul(self, node):
+        from tvm import relax
+
+        ins = []
+        for i in node.input[:2]:
+            if i in self.consts and i not in self.vals:
+                ins.append(self.b.const(np.asarray(self.consts[i], np.float32)))
+            else:
+                ins.append(self.val(i, node))
+        self.vals[node.output[0]] = self.b.emit(relax.op.multiply(ins[0], ins[1]), node.name or node.output[0])
+
+    def op_Concat(self, node):
+        from tvm import relax
+
+        xs = [self.val(i, node) for i in node.input]
+        self.vals[node.output[0]] = self.b.emit(relax.op.concat(xs, axis=int(_attrs(node)["axis"])),
+                                                node.name or node.output[0])
 
     def op_Flatten(self, node):
         if _attrs(node).get("axis", 1) != 1:
@@ -347,7 +450,7 @@ class _Importer:
 
     def op_BatchNormalization(self, node):
         a = _attrs(node)
-        g, beta, mean, var = (self.const(n, node) for n in node.input[1:5])
+        g, beta, mean, var = (self.dq_values[n]() if n in self.dq_values else self.const(n, node) for n in node.input[1:5])
         self.vals[node.output[0]] = self.b.batch_norm(self.val(node.input[0], node), g, beta, mean, var, a.get("epsilon", 1e-5), node.name)
 
 
