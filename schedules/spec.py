@@ -369,43 +369,64 @@ class GemmKnobs:
         return 128 * nprod if nprod else self.threads
 
     def valid(self) -> bool:
+        return self.why_invalid() is None
+
+    def why_invalid(self) -> str | None:
+        """None where the knobs are valid together (independently of a shape), else the first rule they break."""
+        for ok, why in self._rules():
+            if not ok:
+                return why
+        return None
+
+    def _rules(self):
+        """(holds, the rule) pairs; every one must hold."""
         wtm, wtn = self.BM // self.WM, self.BN // self.WN
-        nth = self.threads
+        yield self.BM % self.WM == 0 and self.BN % self.WN == 0, f"BM {self.BM} / WM {self.WM} and BN {self.BN} / " \
+                                                                  f"WN {self.WN} must divide"
         if self.mma == "wgmma":  # warpgroup tiles: 64-row multiples, one m64nN instruction per 128 (or fewer) cols
             # (N per warpgroup: one m64nN instruction up to 128 columns -- 96 / 112 for the tile counts of narrow grids
             # -- or 256 as two of 128)
-            tile_ok = (wtm % 64 == 0 and wtn in (64, 96, 112, 128, 256) and self.vec == 16
-                       and (16 * wtn) % (32 * self.ev) == 0 and self.stages >= 3 + self.pipe
-                       and (not self.areg or (self.pstages >= 2 and self.pipe in (-1, 0)))
-                       and (not self.awarp or (self.areg and self.WN == 1
-                                               and (self.pipe == -1 or (self.agl and self.pipe == 0))))
-                       and (not self.w8 or (self.areg and not self.pp and self.stages >= self.pstages + 1 + self.pipe)
-                            or (self.pp and self.areg and self.pstages == self.stages)
-                            or (self.pp and not self.areg and self.pstages >= self.stages - 1 - self.pipe))
-                       and (not self.agl or (self.w8 and self.awarp and not self.persist)
-                            or (self.pp and self.areg and self.w8))
-                       and (not self.wsp or (not self.areg and self.pstages >= 2 and self.stages >= 2
-                                             and self.pipe in (-1, 0)))
-                       and (not self.sk or (self.pstages == 0 and not self.areg and not self.wsp))
-                       and (not self.persist or (self.pstages == 0 and not self.areg and not self.wsp)
-                            or (self.w8 and self.awarp))
-                       and not (self.persist and self.sk) and (not self.sk or self.split_k in (0, 1))
-                       and (not self.pp or (self.WM == 1 and self.WN == 1 and not self.wsp and not self.persist
-                                            and not self.sk and (not self.agl or self.areg) and self.split_k in (0, 1)
-                                            and self.stages <= 5
-                                            and (self.BK >= 64 or self.pstages > 0)  # (8-bit BK 32 hung, H100)
-                                            and ((self.pstages == 0 and not self.areg)  # 8-bit
-                                                 or (self.pstages >= 2 and not self.areg and self.pipe in (-1, 0))
-                                                 or (self.areg and self.w8 and not self.awarp and self.pipe in (-1, 0)
-                                                     and self.pstages == self.stages)))))
+            yield wtm % 64 == 0, f"wgmma: a warpgroup tile of {wtm} rows is no multiple of 64"
+            yield wtn in (64, 96, 112, 128, 256), f"wgmma: a warpgroup tile {wtn} wide (64, 96, 112, 128 or 256)"
+            yield self.vec == 16, "wgmma: vec 16"
+            yield (16 * wtn) % (32 * self.ev) == 0, f"epilogue: ev {self.ev} does not divide the {wtn}-wide tile rows"
+            yield self.stages >= 3 + self.pipe, "wgmma: stages >= 3 + pipe"
+            yield (not self.areg or (self.pstages >= 2 and self.pipe in (-1, 0))), \
+                "areg needs pstages >= 2 and pipe -1 or 0"
+            yield (not self.awarp or (self.areg and self.WN == 1 and (self.pipe == -1 or (self.agl and self.pipe == 0)))), \
+                "awarp needs areg, WN 1 and pipe -1 (agl: or 0)"
+            yield (not self.w8 or (self.areg and not self.pp and self.stages >= self.pstages + 1 + self.pipe)
+                   or (self.pp and self.areg and self.pstages == self.stages)
+                   or (self.pp and not self.areg and self.pstages >= self.stages - 1 - self.pipe)), \
+                "w8 needs areg with stages >= pstages + 1 + pipe, or ping-pong stages"
+            yield (not self.agl or (self.w8 and self.awarp and not self.persist) or (self.pp and self.areg and self.w8)), \
+                "agl needs w8 + awarp (no persist) or the register-A ping-pong"
+            yield (not self.wsp or (not self.areg and self.pstages >= 2 and self.stages >= 2 and self.pipe in (-1, 0))), \
+                "wsp needs pstages >= 2, stages >= 2, pipe -1 or 0, no areg"
+            yield (not self.sk or (self.pstages == 0 and not self.areg and not self.wsp)), \
+                "stream-K (sk) takes 8-bit tiles only (no pstages, areg, wsp)"
+            yield (not self.persist or (self.pstages == 0 and not self.areg and not self.wsp) or (self.w8 and self.awarp)), \
+                "persist takes 8-bit tiles (no pstages, areg, wsp) or w8 + awarp"
+            yield not (self.persist and self.sk) and (not self.sk or self.split_k in (0, 1)), \
+                "stream-K (sk) takes no persist and no split-K"
+            yield (not self.pp or (self.WM == 1 and self.WN == 1 and not self.wsp and not self.persist
+                                   and not self.sk and (not self.agl or self.areg) and self.split_k in (0, 1)
+                                   and self.stages <= 5
+                                   and (self.BK >= 64 or self.pstages > 0)  # (8-bit BK 32 hung, H100)
+                                   and ((self.pstages == 0 and not self.areg)  # 8-bit
+                                        or (self.pstages >= 2 and not self.areg and self.pipe in (-1, 0))
+                                        or (self.areg and self.w8 and not self.awarp and self.pipe in (-1, 0)
+                                            and self.pstages == self.stages)))), \
+                "pp: one warpgroup tile (WM = WN = 1), stages <= 5, no wsp / persist / sk / split-K, 8-bit BK >= 64"
         else:
-            tile_ok = (wtm % 16 == 0 and wtn % 16 == 0 and self.pipe in (0, 1) and self.pstages == 0 and not self.areg
-                       and not self.w8 and not self.awarp and not self.wsp and not self.persist and not self.sk
-                       and not self.agl and not self.pp)
-        return (
-            self.BM % self.WM == 0 and self.BN % self.WN == 0 and tile_ok
-            and self.BK % 32 == 0 and self.whole_vectors() and nth <= 1024
-        )
+            yield wtm % 16 == 0 and wtn % 16 == 0, f"mma.sync: a {wtm}x{wtn} warp tile is no multiple of 16x16"
+            yield self.pipe in (0, 1), "mma.sync: pipe 0 or 1"
+            yield (self.pstages == 0 and not self.areg and not self.w8 and not self.awarp and not self.wsp
+                   and not self.persist and not self.sk and not self.agl and not self.pp), \
+                "mma.sync takes none of the wgmma loader knobs (pstages, areg, w8, awarp, wsp, persist, sk, agl, pp)"
+        yield self.BK % 32 == 0, f"BK {self.BK} is no multiple of 32"
+        yield self.whole_vectors(), "the tiles are no whole number of vectors per loading thread"
+        yield self.threads <= 1024, f"{self.threads} threads per block (at most 1024)"
 
     def whole_vectors(self, bk: int | None = None) -> bool:
         """Whether every loading thread copies whole vectors of the A and B tiles of a K-chunk of ``bk`` (default BK)

@@ -387,3 +387,17 @@ def test_points_that_broke_the_h100_reliability_run_are_refused():
                     lo=0, hi=15, pad_value=10, has_residual=True, res_dtype="int4", zo2=-2, lo2=-8, hi2=7)
     k520 = GemmKnobs(BM=256, BN=256, BK=32, WM=1, WN=1, stages=2, vec=4, ev=8, pipe=0, fdb=True, split_k=1)
     assert "2048 accumulators per thread" in sp.legal(s520, "sm_90", k520, 132)
+
+
+def test_invalid_knobs_say_which_rule():
+    """``GemmKnobs.why_invalid`` names the rule a point breaks (the builder's refusal carries it); valid() is its
+    absence."""
+    ok = GemmKnobs(BM=128, BN=128, BK=64, WM=2, WN=1, stages=4, vec=16, mma="wgmma")
+    assert ok.valid() and ok.why_invalid() is None
+    for kn, want in ((GemmKnobs(areg=True, pstages=3), "mma.sync takes none of the wgmma loader knobs"),
+                     (ok.replace(BN=160), "wgmma: a warpgroup tile 160 wide"),
+                     (ok.replace(stages=2, pipe=0), "stages >= 3 + pipe"),
+                     (ok.replace(BK=48), "BK 48 is no multiple of 32")):
+        assert not kn.valid() and want in kn.why_invalid(), kn.why_invalid()
+    spec = SHAPES["r50_l4_3x3_res_n8"]
+    assert "stages >= 3 + pipe" in SPACES["implicit_gemm"].legal(spec, "sm_90", ok.replace(stages=2, pipe=0))

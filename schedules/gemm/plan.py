@@ -336,8 +336,9 @@ def _plan_operands(spec: ConvSpec, arch: str, knobs, layout, adapt: bool, allow_
     kn = knobs or DEFAULT_KNOBS.get(arch, DEFAULT_KNOBS["sm_90"])
     if adapt:
         kn = adapt_knobs(spec, kn, layout)
-    if not kn.valid():
-        raise NotApplicable(f"invalid knobs {kn}")
+    why = kn.why_invalid()
+    if why:
+        raise NotApplicable(f"invalid knobs ({why}): {kn}")
     WG = kn.mma == "wgmma"
     if WG:
         if not ai.wgmma:
