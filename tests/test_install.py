@@ -151,3 +151,20 @@ def test_runtime_alone(models):
     """, cwd=d)
     assert out == {"rc": 0, "same": True}
     assert len(np.unique(want)) > 5 and np.array_equal(np.load(d / "y_rt.npy"), want)
+
+
+def test_every_package_folder_is_installed():
+    """Every folder with an ``__init__.py`` under the folders pyproject.toml maps into ``qcompile`` is one of its
+    ``packages`` (a non-editable install leaves out any other: qcompile.schedules.gemm once was)."""
+    import pathlib
+
+    tomllib = pytest.importorskip("tomllib")  # (Python 3.11+)
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = cfg["package-dir"]
+    want = set()
+    for pkg, folder in dirs.items():
+        for init in (root / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / folder)
+            want.add(".".join([pkg, *rel.parts]))
+    assert want <= set(cfg["packages"]), sorted(want - set(cfg["packages"]))

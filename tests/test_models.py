@@ -75,7 +75,12 @@ def test_torchvision_structure():
     assert sum(p.numel() for p in m50.parameters()) == 25_557_032
     assert "layer1.0.conv3.weight" in m50.state_dict() and "layer1.0.downsample.0.weight" in m50.state_dict()
     assert m50.layer2[0].conv2.stride == (2, 2)          # v1.5: stride on the 3x3
-    assert set(MODELS) == {"resnet18", "resnet50", "resnet_tiny", "resnext50_32x4d", "resnext_tiny"}
+    from qcompile.models import cli as model_cli
+    from qcompile.models.resnet import ORT_QUANTIZED
+
+    assert set(MODELS) == {"resnet18", "resnet50", "resnet_tiny", "resnext50_32x4d", "resnext_tiny"} | set(ORT_QUANTIZED)
+    assert set(model_cli.MODEL_NAMES) == set(MODELS) and tuple(model_cli.ORT_QUANTIZED) == tuple(ORT_QUANTIZED)
+    assert {"mobilenet_v2", "mobilenet_v3_large", "efficientnet_b0", "densenet121"} <= set(ORT_QUANTIZED)
     with torch.no_grad():
         assert m18(torch.randn(1, 3, 64, 64)).shape == (1, 1000)
 

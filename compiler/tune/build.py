@@ -185,6 +185,10 @@ def build_one(cand: Candidate, cid: str, out_dir: str, target: str = "cuda", mod
 
 
 def _init_build_process(target: str):
+    try:
+        os.setpgrp()  # (its own process group: a hung build is killed with the nvcc / ptxas it started)
+    except OSError:
+        pass
     if target == "cuda":  # (before TVM's CUDA backend registers: the fatbin is embedded only with a libcuda)
         from qcompile.schedules.build import ensure_stub_libcuda
 
@@ -228,7 +232,7 @@ class LocalBuilder(Builder):
             raise ValueError(f"nvcc_mode {nvcc_mode!r}: one of {NVCC_MODES}")
         self.jobs = max(1, jobs or os.cpu_count() or 1)
         self.target, self.nvcc_mode, self.log = target, nvcc_mode, log
-        self.timeout = timeout  # seconds one candidate may build (its process is killed after)
+        self.timeout = timeout  # seconds one candidate may build (its process is killed after; jobs == 1: no limit)
         self.task_fn = task_fn or _build_task  # (a module-level function of one task tuple: tests replace it)
         self._own_dir = build_dir is None
         self.build_dir = build_dir or tempfile.mkdtemp(prefix="qtune-build-")
@@ -313,6 +317,11 @@ class LocalBuilder(Builder):
                         self._report(t[0], t[1], results[t[1]])
                     todo = [futs[f] for f in pending if f not in hung]
                     self._kill_pool()
+                    for t in todo:  # (their clocks start again when they do)
+                        try:
+                            os.unlink(os.path.join(t[2], ".started", t[1]))
+                        except OSError:
+                            pass
                     break
         if retry:
             self._reset_pool()
@@ -332,11 +341,16 @@ class LocalBuilder(Builder):
     def _kill_pool(self):
         """Kill the pool's processes (a build that hangs in C++ or nvcc does not answer a cancel)."""
         if self._pool is not None:
+            import signal
+
             for p in list(getattr(self._pool, "_processes", {}).values()):
                 try:
-                    p.kill()
+                    os.killpg(p.pid, signal.SIGKILL)
                 except (OSError, AttributeError):
-                    pass
+                    try:
+                        p.kill()
+                    except (OSError, AttributeError):
+                        pass
             self._reset_pool()
 
     def _report(self, cand, cid, res):

@@ -422,7 +422,7 @@ class Problems:
     where given (a tuner's rounds measure the same shapes again with the same seed: the reference is computed once
     per shape and run)."""
 
-    def __init__(self, cache_dir: str | None = None, keep: int = 2, threads: int | None = None):
+    def __init__(self, cache_dir: str | None = None, keep: int = 3, threads: int | None = None):
         import threading
         from concurrent.futures import ThreadPoolExecutor
 
@@ -455,19 +455,17 @@ class Problems:
 
         key = self._key(entry, seed)
         with self.lock:
-            fut = self.futures.get(key)
+            fut = self.futures.pop(key, None)
+            new = fut is None and not background
             if fut is None:
                 if background:
                     fut = self.pool.submit(self._make, entry, seed)
                 else:
                     fut = Future()
                     fut.set_running_or_notify_cancel()
-                self.futures[key] = fut
-                while len(self.futures) > self.keep:
-                    del self.futures[next(iter(self.futures))]
-                new = not background
-            else:
-                new = False
+            self.futures[key] = fut  # (most recently used last: evicted last)
+            while len(self.futures) > self.keep:
+                del self.futures[next(iter(self.futures))]
         if new:
             try:
                 fut.set_result(self._make(entry, seed))
@@ -740,14 +738,18 @@ def worker(args) -> int:
 
         for entry in entries:
             key = spec_key(entry)
-            if key != shared_key:  # (a new shape: free the last one's buffers, draw the next one's problem)
+            emit({"start": entry["id"]})
+            seed = shape_seed(args.seed, entry)
+            if key != shared_key:  # (a new shape: free the last one's buffers; draw the next one's problem meanwhile)
                 shared, shared_key = {}, key
                 i = order.index(key)
                 if i + 1 < len(order):
+                    try:
+                        problems.get(entry, seed)
+                    except Exception:  # noqa: BLE001  (measure_entry reports it)
+                        pass
                     nxt = firsts[order[i + 1]]
                     problems.prefetch(nxt, shape_seed(args.seed, nxt))
-            emit({"start": entry["id"]})
-            seed = shape_seed(args.seed, entry)
             try:
                 mod = tvm.runtime.load_module(os.path.join(root, entry["so"]))
                 rec = measure_entry(mod, entry, dev, seed, args.repeat, args.min_repeat_ms,
@@ -759,6 +761,8 @@ def worker(args) -> int:
                           detail=f"{type(e).__name__}: {msg[-300:]}"))
                 return 3
             emit(rec)
+            if rec["status"] != OK:  # (a kernel that wrote outside its output may have spoiled the shared inputs)
+                shared = {}
     return 0
 
 
@@ -833,6 +837,12 @@ def supervise(batch: str, ids=None, device: str = "cuda", device_id: int = 0, se
             last, seen, why = time.time(), 0, None
             while p.poll() is None:
                 time.sleep(0.05)
+                if info is None and os.path.exists(info_path):  # (so that a batch cut short names its device)
+                    try:
+                        with open(info_path) as f:
+                            info = json.load(f)
+                    except ValueError:
+                        pass  # (being written)
                 done, started = _read_progress(prog)
                 if len(done) + (started is not None) != seen:
                     seen, last = len(done) + (started is not None), time.time()

@@ -145,7 +145,8 @@ class Tuner:
 
     def merge(self, measured: list) -> int:
         """Record measurements made elsewhere (an offline runner's imported results, whole or cut short) that the
-        log does not hold yet: each one whose task and knobs are this run's and not yet measured. Returns how many."""
+        log does not hold yet: each one of this run's arch and GPU whose task and knobs are this run's and not yet
+        measured. Returns how many."""
         from qcompile.schedules.tuning import family
 
         by_key = {}
@@ -155,6 +156,8 @@ class Tuner:
         batch, results, seen = [], [], set()
         for m in measured:
             c = m.candidate
+            if c.arch != self.arch or (m.device and m.device != self.device.name):
+                continue  # (another GPU's measurements: not this run's records)
             for st in by_key.get((c.key, family(c.strategy)), []):
                 kid = st.knobs_id(c.knobs) if isinstance(c.knobs, st.space.knobs_type) else None
                 if kid is not None and kid not in st.measured and (id(st), kid) not in seen:

@@ -114,11 +114,10 @@ __all__ = ["BUILD_ERROR", "FakeBuilder", "FakeRunner", "Pending", "fake_space", 
 
 
 def sleepy_build_task(task):
-    """A builder task (``LocalBuilder(task_fn=...)``) that hangs for a candidate whose key names layer "hang" (a
-    shape with K 77) and builds every other one at once (a manifest entry, no library)."""
+    """A builder task (``LocalBuilder(task_fn=...)``) that hangs for a shape with K 77, takes 2.5 s for K 78 and 1 s
+    for K 79, and builds every other one at once (a manifest entry, no library)."""
     import time
 
     cand, cid = task[0], task[1]
-    if cand.spec.K == 77:
-        time.sleep(600)
+    time.sleep({77: 600, 78: 2.5, 79: 1.0}.get(cand.spec.K, 0))  # (77 hangs; 79 then 78: slow, not hung)
     return dict(id=cid, so=cid + ".so"), None, 0.01

@@ -74,7 +74,12 @@ def test_problem_cache_round_trip(tmp_path):
     e = dict(spec=__import__("dataclasses").asdict(SPECS[1]))
     a = M.Problems(str(tmp_path)).get(e, 7)
     assert len(list(tmp_path.iterdir())) == 1
-    b = M.Problems(str(tmp_path)).get(e, 7)  # (a new process's view: from the disk)
+    draw = M.Problem.draw
+    M.Problem.draw = classmethod(lambda cls, *a, **k: (_ for _ in ()).throw(AssertionError("drawn again")))
+    try:
+        b = M.Problems(str(tmp_path)).get(e, 7)  # (a new process's view: from the disk, not drawn)
+    finally:
+        M.Problem.draw = draw
     assert set(a.arrays) == set(b.arrays) == {"w", "x", "b", "M", "S", "r", "rq2", "ref"}
     assert all(np.array_equal(a.arrays[k], b.arrays[k]) for k in a.arrays) and a.distinct == b.distinct > 3
     c = M.Problems(str(tmp_path)).get(e, 8)
@@ -206,6 +211,7 @@ def test_results_written_after_every_candidate(cpu_batch, tmp_path):
     doc = M.supervise(batch, device="cpu", seed=3, repeat=1, min_repeat_ms=0, log=log, cache_dir=str(cache),
                       partial=str(out))
     assert seen[0] is None and seen[1]["complete"] is False and len(seen[1]["results"]) == 1
+    assert seen[1]["device"]["arch"] == "cpu"  # (a batch cut short names its device)
     assert seen[1]["results"][0]["id"] in {b.entry["id"] for b in built}
     assert len(doc["results"]) == 2 and "complete" not in doc and all(r["status"] == "ok" for r in doc["results"])
     assert len(list(cache.iterdir())) == 2  # (two shapes)
