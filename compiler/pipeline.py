@@ -39,6 +39,7 @@ from tvm import relax
 
 from qcompile.errors import run_pass
 from qcompile.relay_passes import DispatchPools, DispatchTensorCore, LowerQDQToInteger, PackInt4
+from qcompile.relay_passes.dispatch_cpu import cpu_kernels_enabled, cpu_kernels_target, has_cpu_kernels
 from qcompile.relay_passes.lift_weights import LiftWeights
 from qcompile.runtime import META_FUNC, weights_digest
 
@@ -112,6 +113,37 @@ def _tensor_cores(arch: str, expand_w4: bool, record: PipelineRecord, tuning_log
         return out
 
     return _dispatch
+
+
+def _cpu_kernels(record: PipelineRecord, target: tvm.target.Target, after: tvm.transform.Pass) -> tvm.transform.Pass:
+    """Phase 3 on llvm: each requantized conv/dense on qcompile's CPU kernel (``DispatchCPU``), then ``after``;
+    ``record.kernels`` names each layer's kernel by its conv/dense binding. Only for a target that already enables
+    AVX2 (``cpu_conv.target_has_avx2``): the target ``tvm.compile`` runs the pipeline under (the one that generates
+    the code), else -- the pipeline run on its own -- ``target``. Otherwise the module is left to the generic path."""
+    from qcompile.relay_passes.dispatch_cpu import DispatchCPU
+    from qcompile.relay_passes.dispatch_tensor_core import find_groups
+    from qcompile.schedules.cpu_conv import target_has_avx2
+
+    @tvm.transform.module_pass(opt_level=0, name="qcompile.cpu_kernels")
+    def _dispatch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        if not target_has_avx2(tvm.target.Target.current(allow_none=True) or target):
+            return mod
+        p = DispatchCPU()
+        out = p(mod)
+        func, chosen = mod["main"], dict(p.chosen)
+        for acc_out, g in find_groups(func, layouts=("NCHW", "NHWC")).items():
+            name = [b.var.name for blk in func.body.blocks for b in blk.bindings if b.value.same_as(g.acc_call)]
+            if name and acc_out.name in chosen:
+                record.kernels[name[0]] = chosen[acc_out.name]
+        return after(out)
+
+    return _dispatch
+
+
+def _runs_cpu_kernels(pipeline: Optional[tvm.transform.Pass]) -> bool:
+    """Whether ``pipeline`` (a :func:`qcompile_pipeline`) has the CPU-kernel phase."""
+    return isinstance(pipeline, tvm.transform.Sequential) and any(
+        p.info.name == "qcompile.cpu_kernels" for p in pipeline.passes)
 
 
 def _pack_int4(record: PipelineRecord) -> tvm.transform.Pass:
@@ -230,8 +262,8 @@ def cuda_pipeline(target) -> tvm.transform.Pass:
 def qcompile_pipeline(target="llvm", layout: str = "NCHW", *, pack_int4: bool = True, expand_w4: bool = True,
                       weights_beside: bool = False, meta: Optional[dict] = None, integer: bool = True,
                       backend: bool = True, dump_dir: Optional[str] = None, record: Optional[PipelineRecord] = None,
-                      on_phase: Optional[Callable] = None, tuning_logs=(), gpu: Optional[str] = None
-                      ) -> tvm.transform.Pass:
+                      on_phase: Optional[Callable] = None, tuning_logs=(), gpu: Optional[str] = None,
+                      cpu_kernels: bool = True) -> tvm.transform.Pass:
     """The whole pass order (see the module docstring) as one pass over a QDQ-form module.
 
     ``target``: a kind ("llvm", "cuda"), a JSON-dict target or a ``tvm.target.Target`` (cuda: its ``arch`` picks the
@@ -240,7 +272,10 @@ def qcompile_pipeline(target="llvm", layout: str = "NCHW", *, pack_int4: bool = 
     the module is already in integer form, run the backend only; ``backend=False``: stop before it (the result is
     integer Relax). ``on_phase(name, mod)`` is called after each phase, with its dump's name. ``tuning_logs`` (files
     or folders searched before the packaged logs) and ``gpu`` (the GPU name records are matched against) choose the
-    tensor-core kernels' knobs."""
+    tensor-core kernels' knobs. ``cpu_kernels``: on llvm, convs and dense layers on qcompile's CPU kernel where the
+    target enables AVX2 (an x86 triple and an ``mcpu`` / ``mattr`` with AVX2: the target ``tvm.compile`` runs the
+    pipeline under, else ``target``; :func:`build` picks x86-64-v3 for a plain ``llvm`` target on an AVX2 host);
+    ``QCOMPILE_CPU_KERNELS=0`` or False: TVM's generic lowering."""
     tgt = _target(target)
     dump_dir = dump_dir or os.environ.get("QCOMPILE_DUMP_IR")
     record = record if record is not None else PipelineRecord()
@@ -252,6 +287,8 @@ def qcompile_pipeline(target="llvm", layout: str = "NCHW", *, pack_int4: bool = 
         if tgt.kind.name == "cuda" and layout != "NCHW":
             passes += [_tensor_cores(str(tgt.attrs["arch"]), expand_w4, record, tuple(tuning_logs or ()), gpu),
                        after("3_dispatched")]
+        elif tgt.kind.name == "llvm" and cpu_kernels and cpu_kernels_enabled():
+            passes += [_cpu_kernels(record, tgt, after("3_dispatched"))]
         if pack_int4:
             passes += [_pack_int4(record), after("3_packed")]
         deploy = [_lift_weights(record)] if weights_beside else []
@@ -269,7 +306,8 @@ def lower_to_integer(mod_qdq: tvm.IRModule, layout: str = "NCHW", pack_int4: boo
     """The pipeline's integer phases for the CPU -- lowering and, with ``pack_int4``, 4-bit packing: QDQ form ->
     integer Relax (what tests and ``qcompile.reference.Reference`` take)."""
     with tvm.transform.PassContext(opt_level=3):
-        return run_pass(qcompile_pipeline("llvm", layout, pack_int4=pack_int4, backend=False, dump_dir=dump_dir),
+        return run_pass(qcompile_pipeline("llvm", layout, pack_int4=pack_int4, backend=False, dump_dir=dump_dir,
+                                          cpu_kernels=False),
                         mod_qdq)
 
 
@@ -278,9 +316,21 @@ def build(mod: tvm.IRModule, target="llvm", cuda_graph: bool = True, pipeline: O
     executable. ``pipeline``: a configured :func:`qcompile_pipeline`; by default the backend phase alone, for a module
     already in integer form.
 
+    On llvm the codegen target is decided here, once, and ``tvm.compile`` runs the pipeline under it: where the
+    pipeline runs the CPU kernels (or ``mod`` already holds them), a plain ``llvm`` target on an x86-64 host with AVX2
+    becomes x86-64-v3 (``dispatch_cpu.cpu_kernels_target``); otherwise, and for a target naming ``mtriple`` /
+    ``mcpu`` / ``mattr``, the target is used as given.
+
     On CUDA the whole forward pass is captured once and replayed as a CUDA graph
     (``relax.backend.use_cuda_graph``), so batch-1 latency is not dominated by kernel launches."""
     tgt = _target(target)
+    if tgt.kind.name == "llvm":  # the codegen target, decided once: the pipeline runs under it (tvm.compile)
+        from qcompile.schedules.cpu_conv import cpu_target
+
+        if has_cpu_kernels(mod):  # already dispatched: the kernels need AVX2 whatever the switch says
+            tgt = cpu_target(tgt)
+        elif _runs_cpu_kernels(pipeline):  # x86-64-v3 on an AVX2 host (plain llvm), else as given
+            tgt = cpu_kernels_target(tgt) or tgt
     pipeline = pipeline or qcompile_pipeline(tgt, integer=False)
     config = {"relax.backend.use_cuda_graph": cuda_graph} if tgt.kind.name == "cuda" else {}
     with tvm.transform.PassContext(opt_level=3, config=config):

@@ -161,12 +161,12 @@ def _requant_bindings(func: relax.Function, var2val):
                     yield b, tail
 
 
-def find_groups(func: relax.Function) -> dict:
+def find_groups(func: relax.Function, layouts=("NHWC", "HWNC")) -> dict:
     """Map each requantized conv/dense output var to its :class:`_Group` (output types as dispatched)."""
-    return find_fusions(func)[0]
+    return find_fusions(func, layouts=layouts)[0]
 
 
-def _find_groups(func: relax.Function) -> dict:
+def _find_groups(func: relax.Function, layouts=("NHWC", "HWNC")) -> dict:
     var2val = relax.analysis.get_var2val(func)
     uses = _use_counts(func)
     groups = {}
@@ -193,7 +193,7 @@ def _find_groups(func: relax.Function) -> dict:
         if w is None:
             continue
         dense = acc.op.name == "relax.matmul"
-        if not dense and (str(acc.attrs.data_layout) not in ("NHWC", "HWNC") or int(acc.attrs.groups) != 1):
+        if not dense and (str(acc.attrs.data_layout) not in layouts or int(acc.attrs.groups) != 1):
             continue
         x, pad, pad_value = acc.args[0], (0, 0, 0, 0), 0
         if not dense:
@@ -201,10 +201,10 @@ def _find_groups(func: relax.Function) -> dict:
             padded = _call(x, var2val, "nn.pad")
             if padded is not None:
                 pw = [int(p) for p in padded.attrs.pad_width]
-                hw = (1, 2) if str(acc.attrs.data_layout) == "NHWC" else (0, 1)
+                hw = {"NHWC": (1, 2), "HWNC": (0, 1), "NCHW": (2, 3)}[str(acc.attrs.data_layout)]
                 pad = (pw[2 * hw[0]], pw[2 * hw[1]], pw[2 * hw[0] + 1], pw[2 * hw[1] + 1])
                 pad_value, x = int(float(padded.attrs.pad_value)), padded.args[0]
-        K = w.shape[1] if dense else (w.shape[0] if str(acc.attrs.kernel_layout) == "OHWI" else w.shape[2])
+        K = w.shape[1] if dense else (w.shape[0] if str(acc.attrs.kernel_layout) in ("OHWI", "OIHW") else w.shape[2])
         chan = lambda c: np.broadcast_to(np.asarray(c).reshape(-1) if np.size(c) > 1 else np.asarray(c).reshape(()), (K,))
         bias = chan(bias if bias is not None else 0)
         if np.abs(bias).max(initial=0) >= 2**31:
@@ -235,11 +235,12 @@ def _packed_pool(call) -> Optional[tuple]:
     return shape, dtype, pool, strides, pad
 
 
-def find_fusions(func: relax.Function, packed_pools: bool = False):
+def find_fusions(func: relax.Function, packed_pools: bool = False, layouts=("NHWC", "HWNC")):
     """(groups, residuals): :func:`find_groups` plus the residual adds fused into a conv kernel, with
     each kernel's output type decided (4-bit outputs packed only when kernels consume all of them; with
-    ``packed_pools`` a max pool that runs on the packed tensor counts as such a consumer)."""
-    groups = _find_groups(func)
+    ``packed_pools`` a max pool that runs on the packed tensor counts as such a consumer). ``layouts``: the conv
+    data layouts matched (the CPU kernels add NCHW, whose channels are axis 1)."""
+    groups = _find_groups(func, layouts)
     var2val = relax.analysis.get_var2val(func)
     uses = _use_counts(func)
     residuals = {}
@@ -260,7 +261,7 @@ def find_fusions(func: relax.Function, packed_pools: bool = False):
             if str(other[0].ty.dtype) not in ("int8", "uint8") or \
                     [int(d) for d in other[0].ty.shape] != [int(d) for d in g.out.ty.shape]:
                 continue
-            K = int(g.out.ty.shape[-1])
+            K = int(g.out.ty.shape[1 if not g.dense and str(g.acc_call.attrs.data_layout) == "NCHW" else -1])
             chan = lambda c: np.broadcast_to(np.asarray(c).reshape(-1) if np.size(c) > 1 else np.asarray(c).reshape(()), (K,)).astype(np.int64)
             rows = [chan(terms[i][1]), chan(terms[i][2]), chan(other[1]), chan(other[2]), chan(S2)]
             if any(np.abs(r).max(initial=0) >= 2**31 for r in rows):

@@ -1,0 +1,190 @@
+"""DispatchCPU: run integer conv2d/dense + requantize on qcompile's CPU kernel (x86 AVX2, ``schedules/cpu_conv.py``).
+
+Matches the same chains as :mod:`.dispatch_tensor_core` (``find_fusions``: a requantized conv or dense, and a
+quantized residual add fused into the conv whose output it alone reads), in NCHW or NHWC, and replaces each by a
+``call_tir`` of :func:`qcompile.schedules.cpu_conv.make_cpu_conv`, whose fused epilogue computes the chain exactly.
+The kernel reads and writes the graph's own layout (no layout transform in the graph); weights are prepacked at
+compile time. The dense layer runs as a 1x1 conv over a 1x1 image (its (N, C) input reshaped to (N, 1, 1, C)).
+
+Left to TVM's generic lowering (correct, unscheduled): HWNC, grouped / depthwise convs, packed 4-bit operands, and
+any conv whose int32 accumulator could exceed int32 (the kernel adds the bias in int32; the bound is checked per
+output channel from the weights and the input's range).
+
+``cpu_kernels_target`` decides whether the kernels run in an llvm build and the build target they need
+(``QCOMPILE_CPU_KERNELS=0`` turns them off: the generic path, for comparison).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from qcompile.errors import keeps_user_errors
+from .dispatch_tensor_core import _Group, _Residual, find_fusions
+
+ENV = "QCOMPILE_CPU_KERNELS"
+
+
+def cpu_kernels_enabled() -> bool:
+    """False where ``QCOMPILE_CPU_KERNELS`` turns the CPU kernels off (0, false, no, off)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cpu_kernels_target(target) -> Optional[tvm.target.Target]:
+    """The codegen target of an llvm build that runs the CPU kernels, or None where they do not run (not llvm, no
+    AVX2 for that target, or ``QCOMPILE_CPU_KERNELS=0``): a plain ``llvm`` target on an x86-64 host with AVX2 becomes
+    x86-64-v3 (``schedules.cpu_conv.cpu_target``); a target naming ``mtriple`` / ``mcpu`` / ``mattr`` is taken as
+    given and qualifies only if it enables AVX2 on an x86 triple. ``qcompile.pipeline.build`` decides its target here
+    once; the pipeline dispatches only for a target that already has AVX2 (``cpu_conv.target_has_avx2``)."""
+    from qcompile.schedules.cpu_conv import cpu_target, target_has_avx2
+
+    if not cpu_kernels_enabled() or target.kind.name != "llvm":
+        return None
+    tgt = cpu_target(target)
+    return tgt if target_has_avx2(tgt) else None
+
+
+def has_cpu_kernels(mod: tvm.IRModule) -> bool:
+    """Whether ``mod`` already holds a CPU kernel (``DispatchCPU`` ran on it): it needs an AVX2 codegen target."""
+    return any(isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
+               and str(f.attrs.get("qcompile.strategy", "")) == "cpu_direct_avx2" for f in mod.functions.values())
+
+
+def _logical_weights(g: _Group) -> np.ndarray:
+    """The group's weights as [K, R, S, C] int64."""
+    w = np.asarray(g.w).astype(np.int64)
+    if g.dense:  # (I, O)
+        return np.ascontiguousarray(w.T)[:, None, None, :]
+    kl = str(g.acc_call.attrs.kernel_layout)
+    return np.ascontiguousarray(np.transpose(w, {"OHWI": (0, 1, 2, 3), "OIHW": (0, 2, 3, 1)}[kl]))
+
+
+def _spec(g: _Group, r: Optional[_Residual], var):
+    """(ConvSpec in NHWC geometry, io layout, logical weights), or (None, reason)."""
+    from qcompile.schedules.cpu_conv import applies
+    from qcompile.schedules.spec import ConvSpec
+
+    xs = [int(s) for s in g.x.ty.shape]
+    w = _logical_weights(g)
+    K, R, S_, C = w.shape
+    if g.dense:
+        io, (N, Cx), H, W = "NHWC", xs, 1, 1
+        stride, dil = (1, 1), (1, 1)
+    else:
+        a = g.acc_call.attrs
+        io = str(a.data_layout)
+        if io not in ("NCHW", "NHWC"):
+            return None, f"layout {io}"
+        N, Cx, H, W = (xs[0], xs[1], xs[2], xs[3]) if io == "NCHW" else (xs[0], xs[3], xs[1], xs[2])
+        stride, dil = tuple(int(s) for s in a.strides), tuple(int(d) for d in a.dilation)
+        if not g.x.same_as(g.acc_call.args[0]) and any(int(p) for p in a.padding):
+            return None, "zero-point pad and conv padding together"
+    if Cx != C:
+        return None, f"input has {Cx} channels, weights {C}"
+    x_st = str(g.x.ty.dtype)
+    xlo, xhi = {"int8": (-128, 127), "uint8": (0, 255)}.get(x_st, (None, None))
+    if xlo is None:
+        return None, f"input storage {x_st}"
+    # the kernel accumulates in int32 and adds the bias in int32, as the graph's int32 conv does and its int64
+    # requantize would not wrap: take only convs where that sum cannot leave int32
+    amax = max(abs(xlo), abs(xhi), abs(g.pad_value))
+    bound = np.abs(w).reshape(K, -1).sum(axis=1) * amax + np.abs(g.bias.astype(np.int64))
+    if bound.max(initial=0) >= 2**31:
+        return None, "accumulator may exceed int32"
+    res = {}
+    out_st = str(var.ty.dtype)
+    if r is not None:
+        res = dict(has_residual=True, res_dtype=str(r.res.ty.dtype), zo2=r.zo2, lo2=r.lo2, hi2=r.hi2,
+                   res_i32=r.i32)
+        if (r.rq2 == r.rq2[:, :1]).all():
+            res["rq2_uniform"] = tuple(int(v) for v in r.rq2[:, 0])
+    spec = ConvSpec(N=N, H=H, W=W, C=C, K=K, R=R, S=S_, stride=stride, padding=g.pad, dilation=dil,
+                    layout="NHWC", x_dtype=x_st, w_bits=g.w_bits, out_dtype=out_st, zo=g.zo, lo=g.lo, hi=g.hi,
+                    pad_value=g.pad_value, shift_ge33=bool(33 <= np.min(g.S) and np.max(g.S) <= 62), **res)
+    why = applies(spec)
+    if why is not None:
+        return None, why
+    return (spec, io, w), None
+
+
+@mutator
+class _CPUDispatcher(PyExprMutator):
+    def __init__(self, mod, groups, residuals, plans):
+        super().__init__(mod)
+        self.groups, self.residuals, self.plans = groups, residuals, plans
+        self.kernels: dict = {}  # kernel key -> GlobalVar (identical layers share one PrimFunc)
+        self.chosen: list = []   # (conv output, kernel name)
+        self.fused: list = []    # (conv output, residual add output)
+
+    def visit_var_binding_(self, binding):
+        r = self.residuals.get(binding.var)
+        g = r.group if r is not None else self.groups.get(binding.var)
+        if g is None or (r is None and g.fused) or binding.var not in self.plans:
+            return super().visit_var_binding_(binding)
+        self._emit(binding.var, g, r, *self.plans[binding.var])
+
+    def _emit(self, var, g: _Group, r: Optional[_Residual], spec, io, w):
+        from qcompile.schedules.cpu_conv import make_cpu_conv, pack_weights
+
+        key = (spec, io)
+        if key not in self.kernels:
+            name = f"qconv_cpu_{len(self.kernels)}"
+            func = make_cpu_conv(spec, io).with_attr("op_pattern", 8).with_attr("global_symbol", name)
+            self.kernels[key] = self.builder_.add_func(func, name)
+        self.chosen.append((g.out.name, "cpu_direct_avx2"))
+        x = self.visit_expr(g.x)
+        if g.dense:
+            x = self.builder_.emit(relax.op.reshape(x, (spec.N, 1, 1, spec.C)), var.name + "_x4d")
+        args = [x, relax.const(pack_weights(w), "int16"), relax.const(g.bias, "int32"),
+                relax.const(g.M, "int32"), relax.const(g.S, "int32")]
+        if r is not None:
+            self.fused.append((g.out.name, var.name))
+            args += [self.visit_expr(r.res), relax.const(r.rq2, "int32")]
+        shape = [spec.N, spec.K, spec.P, spec.Q] if io == "NCHW" else [spec.N, spec.P, spec.Q, spec.K]
+        out = self.builder_.emit(relax.call_tir(self.kernels[key], args, relax.TensorType(shape, str(var.ty.dtype))),
+                                 var.name + "_cpu")
+        if g.dense:
+            out = self.builder_.emit(relax.op.reshape(out, [int(s) for s in var.ty.shape]), var.name)
+        self.set_var_remap(var, out)
+
+
+@tvm.transform.module_pass(opt_level=0, name="DispatchCPU")
+class DispatchCPU:
+    """Replace requantized integer conv2d/dense in ``main`` (NCHW or NHWC) by the CPU kernel (see module docstring).
+    After the pass: ``chosen`` (conv output, kernel) per dispatched layer, ``fused`` (conv output, residual add
+    output) per fused residual, ``skipped`` (conv output, reason) per layer left to the generic path."""
+
+    def __init__(self):
+        self.chosen: list = []
+        self.fused: list = []
+        self.skipped: list = []
+
+    @keeps_user_errors
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        groups, residuals = find_fusions(mod["main"], layouts=("NCHW", "NHWC"))
+        plans, skipped = {}, []
+        for var, r in list(residuals.items()):  # a residual the kernel cannot take: its conv runs on its own
+            plan, why = _spec(r.group, r, var)
+            if plan is None:
+                del residuals[var]
+                r.group.fused = False
+            else:
+                plans[var] = plan
+        for var, g in groups.items():
+            if g.fused:
+                continue
+            plan, why = _spec(g, None, var)
+            if plan is None:
+                skipped.append((g.out.name, why))
+            else:
+                plans[var] = plan
+        d = _CPUDispatcher(mod, groups, residuals, plans)
+        func = d.visit_expr(mod["main"])
+        self.chosen, self.fused, self.skipped = d.chosen, d.fused, skipped
+        out = d.builder_.get()
+        out["main"] = func
+        return relax.transform.DeadCodeElimination(["main"])(out)

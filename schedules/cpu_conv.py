@@ -1,0 +1,221 @@
+"""The CPU (x86, AVX2) integer conv2d kernel: direct convolution on ``vpmaddwd``, the requantize epilogue fused.
+
+One PrimFunc per conv (and per dense layer, as a 1x1 conv over a 1x1 image) with the calling convention of the
+tensor-core kernels, ``x, w, bias, M, S, [res, rq2], out``, and the math of :class:`~qcompile.schedules.spec.ConvSpec`
+(the epilogue is :func:`qcompile.schedules.fallback.epilogue_value`, the one definition every kernel shares).
+Activations are 8-bit storage (4-bit values one per byte) in ``io_layout`` NCHW or NHWC; the weights are
+prepacked at compile time (:func:`pack_weights`) as int16 pairs::
+
+    w16[kb, r, s, c2, j, i] = w[8 kb + j, r, s, 2 c2 + i]       (0 past K or C)
+
+Two stages, both parallel over the 2-D output rows (TVM's thread pool):
+
+1. ``xp``: the input widened and padded once -- ``xp[n, h, w, c2]`` is the int32 whose two int16 halves are
+   channels ``2 c2`` and ``2 c2 + 1`` at padded position ``(h, w)`` (``pad_value`` in the halo, 0 past C).
+2. the conv: each task (batch, output row, block of KT x 8 output channels) walks the row in tiles of QT output
+   pixels; a tile keeps QT x KT int32x8 accumulators in registers and, for every tap (r, s) and channel pair c2,
+   broadcasts the pixel's channel pair to 16 int16 lanes and adds ``vpmaddwd(pair, w16[kb, r, s, c2])`` (8 output
+   channels, two products each) to each accumulator. int16 x int16 products of 8-bit values and their pairwise
+   sums never saturate (|2 * 255 * 128| < 2^31), and the sums wrap in int32 as the graph's int32 accumulator
+   does: the accumulators equal the conv's exactly. The epilogue (bias, per-channel fixed-point multiply / shift,
+   zero point, clip, the residual add's second stage) runs on the accumulators, 8 channels at a time, and stores
+   the output bytes.
+
+A row whose length is not a multiple of QT ends with a tile shifted left onto the previous one (the overlap is
+computed twice and stored with the same values); the same for the channel blocks. The instruction needs AVX2: the
+build target carries it (``schedules.cpu_conv.cpu_target``).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .fallback import epilogue_value
+from .spec import ConvSpec
+
+LANES = 8            # int32 lanes of a ymm register: output channels per vpmaddwd
+QT = 6               # output pixels per register tile (6 x 2 accumulators + 2 weight vectors + 1 broadcast <= 16)
+KT = 2               # channel blocks (of 8) per register tile
+PMADDWD = "llvm.x86.avx2.pmadd.wd"
+
+
+_X86 = ("x86_64", "i686", "i386", "i586")
+
+
+def _is_x86(triple: str) -> bool:
+    return triple.split("-", 1)[0] in _X86
+
+
+def _is_plain_llvm(target: tvm.target.Target) -> bool:
+    """An llvm target that names no CPU, features or foreign triple: code for this host. (TVM fills in ``mtriple``
+    with the system triple itself, so a triple equal to it counts as none given.)"""
+    if target.kind.name != "llvm" or "mcpu" in target.attrs or "mattr" in target.attrs:
+        return False
+    triple = str(target.attrs.get("mtriple", ""))
+    return triple in ("", tvm.target.codegen.llvm_get_system_triple())
+
+
+@functools.lru_cache(maxsize=None)
+def host_has_avx2() -> bool:
+    """Whether this host is x86-64 and its CPU runs AVX2: the ``avx2`` flag of ``/proc/cpuinfo`` (what the kernel
+    enables, not what the CPU model could do), else (no /proc) what LLVM reports for the host CPU."""
+    if not tvm.target.codegen.llvm_get_system_triple().startswith("x86_64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx2" in line.split(":", 1)[1].split()
+        return False
+    except OSError:
+        host = tvm.target.Target({"kind": "llvm", "mcpu": str(tvm.target.codegen.llvm_get_system_cpu())})
+        return bool(tvm.target.codegen.target_has_features("avx2", host))
+
+
+def cpu_target(target: tvm.target.Target) -> tvm.target.Target:
+    """The build target of an llvm build with the CPU kernels: a plain ``llvm`` target (no ``mtriple`` other than the
+    host's, no ``mcpu``, no ``mattr``) becomes x86-64-v3 (AVX2, FMA, BMI2: x86 CPUs since 2013-2015), which the
+    kernels need, when the host is x86-64 with AVX2 (:func:`host_has_avx2`); any other target is used as given."""
+    if not _is_plain_llvm(target) or not host_has_avx2():
+        return target
+    cfg = {k: v for k, v in dict(target.export()).items() if k not in ("keys", "tag", "features")}
+    cfg["mcpu"] = "x86-64-v3"
+    return tvm.target.Target(cfg)
+
+
+def target_has_avx2(target: tvm.target.Target) -> bool:
+    """Whether LLVM generates AVX2 for ``target``: an llvm target whose triple is x86 (checked first, so that no x86
+    question reaches LLVM for another architecture) and whose ``mcpu`` / ``mattr`` enable AVX2. A plain ``llvm``
+    target builds for the generic CPU of its triple: no AVX2."""
+    if target.kind.name != "llvm":
+        return False
+    triple = str(target.attrs.get("mtriple", "")) or str(tvm.target.codegen.llvm_get_system_triple())
+    if not _is_x86(triple) or ("mcpu" not in target.attrs and "mattr" not in target.attrs):
+        return False
+    return bool(tvm.target.codegen.target_has_features("avx2", target))
+
+
+def applies(spec: ConvSpec) -> str | None:
+    """Why the kernel cannot run ``spec`` (None: it can)."""
+    if spec.x_dtype not in ("int8", "uint8"):
+        return f"activation storage {spec.x_dtype} (the kernel reads bytes)"
+    if spec.w_bits not in (4, 8):
+        return f"{spec.w_bits}-bit weights"
+    if spec.out_dtype not in ("int8", "uint8", "int32"):
+        return f"output {spec.out_dtype}"
+    if spec.has_residual and spec.res_dtype not in ("int8", "uint8"):
+        return f"residual {spec.res_dtype}"
+    return None
+
+
+def pack_weights(w: np.ndarray) -> np.ndarray:
+    """Logical weights [K, R, S, C] -> the kernel's int16 [ceil(K/8), R, S, ceil(C/2), 16] (8 channels x 2)."""
+    K, R, S, C = w.shape
+    kb, c2 = -(-K // LANES), -(-C // 2)
+    p = np.zeros((kb * LANES, R, S, c2 * 2), np.int16)
+    p[:K, :, :, :C] = w
+    p = p.reshape(kb, LANES, R, S, c2, 2).transpose(0, 2, 3, 4, 1, 5)
+    return np.ascontiguousarray(p).reshape(kb, R, S, c2, 2 * LANES)
+
+
+def make_cpu_conv(spec: ConvSpec, io_layout: str = "NHWC") -> tvm.tirx.PrimFunc:
+    """The kernel for ``spec`` (its NHWC geometry; x, res and out in ``io_layout``, NHWC or NCHW)."""
+    why = applies(spec)
+    if why is not None:
+        raise ValueError(f"cpu conv kernel: {why}")
+    if io_layout not in ("NHWC", "NCHW"):
+        raise ValueError(f"cpu conv kernel: layout {io_layout}")
+    N, H, W, C, K, R, S_ = spec.N, spec.H, spec.W, spec.C, spec.K, spec.R, spec.S
+    P, Q = spec.P, spec.Q
+    sh, sw = spec.strides
+    dh, dw = spec.dilations
+    pt, pl, pb, pr = spec.pads
+    Hp, Wp, C2 = H + pt + pb, W + pl + pr, -(-C // 2)
+    KB = -(-K // LANES)
+    qt, kt = min(QT, Q), min(KT, KB)
+    n_qt, n_kt = -(-Q // qt), -(-KB // kt)
+    nchw = io_layout == "NCHW"
+    x_shape = (N, C, H, W) if nchw else (N, H, W, C)
+    o_shape = (N, K, P, Q) if nchw else (N, P, Q, K)
+    x_st, o_st = ConvSpec.storage(spec.x_dtype), ConvSpec.storage(spec.out_dtype)
+    r_st = ConvSpec.storage(spec.res_dtype)
+    res_shape = o_shape if spec.has_residual else (1,)
+    padv = int(spec.pad_value)
+    whole_k = K % LANES == 0
+    resid = spec.has_residual
+
+    def xval(x, n, hp, wp, c):  # the padded input (int32) at padded position (hp, wp), channel c
+        h, w_ = hp - pt, wp - pl
+        inside = tirx.all(h >= 0, h < H, w_ >= 0, w_ < W)
+        hc, wc = tirx.max(tirx.min(h, H - 1), 0), tirx.max(tirx.min(w_, W - 1), 0)
+        v = x[n, c, hc, wc] if nchw else x[n, hc, wc, c]
+        return tirx.if_then_else(inside, v.astype("int32"), tirx.const(padv, "int32"))
+
+    def pair(x, n, hp, wp, c2):
+        lo = xval(x, n, hp, wp, 2 * c2)
+        if C % 2:
+            hi = tirx.if_then_else(2 * c2 + 1 < C, xval(x, n, hp, wp, tirx.min(2 * c2 + 1, C - 1)), tirx.const(0, "int32"))
+        else:
+            hi = xval(x, n, hp, wp, 2 * c2 + 1)
+        return tirx.bitwise_or(tirx.bitwise_and(lo, tirx.const(0xFFFF, "int32")),
+                               tirx.shift_left(hi, tirx.const(16, "int32")))
+
+    def out_index(n, p, q, k):
+        return (n, k, p, q) if nchw else (n, p, q, k)
+
+    def epi(acc_v, k, bias, M, S, res, rq2, n, p, q):
+        rv = res[out_index(n, p, q, k)].astype("int32") if resid else None
+        return epilogue_value(spec, acc_v, k, bias, M, S, rv, rq2 if resid else None).astype(o_st)
+
+    @T.prim_func(private=True)
+    def kernel(x: T.Buffer(x_shape, x_st), w16: T.Buffer((KB, R, S_, C2, 2 * LANES), "int16"),
+               bias: T.Buffer((K,), "int32"), M: T.Buffer((K,), "int32"), S: T.Buffer((K,), "int32"),
+               res: T.Buffer(res_shape, r_st), rq2: T.Buffer((5, K), "int32"), out: T.Buffer(o_shape, o_st)):
+        T.func_attr({"tirx.noalias": True})
+        xp = T.alloc_buffer((N, Hp, Wp, C2), "int32")
+        for nh in T.parallel(N * Hp):
+            for wp in range(Wp):
+                for c2 in range(C2):
+                    xp[nh // Hp, nh % Hp, wp, c2] = pair(x, nh // Hp, nh % Hp, wp, c2)
+        for task in T.parallel(N * P * n_kt):
+            n: T.int32 = task // (P * n_kt)
+            p: T.int32 = task // n_kt % P
+            # the last channel block is clamped back onto the one before it when kt does not divide KB: those
+            # tasks compute the overlapping blocks again and write the same bytes (a benign duplicate write)
+            kb0: T.int32 = T.min(task % n_kt * kt, KB - kt)
+            for qi in range(n_qt):
+                # (the same for the row's last tile: shifted back onto the previous one, overlap written twice)
+                q0: T.int32 = T.min(qi * qt, Q - qt)
+                acc = T.alloc_buffer((qt * kt * LANES,), "int32", scope="local")
+                for i in T.unroll(qt * kt):
+                    acc[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.int32(0), LANES)
+                for r, s, c2 in T.grid(R, S_, C2):
+                    for j in T.unroll(kt):
+                        wv: T.int16x16 = w16[kb0 + j, r, s, c2, T.ramp(0, 1, 2 * LANES)]
+                        for i in T.unroll(qt):
+                            xv: T.int16x16 = T.reinterpret("int16x16", T.broadcast(
+                                xp[n, p * sh + r * dh, (q0 + i) * sw + s * dw, c2], LANES))
+                            acc[T.ramp((i * kt + j) * LANES, 1, LANES)] = (
+                                acc[T.ramp((i * kt + j) * LANES, 1, LANES)]
+                                + T.call_llvm_pure_intrin("int32x8", PMADDWD, xv, wv))
+                for i, j in T.grid(qt, kt):
+                    if whole_k:
+                        for l in T.vectorized(LANES):
+                            out[out_index(n, p, q0 + i, (kb0 + j) * LANES + l)] = epi(
+                                acc[(i * kt + j) * LANES + l], (kb0 + j) * LANES + l, bias, M, S, res, rq2,
+                                n, p, q0 + i)
+                    else:
+                        for l in range(LANES):
+                            if (kb0 + j) * LANES + l < K:
+                                out[out_index(n, p, q0 + i, (kb0 + j) * LANES + l)] = epi(
+                                    acc[(i * kt + j) * LANES + l], (kb0 + j) * LANES + l, bias, M, S, res, rq2,
+                                    n, p, q0 + i)
+
+    f = kernel
+    if not resid:  # drop the residual parameters
+        f = tvm.tirx.PrimFunc([f.params[i] for i in (0, 1, 2, 3, 4, 7)], f.body, f.ret_type, f.attrs)
+    return f.with_attr("qcompile.strategy", "cpu_direct_avx2")
