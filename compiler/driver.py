@@ -277,10 +277,9 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
         elif name == "3_dispatched":
             _log_kernel_notes(record, opts.arch, log)
         elif name == "4_deploy":  # (the last phase before TVM's backend)
-            if opts.target == "cuda":
-                for l in layers:
-                    l.kernel = record.kernels.get(l.name, "generic")
-                    l.knobs = record.knobs.get(l.name, "")
+            for l in layers:  # (llvm: qcompile's CPU kernel where dispatched, else TVM's generic lowering, "llvm")
+                l.kernel = record.kernels.get(l.name, "generic" if opts.target == "cuda" else "llvm")
+                l.knobs = record.knobs.get(l.name, "")
             prog.done(f"{len(layers)} conv/dense layers")
             prog.step(f"building for {opts.target}{(' ' + opts.arch) if opts.arch else ''}")
 
