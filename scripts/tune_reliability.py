@@ -159,7 +159,7 @@ def cmd_run(a) -> int:
 
         command = export(ready, a.export)
         out = a.output or os.path.join(a.export, "shapes.json")
-        _write(out, doc)
+        _write_json(out, doc)
         log(f"exported {len(ready)} kernels to {a.export}: measure them there with `{command}`, then "
             f"`python scripts/tune_reliability.py report {out} --import {a.export}/results.json`")
         return 0
@@ -167,7 +167,7 @@ def cmd_run(a) -> int:
     from qcompile.tune.runners import _entries
 
     out = a.output or "reliability.json"
-    _write(out, doc)  # (the shapes first; the measurements follow, rewritten after every candidate)
+    _write_json(out, doc)  # (the shapes first; the measurements follow, rewritten after every candidate)
     partial = os.path.splitext(out)[0] + ".measure.json"
     t1 = time.time()
     with __import__("tempfile").TemporaryDirectory(prefix="qtune-rel-") as td:
@@ -178,7 +178,7 @@ def cmd_run(a) -> int:
                           timeout=a.timeout, log=log if a.verbose else None, partial=partial)
     doc["measure"] = dict(device=res["device"], seed=res["seed"], results=res["results"],
                           seconds=round(time.time() - t1, 1))
-    _write(out, doc)
+    _write_json(out, doc)
     return report(doc, log)
 
 
@@ -188,11 +188,10 @@ def _spec_dict(spec) -> dict:
     return dataclasses.asdict(spec)
 
 
-def _write(path: str, doc: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
+def _write_json(path: str, doc: dict) -> None:
+    from qcompile.tune.measure import write_json
+
+    write_json(path, doc)
 
 
 def report(doc: dict, log=print) -> int:

@@ -206,6 +206,27 @@ def run_ort(path: str, x: np.ndarray, optimized: bool = False) -> np.ndarray:
     return sess.run(None, {sess.get_inputs()[0].name: x})[0]
 
 
+def _graph_builders(inits: list, nodes: list):
+    """``(init, qdq)`` for a hand-built QDQ graph: ``init(name, array)`` adds an initializer and returns its name;
+    ``qdq(src, name, scale, zp)`` appends a uint8 QuantizeLinear / DequantizeLinear pair after ``src`` and returns the
+    dequantized value's name."""
+    from onnx import helper, numpy_helper
+
+    def init(name, arr):
+        inits.append(numpy_helper.from_array(np.asarray(arr), name))
+        return name
+
+    def qdq(src, name, scale, zp):
+        init(name + "_s", np.float32(scale))
+        init(name + "_z", np.uint8(zp))
+        nodes.append(helper.make_node("QuantizeLinear", [src, name + "_s", name + "_z"], [name + "_q"], name=name + "_Q"))
+        nodes.append(helper.make_node("DequantizeLinear", [name + "_q", name + "_s", name + "_z"], [name + "_dq"],
+                                      name=name + "_DQ"))
+        return name + "_dq"
+
+    return init, qdq
+
+
 def qdq_grouped_clip_model(path: str, seed: int = 0, batch: int = 2) -> str:
     """A hand-written ONNX QDQ model (opset 13) of the layers MobileNet / ResNeXt add, with the cases a quantizer's
     output may not show: non-zero activation zero points, padding, stride and dilation, and Clip bounds that cut::
@@ -221,18 +242,7 @@ def qdq_grouped_clip_model(path: str, seed: int = 0, batch: int = 2) -> str:
 
     rng = np.random.default_rng(seed)
     inits, nodes = [], []
-
-    def init(name, arr):
-        inits.append(numpy_helper.from_array(np.asarray(arr), name))
-        return name
-
-    def qdq(src, name, scale, zp):
-        init(name + "_s", np.float32(scale))
-        init(name + "_z", np.uint8(zp))
-        nodes.append(helper.make_node("QuantizeLinear", [src, name + "_s", name + "_z"], [name + "_q"], name=name + "_Q"))
-        nodes.append(helper.make_node("DequantizeLinear", [name + "_q", name + "_s", name + "_z"], [name + "_dq"],
-                                      name=name + "_DQ"))
-        return name + "_dq"
+    init, qdq = _graph_builders(inits, nodes)
 
     def conv(src, name, s_in, cout, cin_g, group, gain=1.0, **attrs):
         wq = rng.integers(-127, 128, (cout, cin_g, 3, 3)).astype(np.int8)
@@ -431,22 +441,11 @@ def two_branch_model(path: str, kind: str, seed: int = 0, batch: int = 2) -> str
         -> Q/DQ 'out'
     """
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
     rng = np.random.default_rng(seed)
     inits, nodes = [], []
-
-    def init(name, arr):
-        inits.append(numpy_helper.from_array(np.asarray(arr), name))
-        return name
-
-    def qdq(src, name, scale, zp):
-        init(name + "_s", np.float32(scale))
-        init(name + "_z", np.uint8(zp))
-        nodes.append(helper.make_node("QuantizeLinear", [src, name + "_s", name + "_z"], [name + "_q"], name=name + "_Q"))
-        nodes.append(helper.make_node("DequantizeLinear", [name + "_q", name + "_s", name + "_z"], [name + "_dq"],
-                                      name=name + "_DQ"))
-        return name + "_dq"
+    init, qdq = _graph_builders(inits, nodes)
 
     def conv(src, name, s_in, cout, cin, k):
         wq = rng.integers(-127, 128, (cout, cin, k, k)).astype(np.int8)

@@ -110,25 +110,18 @@ def test_avgpool_with_a_varying_divisor_is_one_clear_error(folder):
         compile_model(f"{folder}/ap_bad.onnx", CompileOptions(batch=2), log=_quiet)
 
 
-def test_function_of_an_accumulator_is_one_clear_error(folder):
-    """A Sigmoid straight on a conv's output (no quantize in between) is not a function of a quantized tensor."""
-    path = F.two_branch_model(f"{folder}/se.onnx", "mul")
+@pytest.mark.parametrize("op,port,want", [
+    # a Sigmoid straight on a conv's output (no quantize in between) is not a function of a quantized tensor
+    ("Sigmoid", 0, r"unsupported op sigmoid \(node 'sigmoid'\): an element-wise function applies only to a "
+                   r"quantized tensor"),
+    # a Mul of a quantized tensor by a conv's raw output names the node and says what to quantize
+    ("Mul", 1, r"unsupported op multiply \(node 'mul'\): a product of two tensors needs both to be quantized"),
+], ids=["function_of_an_accumulator", "product_of_an_unquantized_operand"])
+def test_unquantized_operand_is_one_clear_error(folder, op, port, want):
+    path = F.two_branch_model(f"{folder}/{op}.onnx", "mul")
     m = onnx.load(path)
-    sig = next(n for n in m.graph.node if n.op_type == "Sigmoid")
-    sig.input[0] = "fc_y"
-    onnx.save(m, f"{folder}/se_bad.onnx")
-    with pytest.raises(UnsupportedOpError, match=r"unsupported op sigmoid \(node 'sigmoid'\): an element-wise "
-                                                 r"function applies only to a quantized tensor"):
-        compile_model(f"{folder}/se_bad.onnx", CompileOptions(batch=2), log=_quiet)
-
-
-def test_product_needs_quantized_operands(folder):
-    """Mul of a quantized tensor by a conv's raw output names the node and says what to quantize."""
-    path = F.two_branch_model(f"{folder}/se2.onnx", "mul")
-    m = onnx.load(path)
-    mul = next(n for n in m.graph.node if n.op_type == "Mul")
-    mul.input[1] = "fc_y"
-    onnx.save(m, f"{folder}/se2_bad.onnx")
-    with pytest.raises(UnsupportedOpError, match=r"unsupported op multiply \(node 'mul'\): a product of two tensors "
-                                                 r"needs both to be quantized"):
-        compile_model(f"{folder}/se2_bad.onnx", CompileOptions(batch=2), log=_quiet)
+    n = next(n for n in m.graph.node if n.op_type == op)
+    n.input[port] = "fc_y"
+    onnx.save(m, f"{folder}/{op}_bad.onnx")
+    with pytest.raises(UnsupportedOpError, match=want):
+        compile_model(f"{folder}/{op}_bad.onnx", CompileOptions(batch=2), log=_quiet)
