@@ -14,6 +14,9 @@ A ``KernelSpace`` is what a tuner (``qcompile.tune``) needs of a strategy, and w
   the automatic K-split resolved, vector widths fitted): two points with equal effective knobs build the same kernel,
   so a tuner measures one of them;
 * ``default(spec, arch)``: the arch's default point for the shape (what an untuned layer gets);
+* ``configs(spec, arch)``: the start points -- a short table of the tiles and pipelines that won most often where
+  layers were tuned (``GEMM_CONFIGS``, like Triton's autotune configs or dlight's ``get_configs``), those legal for
+  the shape, one per distinct kernel: a tuner's first round for a task;
 * ``features(spec, arch, knobs) -> list[float]`` (``feature_names()`` names them, same length): the shape, the knobs,
   and derived sizes (tiles, waves over the SMs, K-chunks, padding waste, shared memory, threads, the family).
 
@@ -53,6 +56,7 @@ class KernelSpace:
     features_fn: Callable = None  # (spec, arch, knobs, sms) -> list[float] (strategy part; see ``features``)
     draw_fn: Callable = None  # (rng, spec, arch) -> knobs candidate; None: uniform over ``dims``
     derived_names: tuple = ()  # names of ``features_fn``'s values
+    configs_fn: Callable = None  # (spec, arch) -> knobs candidates to start from (``configs`` keeps the legal ones)
 
     def legal(self, spec: ConvSpec, arch: str, knobs, sms: int | None = None) -> str | None:
         if not isinstance(knobs, self.knobs_type):
@@ -67,6 +71,21 @@ class KernelSpace:
 
     def default(self, spec: ConvSpec, arch: str, sms: int | None = None):
         return self.default_fn(spec, arch, sms)
+
+    def configs(self, spec: ConvSpec, arch: str, sms: int | None = None) -> list:
+        """The start points legal for the shape, in table order, one per distinct kernel (``effective``)."""
+        out, seen = [], set()
+        for kn in self.configs_fn(spec, arch) if self.configs_fn else ():
+            try:
+                if self.legal(spec, arch, kn, sms) is not None:
+                    continue
+                eff = self.effective(spec, arch, kn, sms)
+            except Exception:  # noqa: BLE001  (a table entry the legality cannot judge for the shape: skipped)
+                continue
+            if eff not in seen:
+                seen.add(eff)
+                out.append(kn)
+        return out
 
     def draw(self, rng, spec: ConvSpec, arch: str):
         """One candidate point, legal or not (``sample`` keeps the legal ones)."""
@@ -269,6 +288,47 @@ def _gemm_draw(rng, spec: ConvSpec, arch: str) -> GemmKnobs:
     return GemmKnobs(**kw)
 
 
+# Start points of the GemmKnobs spaces (``KernelSpace.configs``): the forms that won most often among the tuned
+# ResNet-18/50 records on the H100 (8-bit and 4-bit wgmma), and mma.sync tiles for the archs without wgmma (and for
+# operands wgmma cannot take). Fields not named take GemmKnobs' defaults; entries illegal for a shape are skipped.
+_WG = dict(mma="wgmma", pipe=-1, WN=1)
+GEMM_CONFIGS = {
+    "wgmma8": (
+        dict(_WG, BM=128, BN=128, BK=128, WM=1, stages=3),
+        dict(_WG, BM=128, BN=128, BK=128, WM=1, stages=2, minb=3),
+        dict(_WG, BM=128, BN=128, BK=128, WM=1, stages=4, erq=True, pp=True),
+        dict(_WG, BM=128, BN=64, BK=128, WM=1, stages=4, erq=True, pp=True),
+        dict(_WG, BM=128, BN=64, BK=64, WM=1, stages=2, minb=3),
+        dict(_WG, BM=128, BN=128, BK=128, WM=2, stages=3),
+        dict(_WG, BM=64, BN=128, BK=128, WM=1, stages=3),
+        dict(_WG, BM=64, BN=64, BK=128, WM=1, stages=3),
+    ),
+    "wgmma4": (
+        dict(_WG, BM=128, BN=128, BK=64, WM=2, stages=3, pstages=3, areg=True, awarp=True, w8=True),
+        dict(_WG, BM=128, BN=64, BK=64, WM=1, stages=3, pstages=3, areg=True, awarp=True, w8=True, minb=3),
+        dict(_WG, BM=128, BN=64, BK=64, WM=1, stages=3, pstages=3, areg=True, awarp=True, w8=True, minb=4),
+        dict(_WG, BM=64, BN=64, BK=64, WM=1, stages=4, pstages=4, areg=True, awarp=True, w8=True, minb=3),
+        dict(_WG, BM=128, BN=128, BK=64, WM=2, stages=4, pstages=4, areg=True, w8=True),
+        dict(_WG, BM=128, BN=128, BK=128, WM=1, stages=3),
+        dict(_WG, BM=64, BN=64, BK=128, WM=1, stages=3),
+    ),
+    "sync": (
+        dict(BM=128, BN=128, BK=64, WM=2, WN=2, stages=3),
+        dict(BM=128, BN=64, BK=64, WM=2, WN=2, stages=3),
+        dict(BM=64, BN=128, BK=64, WM=2, WN=2, stages=3),
+        dict(BM=64, BN=64, BK=64, WM=2, WN=2, stages=4),
+        dict(BM=128, BN=128, BK=32, WM=2, WN=2, stages=4, pipe=1),
+        dict(BM=256, BN=128, BK=64, WM=4, WN=2, stages=3),
+        dict(BM=128, BN=128, BK=64, WM=2, WN=2, stages=2),
+    ),
+}
+
+
+def _gemm_configs(spec: ConvSpec, arch: str) -> list:
+    group = f"wgmma{spec.x_bits}" if _wgmma_operands(spec, arch) else "sync"
+    return [GemmKnobs(**d) for d in GEMM_CONFIGS.get(group, GEMM_CONFIGS["sync"])]
+
+
 def _gemm_applies(layout):
     def applies(spec, arch):
         from .gemm.plan import gemm_constraints
@@ -391,10 +451,10 @@ def _halo_space() -> KernelSpace:
 SPACES: dict[str, KernelSpace] = {
     "implicit_gemm": KernelSpace("implicit_gemm", GemmKnobs, dict(GemmKnobs.SPACE), _gemm_applies("NHWC"),
                                  _gemm_legal("NHWC"), _gemm_default, _gemm_effective("NHWC"), _gemm_derived,
-                                 _gemm_draw, GEMM_DERIVED),
+                                 _gemm_draw, GEMM_DERIVED, _gemm_configs),
     "direct_hwnc": KernelSpace("direct_hwnc", GemmKnobs, dict(GemmKnobs.SPACE), _gemm_applies("HWNC"),
                                _gemm_legal("HWNC"), _gemm_default, _gemm_effective("HWNC"), _gemm_derived,
-                               _gemm_draw, GEMM_DERIVED),
+                               _gemm_draw, GEMM_DERIVED, _gemm_configs),
     "implicit_gemm_t": _kt_space(),
     "direct_halo": _halo_space(),
 }

@@ -401,3 +401,33 @@ def test_invalid_knobs_say_which_rule():
         assert not kn.valid() and want in kn.why_invalid(), kn.why_invalid()
     spec = SHAPES["r50_l4_3x3_res_n8"]
     assert "stages >= 3 + pipe" in SPACES["implicit_gemm"].legal(spec, "sm_90", ok.replace(stages=2, pipe=0))
+
+
+def test_start_points_are_points_of_the_space_and_build():
+    """Every entry of the start-point table is a point of the GemmKnobs dimensions; ``configs`` gives each shape of
+    the table on each arch at least three legal start points of distinct kernels, and those build (TIR and TVM's
+    CUDA codegen) with the knobs ``effective`` predicts."""
+    from test_kernel_identity import cuda_source
+
+    from qcompile.schedules.space import GEMM_CONFIGS
+
+    sp = SPACES["implicit_gemm"]
+    for group in GEMM_CONFIGS.values():
+        for d in group:
+            kn = GemmKnobs(**d)
+            assert all(getattr(kn, k) in v for k, v in sp.dims.items()), (d, [k for k, v in sp.dims.items()
+                                                                              if getattr(kn, k) not in v])
+    built = 0
+    for name, spec in SHAPES.items():
+        for arch in ARCHS:
+            if sp.applies(spec, arch) is not None:
+                continue
+            cfgs = sp.configs(spec, arch)
+            effs = [sp.effective(spec, arch, kn) for kn in cfgs]
+            assert len(cfgs) >= 3 and len(set(effs)) == len(effs), (name, arch, cfgs)
+            if built < 6:  # (a few builds: the legality agreeing with the builder is test_legal_points_build's)
+                kn = cfgs[built % len(cfgs)]
+                pk = _build("implicit_gemm", spec, arch, kn)
+                assert pk.knobs == sp.effective(spec, arch, kn)
+                assert all("__global__" in cuda_source(f, arch) for f in pk.funcs)
+                built += 1

@@ -71,6 +71,9 @@ def _parser(factories=None) -> argparse.ArgumentParser:
     ap.add_argument("--tuning-log", action="append", default=[], metavar="PATH",
                     help="other tuning logs (files or folders) whose records warm-start the cost model (other "
                          "shapes, batch sizes, GPUs) and whose knobs are measured as a starting point; repeatable")
+    ap.add_argument("--no-configs", dest="configs", action="store_false",
+                    help="no start points: each task's first round comes from the sampled pool, and the scheduler's "
+                         "gradient picks tasks from the first round on")
     ap.add_argument("--seed", type=int, default=0, help="random seed of the search (default 0)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     build_mod, runners_mod = factories if factories is not None else _factories()
@@ -157,7 +160,8 @@ def _run(a, log, factories) -> int:
 
     pending = tuple(e for e in (getattr(runners_mod, "OfflineBatchPending", None),) if e is not None)
     tuner = Tuner(tasks, builder, runner, a.output, model=model, transfer=tuple(a.tuning_log), seed=a.seed,
-                  batch=a.per_round, log=log, pending=pending, tasks_per_round=a.tasks_per_round)
+                  batch=a.per_round, log=log, pending=pending, tasks_per_round=a.tasks_per_round,
+                  configs=a.configs)
     summary = tuner.run(trials=trials, minutes=a.minutes)
     if any(r["measured"] for r in summary.rows):
         log(format_summary(summary))

@@ -12,7 +12,11 @@ batch again -- proposals are a function of the log and the seed -- and goes on.
 2. **Baseline.** Each task's default knobs (``KernelSpace.default``, what an untuned layer gets), and the knobs the
    packaged logs gave it where they differ, are measured first -- every task's in one batch, so the builder and the
    runner's GPUs work in parallel. The measured default times replace the roofline estimates in the tasks' shares.
-3. **Rounds.** Each round picks ONE task (``tasks_per_round`` tasks: the largest gradients, measured together -- for
+3. **First rounds.** Every task of at least ``FIRST_SHARE`` of its model's time whose start points are not all
+   measured (in this run or the log it resumes) gets one round before the gradient decides, the largest first: its start points (``KernelSpace.configs``, the forms that won most often elsewhere)
+   and, to fill the round, the cost model's picks (``search.propose``). ``configs=False`` (qtune ``--no-configs``)
+   leaves both out: the gradient alone picks, from the first round on, and proposals come from the pool only.
+4. **Rounds.** Each round picks ONE task (``tasks_per_round`` tasks: the largest gradients, measured together -- for
    an offline export or several GPUs) and measures ``batch`` of its candidates (``search.propose``: cost-model
    ranked, plus an epsilon share of random ones), appends every measurement to the log, and retrains the model.
    The task picked is the one with the largest expected gain for the whole model (the idea of Ansor's task scheduler
@@ -42,11 +46,12 @@ from typing import Callable, Optional
 from qcompile.errors import QCompileError
 
 from .common import BUILD_ERROR, OK, Candidate, Measured
-from .search import TaskState, baseline, propose
+from .search import TaskState, baseline, propose, starts
 from .tasks import set_shares
 
 WINDOW = 2
 OPTIMISM = 0.2
+FIRST_SHARE = 0.01  # tasks below this share of their model's time get no first round of their own
 
 
 @dataclass
@@ -61,7 +66,7 @@ class Summary:
 class Tuner:
     def __init__(self, tasks: list, builder, runner, log_path, *, model=None, transfer=(), seed: int = 0,
                  batch: int = 8, eps: float = 0.1, pool: int = 48, log: Callable = print, spaces=None,
-                 clock: Callable = time.monotonic, pending=(), tasks_per_round: int = 1):
+                 clock: Callable = time.monotonic, pending=(), tasks_per_round: int = 1, configs: bool = True):
         from qcompile.schedules.space import SPACES
 
         self.spaces = SPACES if spaces is None else spaces
@@ -70,6 +75,7 @@ class Tuner:
         self.transfer = tuple(transfer)
         self.seed, self.batch, self.eps, self.pool = seed, max(1, batch), eps, pool
         self.tasks_per_round = max(1, tasks_per_round)
+        self.configs = configs
         self.log, self.clock = log, clock
         self.pending = tuple(pending)  # exceptions by which a runner says its batch is measured elsewhere, later
         self.states = [TaskState(t, self.spaces.get(t.strategy)) for t in tasks]
@@ -202,18 +208,23 @@ class Tuner:
         return now * max(recent, OPTIMISM / (1 + st.rounds))
 
     def pick(self) -> Optional[TaskState]:
-        best, g_best = None, 0.0
-        for st in self.states:
-            g = self.gradient(st)
-            if g > g_best:
-                best, g_best = st, g
-        return best
+        """The task the next round goes to (``_propose_round``'s first), or None."""
+        ranked = [st for st in self.states if self.gradient(st) > 0]
+        return max(ranked, key=self._priority) if ranked else None
+
+    def first_round(self, st: TaskState) -> bool:
+        """Whether ``st`` is owed its first round (module docstring, step 3)."""
+        return (self.configs and st.rounds == 0 and st.task.share >= FIRST_SHARE and st.tunable
+                and not st.exhausted and bool(starts(st)))
+
+    def _priority(self, st: TaskState) -> tuple:
+        return (True, st.task.share) if self.first_round(st) else (False, self.gradient(st))
 
     def _propose_round(self, left: int, carry=()):
-        """The next round: the ``tasks_per_round`` tasks of largest gradient (one, by default), each with up to
-        ``batch`` proposals, measured together. None when no task has a gradient left; [] when the picked ones turned
-        out exhausted (they drop out: pick again)."""
-        ranked = sorted((st for st in self.states if self.gradient(st) > 0), key=self.gradient, reverse=True)
+        """The next round: the ``tasks_per_round`` tasks owed a first round (largest share first), else those of
+        largest gradient (one task, by default), each with up to ``batch`` proposals, measured together. None when
+        no task has a gradient left; [] when the picked ones turned out exhausted (they drop out: pick again)."""
+        ranked = sorted((st for st in self.states if self.gradient(st) > 0), key=self._priority, reverse=True)
         if not ranked:
             return None
         picked = []
@@ -222,7 +233,7 @@ class Tuner:
             if n <= 0:
                 break
             pending = frozenset(st.knobs_id(kn) for s2, kn in carry if s2 is st)
-            cands = propose(st, n, self.model, self.seed, self.eps, self.pool, pending=pending)
+            cands = propose(st, n, self.model, self.seed, self.eps, self.pool, pending=pending, configs=self.configs)
             if cands:
                 picked.append((st, cands))
         return picked

@@ -9,10 +9,12 @@ in it, so they are never proposed again, and never become the best.
 
 1. the baseline first: the space's default knobs for the shape (what an untuned layer gets), then the knobs the logs
    gave when the tasks were extracted where they differ (the shipped records: the tuner starts from them);
-2. a pool of fresh legal points -- ``pool`` draws from ``KernelSpace.sample`` and, once something is measured,
+2. the space's start points (``KernelSpace.configs``: a short table of the forms that won most often elsewhere, those
+   legal for the shape) not measured yet -- ranked by the cost model where it has data -- unless ``configs`` is off;
+3. to fill the round, a pool of fresh legal points -- ``pool`` draws from ``KernelSpace.sample`` and, once something is measured,
    neighbours of the best measured candidates (one knob changed to the value a fresh sample of the same MMA path
    has, kept where legal) -- without the candidates measured already;
-3. the pool ranked by the cost model (``CostModel.score``; before the model has data, the pool's random order), the
+4. the pool ranked by the cost model (``CostModel.score``; before the model has data, the pool's random order), the
    best ``n - n_eps`` taken, and ``n_eps = ceil(eps * n)`` more drawn at random from the rest (exploration: the
    model only knows what it has seen).
 
@@ -162,11 +164,25 @@ def baseline(state: TaskState) -> list:
     return out
 
 
+def starts(state: TaskState, model=None) -> list:
+    """The task's start points (``KernelSpace.configs``) not measured yet, the cost model's favourites first where
+    it has data for the strategy (else the table's order)."""
+    if not state.tunable:
+        return []
+    cands = [kn for kn in state.space.configs(state.spec, state.arch, state.sms)
+             if state.knobs_id(kn) not in state.measured]
+    if model is not None and len(cands) > 1 and model.trained(state.space.strategy):
+        scores = model.score(state.space, state.spec, state.arch, cands, state.sms)
+        cands = [cands[i] for i in np.argsort(-np.asarray(scores), kind="stable")]
+    return cands
+
+
 def propose(state: TaskState, n: int, model=None, seed: int = 0, eps: float = 0.1, pool: int = 48,
-            top: int = 4, pending=frozenset()) -> list:
+            top: int = 4, pending=frozenset(), configs: bool = True) -> list:
     """Up to ``n`` new candidates (knobs) for ``state``'s task, the baseline first (see the module docstring);
     ``[]`` when nothing new turns up (the state is then marked exhausted). ``pending``: knobs ids (``knobs_id``) on
-    their way to the runner in the same batch (not proposed again)."""
+    their way to the runner in the same batch (not proposed again). ``configs``: take the space's start points
+    before the pool."""
     if not state.tunable or n <= 0:
         return []
     spec, arch, space = state.spec, state.arch, state.space
@@ -185,6 +201,11 @@ def propose(state: TaskState, n: int, model=None, seed: int = 0, eps: float = 0.
     for kn in baseline(state):
         take(kn)
     if out:  # (the baseline goes alone: the defaults' time is what the search is measured against)
+        return out
+    if configs:
+        for kn in starts(state, model):
+            take(kn)
+    if len(out) >= n:
         return out
     rng = _rng(seed, state)
     cands, cids = [], set()

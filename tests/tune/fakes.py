@@ -27,11 +27,17 @@ def _effective(spec, arch, kn, sms=None):
     return kn.replace(BM=bm)
 
 
-def fake_space(strategy="implicit_gemm"):
+# start points of the fake space: one illegal (tile too large), two that build the same kernel on tiny shapes
+CONFIGS = (GemmKnobs(BM=256, BN=256, BK=64, stages=3), GemmKnobs(BM=64, BN=64, BK=64, stages=4),
+           GemmKnobs(BM=32, BN=64, BK=64, stages=4), GemmKnobs(BM=128, BN=64, BK=128, stages=2))
+
+
+def fake_space(strategy="implicit_gemm", configs=False):
     return KernelSpace(strategy, GemmKnobs, dict(DIMS), lambda spec, arch: None, _legal,
                        lambda spec, arch, sms=None: GemmKnobs(BM=128, BN=128, BK=64, stages=3), _effective,
                        lambda spec, arch, kn, sms=None: [math.log2(kn.BM * kn.BN), kn.BK * kn.stages / 64],
-                       derived_names=("log2_tile", "ring_chunks"))
+                       derived_names=("log2_tile", "ring_chunks"),
+                       configs_fn=(lambda spec, arch: list(CONFIGS)) if configs else None)
 
 
 def cost_ms(spec: ConvSpec, kn: GemmKnobs) -> float:

@@ -127,3 +127,39 @@ def test_several_tasks_per_round_measured_together(tmp_path):
     first = runner.batches[0]
     assert {c.key for c in first[:3]} == {t.key for t in tasks} and 3 + 9 <= len(first) <= 3 + 12
     assert len({c.key for c in runner.batches[1]}) == 3 and all(st.rounds >= 2 for st in tu.states)
+
+
+def test_every_task_gets_its_start_points_before_the_gradient(tmp_path, monkeypatch):
+    """With start points, each task of at least FIRST_SHARE of the model's time gets one round (largest share first)
+    before any task gets a second; a tiny task below FIRST_SHARE waits for the gradient; a resumed run does not owe
+    those rounds again; ``configs=False`` lets the gradient pick from the first round."""
+    from fakes import CONFIGS
+
+    from qcompile.tune import scheduler as S
+
+    big = make_task(N=64, H=56, C=64, K=64, layers=("l1a", "l1b", "l1c"), batch=64)
+    mid = make_task(N=64, H=28, C=128, K=128, layers=("l2",), batch=64)
+    small = make_task(N=64, H=14, C=128, K=128, layers=("l3",), batch=64)
+    tiny = make_task(N=64, H=2, C=64, K=64, R=1, layers=("l4",), batch=64)
+    monkeypatch.setattr(S, "FIRST_SHARE", 0.08)
+    log = tmp_path / "s.jsonl"
+    spaces = {"implicit_gemm": fake_space(configs=True)}
+    tasks = [tiny, small, mid, big]
+    set_shares(tasks, measured=False)
+    tu = Tuner(tasks, FakeBuilder(), FakeRunner(), log, spaces=spaces, log=lambda s: None, batch=4)
+    tu.run(trials=4 + 3 * 4)
+    assert tiny.share < S.FIRST_SHARE <= min(t.share for t in (small, mid, big))
+    rounds = [r["key"] for r in _lines(log)[4:]]
+    order = sorted((big, mid, small), key=lambda t: -t.share)
+    assert rounds == [t.key for t in order for _ in range(4)]
+    cfg = {tu.states[0].knobs_id(k) for k in CONFIGS[1:]}
+    assert all(cfg <= set(st.measured) for st in tu.states if st.task is not tiny)
+    again = Tuner(tasks, FakeBuilder(), FakeRunner(), log, spaces=spaces, log=lambda s: None, batch=4)
+    again.device = again.runner.device()
+    again.resume()
+    again._shares()
+    assert not any(again.first_round(st) for st in again.states)
+    plain = Tuner(tasks, FakeBuilder(), FakeRunner(), tmp_path / "p.jsonl", spaces=spaces, log=lambda s: None,
+                  batch=4, configs=False)
+    plain.run(trials=4 + 3 * 4)
+    assert [r["key"] for r in _lines(tmp_path / "p.jsonl")[4:]] != rounds

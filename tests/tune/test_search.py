@@ -2,7 +2,7 @@
 failures never proposed again, deterministic proposals. Fake space, no GPU."""
 from __future__ import annotations
 
-from fakes import fake_space, make_task
+from fakes import CONFIGS, fake_space, make_task
 
 from qcompile.schedules.spec import GemmKnobs
 from qcompile.tune.search import TaskState, baseline, propose
@@ -59,3 +59,20 @@ def _with_baseline(st):
     for kn in baseline(st):
         st.add(kn, "ok", 1.0)
     return st
+
+
+def test_start_points_follow_the_baseline_legal_and_distinct():
+    """After the baseline, a round takes the space's start points first (the illegal one skipped; on a tiny shape two
+    that build one kernel count once), fills the rest from the pool, and never proposes them again; without
+    ``configs`` the round comes from the pool alone."""
+    st = TaskState(make_task(), fake_space(configs=True))
+    _with_baseline(st)
+    cands = propose(st, 8, seed=1)
+    assert cands[:3] == list(CONFIGS[1:]) and len(cands) == 8
+    for kn in cands:
+        st.add(kn, "ok", 2.0)
+    assert not set(map(st.knobs_id, CONFIGS[1:])) & {st.knobs_id(k) for k in propose(st, 8, seed=1)}
+    tiny = TaskState(make_task(N=2, H=2, C=64, K=64, R=1), fake_space(configs=True))
+    assert tiny.space.configs(tiny.spec, tiny.arch) == [CONFIGS[1], CONFIGS[3]]  # (BM 64 and 32: one kernel)
+    plain = _with_baseline(TaskState(make_task(), fake_space(configs=True)))
+    assert propose(plain, 8, seed=1, configs=False) == propose(_with_baseline(_state()), 8, seed=1)
