@@ -1,14 +1,17 @@
-"""DispatchCPU: run integer conv2d/dense + requantize on qcompile's CPU kernel (x86 AVX2, ``schedules/cpu_conv.py``).
+"""DispatchCPU: run integer conv2d/dense + requantize on qcompile's CPU kernels (x86 AVX-512 VNNI / AVX-VNNI
+``vpdpbusd`` and aarch64 ``sdot``, ``schedules/cpu_conv_vnni.py``; x86 AVX2 ``vpmaddwd``, ``schedules/cpu_conv.py``).
 
 Matches the same chains as :mod:`.dispatch_tensor_core` (``find_fusions``: a requantized conv or dense, and a
 quantized residual add fused into the conv whose output it alone reads), in NCHW or NHWC, and replaces each by a
-``call_tir`` of :func:`qcompile.schedules.cpu_conv.make_cpu_conv`, whose fused epilogue computes the chain exactly.
-The kernel reads and writes the graph's own layout (no layout transform in the graph); weights are prepacked at
+``call_tir`` of one inner kernel for the whole module, whose fused epilogue computes the chain exactly: the one the
+codegen target enables (``cpu_conv.target_kernel``: ``cpu_direct_vnni``, ``cpu_direct_avxvnni``,
+``cpu_direct_avx2`` or ``cpu_direct_sdot``). The kernel reads and writes the graph's own layout (no layout transform
+in the graph); weights (and, for the dot-product kernels, the bias with the input flip folded in) are prepacked at
 compile time. The dense layer runs as a 1x1 conv over a 1x1 image (its (N, C) input reshaped to (N, 1, 1, C)).
 
 Left to TVM's generic lowering (correct, unscheduled): HWNC, grouped / depthwise convs, packed 4-bit operands, and
 any conv whose int32 accumulator could exceed int32 (the kernel adds the bias in int32; the bound is checked per
-output channel from the weights and the input's range).
+output channel from the weights and the input's range, the flipped range for a dot-product kernel that flips it).
 
 ``cpu_kernels_target`` decides whether the kernels run in an llvm build and the build target they need
 (``QCOMPILE_CPU_KERNELS=0`` turns them off: the generic path, for comparison).
@@ -36,22 +39,39 @@ def cpu_kernels_enabled() -> bool:
 
 def cpu_kernels_target(target) -> Optional[tvm.target.Target]:
     """The codegen target of an llvm build that runs the CPU kernels, or None where they do not run (not llvm, no
-    AVX2 for that target, or ``QCOMPILE_CPU_KERNELS=0``): a plain ``llvm`` target on an x86-64 host with AVX2 becomes
-    x86-64-v3 (``schedules.cpu_conv.cpu_target``); a target naming ``mtriple`` / ``mcpu`` / ``mattr`` is taken as
-    given and qualifies only if it enables AVX2 on an x86 triple. ``qcompile.pipeline.build`` decides its target here
-    once; the pipeline dispatches only for a target that already has AVX2 (``cpu_conv.target_has_avx2``)."""
-    from qcompile.schedules.cpu_conv import cpu_target, target_has_avx2
+    kernel for that target, or ``QCOMPILE_CPU_KERNELS=0``): a plain ``llvm`` target on an x86-64 host with AVX2
+    becomes the host's best kernel target (``schedules.cpu_conv.cpu_target``: x86-64-v4 with AVX-512 VNNI, x86-64-v3
+    with AVX-VNNI, or x86-64-v3); a target naming ``mtriple`` / ``mcpu`` / ``mattr`` is taken as given and qualifies
+    only if it enables a kernel's instructions (``cpu_conv.target_kernel``: AVX2 on x86, dotprod on aarch64).
+    ``qcompile.pipeline.build`` decides its target here once; the pipeline dispatches only for a target that already
+    enables a kernel."""
+    from qcompile.schedules.cpu_conv import cpu_target, target_kernel
 
     if not cpu_kernels_enabled() or target.kind.name != "llvm":
         return None
     tgt = cpu_target(target)
-    return tgt if target_has_avx2(tgt) else None
+    return tgt if target_kernel(tgt) is not None else None
+
+
+KERNELS = ("cpu_direct_avx2", "cpu_direct_vnni", "cpu_direct_avxvnni", "cpu_direct_sdot")
 
 
 def has_cpu_kernels(mod: tvm.IRModule) -> bool:
-    """Whether ``mod`` already holds a CPU kernel (``DispatchCPU`` ran on it): it needs an AVX2 codegen target."""
+    """Whether ``mod`` already holds a CPU kernel (``DispatchCPU`` ran on it): it needs the codegen target that
+    ``DispatchCPU`` chose its kernel for (``schedules.cpu_conv.cpu_target`` on the same host gives it)."""
     return any(isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
-               and str(f.attrs.get("qcompile.strategy", "")) == "cpu_direct_avx2" for f in mod.functions.values())
+               and str(f.attrs.get("qcompile.strategy", "")) in KERNELS for f in mod.functions.values())
+
+
+def dispatch_kernel() -> Optional[str]:
+    """The inner kernel for the module under the current target (``tvm.compile`` runs the pipeline under the codegen
+    target), else for this host's build target (``cpu_conv.cpu_target`` of plain llvm); None without AVX2."""
+    from qcompile.schedules.cpu_conv import cpu_target, target_kernel
+
+    tgt = tvm.target.Target.current(allow_none=True)
+    if tgt is None or tgt.kind.name != "llvm":
+        tgt = cpu_target(tvm.target.Target({"kind": "llvm"}))
+    return target_kernel(tgt)
 
 
 def _logical_weights(g: _Group) -> np.ndarray:
@@ -63,9 +83,10 @@ def _logical_weights(g: _Group) -> np.ndarray:
     return np.ascontiguousarray(np.transpose(w, {"OHWI": (0, 1, 2, 3), "OIHW": (0, 2, 3, 1)}[kl]))
 
 
-def _spec(g: _Group, r: Optional[_Residual], var):
-    """(ConvSpec in NHWC geometry, io layout, logical weights), or (None, reason)."""
+def _spec(g: _Group, r: Optional[_Residual], var, kernel: str):
+    """(ConvSpec in NHWC geometry, io layout, logical weights), or (None, reason), for ``kernel``."""
     from qcompile.schedules.cpu_conv import applies
+    from qcompile.schedules.cpu_conv_vnni import ISAS
     from qcompile.schedules.spec import ConvSpec
 
     xs = [int(s) for s in g.x.ty.shape]
@@ -90,9 +111,14 @@ def _spec(g: _Group, r: Optional[_Residual], var):
     if xlo is None:
         return None, f"input storage {x_st}"
     # the kernel accumulates in int32 and adds the bias in int32, as the graph's int32 conv does and its int64
-    # requantize would not wrap: take only convs where that sum cannot leave int32
+    # requantize would not wrap: take only convs where that sum cannot leave int32. The dot-product kernels read a
+    # flipped input (x xor 0x80: values up to 255 in magnitude, say) and add bias -+ 128 sum(w): those stay in int32
     amax = max(abs(xlo), abs(xhi), abs(g.pad_value))
-    bound = np.abs(w).reshape(K, -1).sum(axis=1) * amax + np.abs(g.bias.astype(np.int64))
+    wabs = np.abs(w).reshape(K, -1).sum(axis=1)
+    bias = np.abs(g.bias.astype(np.int64))
+    bound = wabs * amax + bias
+    if kernel in ISAS and (x_st == "int8") == ISAS[kernel].unsigned_x:  # the kernel flips this input
+        bound = np.maximum(bound, wabs * 255 + bias + 128 * np.abs(w.reshape(K, -1).sum(axis=1)))
     if bound.max(initial=0) >= 2**31:
         return None, "accumulator may exceed int32"
     res = {}
@@ -113,9 +139,9 @@ def _spec(g: _Group, r: Optional[_Residual], var):
 
 @mutator
 class _CPUDispatcher(PyExprMutator):
-    def __init__(self, mod, groups, residuals, plans):
+    def __init__(self, mod, groups, residuals, plans, kernel: str):
         super().__init__(mod)
-        self.groups, self.residuals, self.plans = groups, residuals, plans
+        self.groups, self.residuals, self.plans, self.kernel = groups, residuals, plans, kernel
         self.kernels: dict = {}  # kernel key -> GlobalVar (identical layers share one PrimFunc)
         self.chosen: list = []   # (conv output, kernel name)
         self.fused: list = []    # (conv output, residual add output)
@@ -127,20 +153,28 @@ class _CPUDispatcher(PyExprMutator):
             return super().visit_var_binding_(binding)
         self._emit(binding.var, g, r, *self.plans[binding.var])
 
-    def _emit(self, var, g: _Group, r: Optional[_Residual], spec, io, w):
-        from qcompile.schedules.cpu_conv import make_cpu_conv, pack_weights
+    def _kernel(self, spec, io, w, bias):
+        """(PrimFunc, packed weights, bias) of the module's inner kernel for one layer."""
+        from qcompile.schedules import cpu_conv, cpu_conv_vnni
 
+        if self.kernel == cpu_conv.STRATEGY:
+            return cpu_conv.make_cpu_conv(spec, io), relax.const(cpu_conv.pack_weights(w), "int16"), bias
+        tile = cpu_conv_vnni.choose_tile(spec, self.kernel)
+        w8, b = cpu_conv_vnni.prepack(spec, w, bias, self.kernel)
+        return cpu_conv_vnni.make_cpu_conv_vnni(spec, io, tile), relax.const(w8, "int8"), b
+
+    def _emit(self, var, g: _Group, r: Optional[_Residual], spec, io, w):
+        func, wc, bias = self._kernel(spec, io, w, g.bias)
         key = (spec, io)
         if key not in self.kernels:
             name = f"qconv_cpu_{len(self.kernels)}"
-            func = make_cpu_conv(spec, io).with_attr("op_pattern", 8).with_attr("global_symbol", name)
+            func = func.with_attr("op_pattern", 8).with_attr("global_symbol", name)
             self.kernels[key] = self.builder_.add_func(func, name)
-        self.chosen.append((g.out.name, "cpu_direct_avx2"))
+        self.chosen.append((g.out.name, self.kernel))
         x = self.visit_expr(g.x)
         if g.dense:
             x = self.builder_.emit(relax.op.reshape(x, (spec.N, 1, 1, spec.C)), var.name + "_x4d")
-        args = [x, relax.const(pack_weights(w), "int16"), relax.const(g.bias, "int32"),
-                relax.const(g.M, "int32"), relax.const(g.S, "int32")]
+        args = [x, wc, relax.const(bias, "int32"), relax.const(g.M, "int32"), relax.const(g.S, "int32")]
         if r is not None:
             self.fused.append((g.out.name, var.name))
             args += [self.visit_expr(r.res), relax.const(r.rq2, "int32")]
@@ -154,21 +188,28 @@ class _CPUDispatcher(PyExprMutator):
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchCPU")
 class DispatchCPU:
-    """Replace requantized integer conv2d/dense in ``main`` (NCHW or NHWC) by the CPU kernel (see module docstring).
-    After the pass: ``chosen`` (conv output, kernel) per dispatched layer, ``fused`` (conv output, residual add
-    output) per fused residual, ``skipped`` (conv output, reason) per layer left to the generic path."""
+    """Replace requantized integer conv2d/dense in ``main`` (NCHW or NHWC) by the CPU kernel (see module docstring):
+    ``kernel`` (one of ``KERNELS``), by default :func:`dispatch_kernel`. After the pass: ``chosen`` (conv output,
+    kernel) per dispatched layer, ``fused`` (conv output, residual add output) per fused residual, ``skipped`` (conv
+    output, reason) per layer left to the generic path."""
 
-    def __init__(self):
+    def __init__(self, kernel: Optional[str] = None):
+        if kernel is not None and kernel not in KERNELS:
+            raise ValueError(f"DispatchCPU: unknown kernel {kernel!r} (one of {', '.join(KERNELS)})")
+        self.kernel = kernel
         self.chosen: list = []
         self.fused: list = []
         self.skipped: list = []
 
     @keeps_user_errors
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        kernel = self.kernel or dispatch_kernel()
+        if kernel is None:
+            raise ValueError("DispatchCPU: no CPU kernel for this target (the kernels need an x86 target with AVX2)")
         groups, residuals = find_fusions(mod["main"], layouts=("NCHW", "NHWC"))
         plans, skipped = {}, []
         for var, r in list(residuals.items()):  # a residual the kernel cannot take: its conv runs on its own
-            plan, why = _spec(r.group, r, var)
+            plan, why = _spec(r.group, r, var, kernel)
             if plan is None:
                 del residuals[var]
                 r.group.fused = False
@@ -177,12 +218,12 @@ class DispatchCPU:
         for var, g in groups.items():
             if g.fused:
                 continue
-            plan, why = _spec(g, None, var)
+            plan, why = _spec(g, None, var, kernel)
             if plan is None:
                 skipped.append((g.out.name, why))
             else:
                 plans[var] = plan
-        d = _CPUDispatcher(mod, groups, residuals, plans)
+        d = _CPUDispatcher(mod, groups, residuals, plans, kernel)
         func = d.visit_expr(mod["main"])
         self.chosen, self.fused, self.skipped = d.chosen, d.fused, skipped
         out = d.builder_.get()

@@ -24,6 +24,11 @@ Two stages, both parallel over the 2-D output rows (TVM's thread pool):
 A row whose length is not a multiple of QT ends with a tile shifted left onto the previous one (the overlap is
 computed twice and stored with the same values); the same for the channel blocks. The instruction needs AVX2: the
 build target carries it (``schedules.cpu_conv.cpu_target``).
+
+This module also decides the CPU kernels' targets for every inner kernel: :func:`cpu_target` (the build target of a
+plain llvm target on this host: the best of AVX-512 VNNI, AVX-VNNI, AVX2) and :func:`target_kernel` (the inner
+kernel a target's features enable); the dot-product kernels (VNNI, Arm sdot) are in :mod:`.cpu_conv_vnni`, and run
+where the host has them instead of this one.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ LANES = 8            # int32 lanes of a ymm register: output channels per vpmadd
 QT = 6               # output pixels per register tile (6 x 2 accumulators + 2 weight vectors + 1 broadcast <= 16)
 KT = 2               # channel blocks (of 8) per register tile
 PMADDWD = "llvm.x86.avx2.pmadd.wd"
+STRATEGY = "cpu_direct_avx2"
 
 
 _X86 = ("x86_64", "i686", "i386", "i586")
@@ -60,30 +66,69 @@ def _is_plain_llvm(target: tvm.target.Target) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def host_has_avx2() -> bool:
-    """Whether this host is x86-64 and its CPU runs AVX2: the ``avx2`` flag of ``/proc/cpuinfo`` (what the kernel
-    enables, not what the CPU model could do), else (no /proc) what LLVM reports for the host CPU."""
+def host_flags() -> frozenset:
+    """The CPU flags of this host's ``/proc/cpuinfo`` (what the kernel enables, not what the CPU model could do);
+    empty where there is no /proc or the host is not x86-64."""
     if not tvm.target.codegen.llvm_get_system_triple().startswith("x86_64"):
-        return False
+        return frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return "avx2" in line.split(":", 1)[1].split()
-        return False
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        host = tvm.target.Target({"kind": "llvm", "mcpu": str(tvm.target.codegen.llvm_get_system_cpu())})
-        return bool(tvm.target.codegen.target_has_features("avx2", host))
+        pass
+    return frozenset()
+
+
+def _host_llvm_has(feature: str) -> bool:
+    host = tvm.target.Target({"kind": "llvm", "mcpu": str(tvm.target.codegen.llvm_get_system_cpu())})
+    return bool(tvm.target.codegen.target_has_features(feature, host))
+
+
+@functools.lru_cache(maxsize=None)
+def host_has_avx2() -> bool:
+    """Whether this host is x86-64 and its CPU runs AVX2: the ``avx2`` flag of ``/proc/cpuinfo``, else (no /proc)
+    what LLVM reports for the host CPU."""
+    if not tvm.target.codegen.llvm_get_system_triple().startswith("x86_64"):
+        return False
+    flags = host_flags()
+    return "avx2" in flags if flags else _host_llvm_has("avx2")
+
+
+# /proc/cpuinfo flags -> LLVM features of the VNNI kernels' targets
+_VNNI512_FLAGS = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni")
+_AVXVNNI_FLAGS = ("avx_vnni",)
+
+
+@functools.lru_cache(maxsize=None)
+def host_vnni() -> str | None:
+    """The VNNI form this host runs: ``"avx512"`` (AVX-512 F/BW/CD/DQ/VL and AVX-512 VNNI: zmm ``vpdpbusd``),
+    ``"avx"`` (AVX-VNNI, ymm, e.g. Alder Lake), or None; from ``/proc/cpuinfo`` (else what LLVM reports for the host
+    CPU). Only on a host with AVX2 (:func:`host_has_avx2`)."""
+    if not host_has_avx2():
+        return None
+    flags = host_flags()
+    has = (lambda fl: all(f in flags for f in fl)) if flags else (
+        lambda fl: all(_host_llvm_has(f.replace("_", "")) for f in fl))
+    if has(_VNNI512_FLAGS):
+        return "avx512"
+    return "avx" if has(_AVXVNNI_FLAGS) else None
 
 
 def cpu_target(target: tvm.target.Target) -> tvm.target.Target:
     """The build target of an llvm build with the CPU kernels: a plain ``llvm`` target (no ``mtriple`` other than the
-    host's, no ``mcpu``, no ``mattr``) becomes x86-64-v3 (AVX2, FMA, BMI2: x86 CPUs since 2013-2015), which the
-    kernels need, when the host is x86-64 with AVX2 (:func:`host_has_avx2`); any other target is used as given."""
+    host's, no ``mcpu``, no ``mattr``) on an x86-64 host becomes the best level the host runs (:func:`host_vnni`,
+    :func:`host_has_avx2`): x86-64-v4 with AVX-512 VNNI (Intel since Ice Lake / Cascade Lake, AMD since Zen 4),
+    x86-64-v3 with AVX-VNNI, or x86-64-v3 (AVX2, FMA, BMI2: x86 CPUs since 2013-2015); any other target, and a plain
+    one on a host without AVX2, is used as given."""
     if not _is_plain_llvm(target) or not host_has_avx2():
         return target
     cfg = {k: v for k, v in dict(target.export()).items() if k not in ("keys", "tag", "features")}
-    cfg["mcpu"] = "x86-64-v3"
+    vnni = host_vnni()
+    cfg["mcpu"] = "x86-64-v4" if vnni == "avx512" else "x86-64-v3"
+    if vnni is not None:
+        cfg["mattr"] = ["+avx512vnni" if vnni == "avx512" else "+avxvnni"]
     return tvm.target.Target(cfg)
 
 
@@ -97,6 +142,31 @@ def target_has_avx2(target: tvm.target.Target) -> bool:
     if not _is_x86(triple) or ("mcpu" not in target.attrs and "mattr" not in target.attrs):
         return False
     return bool(tvm.target.codegen.target_has_features("avx2", target))
+
+
+def _is_aarch64(triple: str) -> bool:
+    return triple.split("-", 1)[0] in ("aarch64", "arm64")
+
+
+def target_kernel(target: tvm.target.Target) -> str | None:
+    """The inner kernel the CPU kernels use for ``target`` (its ``mtriple`` / ``mcpu`` / ``mattr``, as LLVM sees
+    them), or None (the generic path): on x86 with AVX2, ``cpu_direct_vnni`` (zmm ``vpdpbusd``) where AVX-512 VNNI
+    and BW are enabled, ``cpu_direct_avxvnni`` (ymm ``vpdpbusd``) where AVX-VNNI is, else ``cpu_direct_avx2``
+    (``vpmaddwd``); on aarch64 with dotprod, ``cpu_direct_sdot``. On this repository's AVX-512 VNNI host the zmm
+    kernel measures faster than the ymm one (docs/BENCHMARKS.md)."""
+    if target.kind.name != "llvm":
+        return None
+    triple = str(target.attrs.get("mtriple", "")) or str(tvm.target.codegen.llvm_get_system_triple())
+    has = lambda f: bool(tvm.target.codegen.target_has_features(f, target))
+    if _is_aarch64(triple):  # (no x86 question reaches LLVM for another architecture)
+        return "cpu_direct_sdot" if has("dotprod") else None
+    if not target_has_avx2(target):
+        return None
+    if has("avx512vnni") and has("avx512bw"):
+        return "cpu_direct_vnni"
+    if has("avxvnni"):
+        return "cpu_direct_avxvnni"
+    return STRATEGY
 
 
 def applies(spec: ConvSpec) -> str | None:
@@ -182,23 +252,23 @@ def make_cpu_conv(spec: ConvSpec, io_layout: str = "NHWC") -> tvm.tirx.PrimFunc:
                 for c2 in range(C2):
                     xp[nh // Hp, nh % Hp, wp, c2] = pair(x, nh // Hp, nh % Hp, wp, c2)
         for task in T.parallel(N * P * n_kt):
-            n: T.int32 = task // (P * n_kt)
-            p: T.int32 = task // n_kt % P
+            n = T.meta_var(task // (P * n_kt))  # (meta_var: inlined, no per-task local allocation)
+            p = T.meta_var(task // n_kt % P)
             # the last channel block is clamped back onto the one before it when kt does not divide KB: those
             # tasks compute the overlapping blocks again and write the same bytes (a benign duplicate write)
-            kb0: T.int32 = T.min(task % n_kt * kt, KB - kt)
+            kb0 = T.meta_var(T.min(task % n_kt * kt, KB - kt))
             for qi in range(n_qt):
                 # (the same for the row's last tile: shifted back onto the previous one, overlap written twice)
-                q0: T.int32 = T.min(qi * qt, Q - qt)
+                q0 = T.meta_var(T.min(qi * qt, Q - qt))
                 acc = T.alloc_buffer((qt * kt * LANES,), "int32", scope="local")
                 for i in T.unroll(qt * kt):
                     acc[T.ramp(i * LANES, 1, LANES)] = T.broadcast(T.int32(0), LANES)
                 for r, s, c2 in T.grid(R, S_, C2):
                     for j in T.unroll(kt):
-                        wv: T.int16x16 = w16[kb0 + j, r, s, c2, T.ramp(0, 1, 2 * LANES)]
+                        wv = T.meta_var(w16[kb0 + j, r, s, c2, T.ramp(0, 1, 2 * LANES)])
                         for i in T.unroll(qt):
-                            xv: T.int16x16 = T.reinterpret("int16x16", T.broadcast(
-                                xp[n, p * sh + r * dh, (q0 + i) * sw + s * dw, c2], LANES))
+                            xv = T.meta_var(T.reinterpret("int16x16", T.broadcast(
+                                xp[n, p * sh + r * dh, (q0 + i) * sw + s * dw, c2], LANES)))
                             acc[T.ramp((i * kt + j) * LANES, 1, LANES)] = (
                                 acc[T.ramp((i * kt + j) * LANES, 1, LANES)]
                                 + T.call_llvm_pure_intrin("int32x8", PMADDWD, xv, wv))
@@ -218,4 +288,4 @@ def make_cpu_conv(spec: ConvSpec, io_layout: str = "NHWC") -> tvm.tirx.PrimFunc:
     f = kernel
     if not resid:  # drop the residual parameters
         f = tvm.tirx.PrimFunc([f.params[i] for i in (0, 1, 2, 3, 4, 7)], f.body, f.ret_type, f.attrs)
-    return f.with_attr("qcompile.strategy", "cpu_direct_avx2")
+    return f.with_attr("qcompile.strategy", STRATEGY)

@@ -1,22 +1,27 @@
 #!/usr/bin/env python3
-"""CPU latency of compiled ResNets against onnxruntime on the same QDQ model, batch 1, same thread count.
+"""CPU latency of compiled ResNets against onnxruntime on the same QDQ model, same batch, same thread count.
 
-    python scripts/bench_cpu.py --threads 2 --json docs/bench/cpu_resnet.json --write docs/BENCHMARKS.md
-    python scripts/bench_cpu.py --table docs/bench/cpu_resnet.json --write docs/BENCHMARKS.md       # the table only
+    python scripts/bench_cpu.py --threads 2 --bits 8,4 --batch 1,16 --layout NCHW,NHWC \
+        --json docs/bench/cpu_resnet.json --write docs/BENCHMARKS.md README.md
+    python scripts/bench_cpu.py --table docs/bench/cpu_resnet.json --write docs/BENCHMARKS.md README.md  # tables only
 
-For each model and bit width: ``qmodel NET --bits B`` writes the QDQ ONNX model, ``qcompile`` builds it for llvm
-twice -- with the CPU kernels (the default) and with ``QCOMPILE_CPU_KERNELS=0`` (TVM's generic conv, for
-comparison; ``--no-generic`` skips it, it is slow) -- and each ``.so`` runs through ``qcompile.runtime.Module``;
-onnxruntime (CPU provider, ``intra_op_num_threads`` = ``--threads``, one inter-op thread, all graph optimizations)
-runs the same ONNX file. The compiled output is checked against the NumPy integer reference of the same graph
-before anything is timed. Each side: ``--warmup`` calls, then ``--runs`` timed calls; the median and the minimum are
-reported. The sides take turns (``--rounds`` rounds, each side's timed calls once per round), so that a noisy
-neighbour on a shared machine hits every side alike; the median is over all calls.
+For each model, bit width, batch and layout: ``qmodel NET --bits B`` writes the QDQ ONNX model (batch 1; another
+batch is the same file with its input and output batch dimension set), ``qcompile --layout L`` builds it for llvm
+twice -- with the CPU kernels (the default; the inner kernel is the host's best, ``schedules.cpu_conv.target_kernel``)
+and with ``QCOMPILE_CPU_KERNELS=0`` (TVM's generic conv, for comparison, batch 1 only; ``--no-generic`` skips it, it
+is slow) -- and each ``.so`` runs through ``qcompile.runtime.Module``; onnxruntime (CPU provider, ``intra_op_num_threads`` =
+``--threads``, one inter-op thread, all graph optimizations) runs the same ONNX file. The compiled output is checked
+against the NumPy integer reference of the same graph before anything is timed. Each side: ``--warmup`` calls, then
+``--runs`` timed calls; the median and the minimum are reported. The sides take turns (``--rounds`` rounds, each
+side's timed calls once per round), so that a noisy neighbour on a shared machine hits every side alike; the median is
+over all calls. ``tables``: ``cpu`` (docs/BENCHMARKS.md, every row) and ``cpu_readme`` (README.md: ResNet-50, INT8
+and INT4, batch 1), each between its ``<!-- table:NAME -->`` markers in the files given to ``--write``.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import pathlib
@@ -44,20 +49,45 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def make_model(net: str, bits: str, folder: str) -> str:
+def make_model(net: str, bits: str, batch: int, folder: str) -> str:
+    """The QDQ ONNX file of ``net`` (``qmodel``), its input's and output's batch dimension set to ``batch``."""
     path = os.path.join(folder, f"{net}_{bits}.onnx")
     if not os.path.exists(path):
         subprocess.run(["qmodel", net, "--bits", bits, "-o", path], check=True, capture_output=True)
-    return path
+    if batch == 1:
+        return path
+    import onnx
+
+    out = os.path.join(folder, f"{net}_{bits}_b{batch}.onnx")
+    if not os.path.exists(out):
+        m = onnx.load(path)
+        for v in list(m.graph.input) + list(m.graph.output):
+            v.type.tensor_type.shape.dim[0].dim_value = batch
+        del m.graph.value_info[:]
+        onnx.save(m, out)
+    return out
 
 
-def compile_so(onnx: str, so: str, generic: bool, threads: int) -> float:
+def compile_so(onnx: str, so: str, generic: bool, threads: int, layout: str) -> float:
     env = dict(os.environ, TVM_NUM_THREADS=str(threads))
     if generic:
         env["QCOMPILE_CPU_KERNELS"] = "0"
     t0 = time.time()
-    subprocess.run(["qcompile", onnx, "-o", so], check=True, capture_output=True, env=env)
+    cmd = ["qcompile", onnx, "-o", so, "--layout", layout]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode:
+        raise SystemExit(f"bench_cpu: {' '.join(cmd)} failed (exit {p.returncode}):\n{p.stderr[-2000:]}")
     return time.time() - t0
+
+
+def host_kernel() -> str:
+    """The inner kernel a plain llvm build on this host runs (``cpu_direct_vnni``, ``cpu_direct_avxvnni``,
+    ``cpu_direct_avx2``), or ``generic`` where none does."""
+    import tvm
+
+    from qcompile.schedules.cpu_conv import cpu_target, target_kernel
+
+    return target_kernel(cpu_target(tvm.target.Target({"kind": "llvm"}))) or "generic"
 
 
 def check_exact(onnx: str, so_module, x: np.ndarray) -> bool:
@@ -85,27 +115,91 @@ def bench(sides: dict, x: np.ndarray, warmup: int, runs: int, rounds: int) -> di
             for k, t in times.items()}
 
 
-def table(res: dict) -> str:
-    rows = ["| model | qcompile, CPU kernels (ms) | qcompile, generic conv (ms) | onnxruntime (ms) "
-            "| vs onnxruntime | vs generic |", "|---|---|---|---|---|---|"]
-    for r in res["results"]:
+def table(res: dict, rows_of=lambda r: True) -> str:
+    """The results as a Markdown table (the rows ``rows_of`` keeps) and a line saying how they were measured."""
+    rows = ["| model | batch | layout | qcompile, CPU kernels (ms) | qcompile, generic conv (ms) | onnxruntime (ms) "
+            "| vs onnxruntime | vs generic | `.so` (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in filter(rows_of, res["results"]):
         t = r["timings"]
         q, g = t["qcompile"]["median_ms"], t.get("generic", {}).get("median_ms")
         o = t.get("onnxruntime", {}).get("median_ms")
         gs = f"{g:.0f}" if g is not None else "not run"
         os_ = f"{o:.1f} (min {t['onnxruntime']['min_ms']:.1f})" if o is not None else "cannot run it"
-        rows.append(f"| {r['net']} {r['bits']} b1 | {q:.1f} (min {t['qcompile']['min_ms']:.1f}) | {gs} | {os_} "
-                    f"| {f'{o / q:.2f}x' if o else '-'} | {f'{g / q:.1f}x' if g else '-'} |")
+        size = f"{r['so_mib']:.1f}" if "so_mib" in r else "-"
+        rows.append(f"| {r['net']} INT{r['bits']} | {r.get('batch', 1)} | {r.get('layout', 'NCHW')} "
+                    f"| {q:.1f} (min {t['qcompile']['min_ms']:.1f}) "
+                    f"| {gs} | {os_} | {f'{o / q:.2f}x' if o else '-'} | {f'{g / q:.1f}x' if g else '-'} | {size} |")
     rows.append("")
-    rows.append(f"Medians (and minima) of single calls, {res['threads']} threads each side, batch 1; "
-                f"{res['device']}, {res['date']}; `{res['command']}`; results file `{res.get('json', '')}`.")
+    rows.append(f"Medians (and minima) of single calls in ms per batch, {res['threads']} threads each side; inner "
+                f"kernel `{res.get('kernel', 'cpu_direct_avx2')}`; "
+                f"{res['device']}, {res['date']}; onnxruntime {res['onnxruntime']}; `{res['command']}`; results file "
+                f"`{res.get('json', '')}`.")
     return "\n".join(rows)
+
+
+def write_tables(res: dict, files) -> None:
+    """``cpu`` (every row) and ``cpu_readme`` (ResNet-50 at batch 1) into those of ``files`` that have the block."""
+    for name, keep in (("cpu", lambda r: True),
+                       ("cpu_readme", lambda r: r["net"] == "resnet50" and r.get("batch", 1) == 1)):
+        has = [f for f in files if f"<!-- table:{name} -->" in pathlib.Path(f).read_text()]
+        if has:
+            write_block(name, table(res, keep), has)
+
+
+def onnxruntime_side(onnx: str, threads: int, label: str):
+    """onnxruntime's CPU provider on ``onnx`` as a function of the input, or None where it cannot load the model."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    try:
+        sess = ort.InferenceSession(onnx, opts, providers=["CPUExecutionProvider"])
+    except Exception as e:  # (onnxruntime lacks some 4-bit kernels, e.g. MaxPool on uint4)
+        print(f"{label}: onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}", flush=True)
+        return None
+    iname = sess.get_inputs()[0].name
+    return lambda v: sess.run(None, {iname: v})[0]
+
+
+def bench_row(a, net: str, bits: str, batch: int, layout: str, folder: str, rng) -> dict:
+    """Build, check and time one (model, bits, batch): see the module docstring. Batch 1 is checked against the
+    NumPy integer reference; a larger batch, image by image, against the batch-1 build (already checked)."""
+    from qcompile.runtime import Module
+
+    onnx = make_model(net, bits, batch, folder)
+    stem = os.path.join(folder, f"{net}_{bits}_b{batch}_{layout}")
+    so, so_g = stem + ".so", stem + "_generic.so"
+    build_s = compile_so(onnx, so, False, a.threads, layout)
+    m = Module(so)
+    x = rng.standard_normal(m.meta["input_shape"]).astype("float32")
+    row = {"net": net, "bits": bits, "batch": batch, "layout": layout}
+    so1 = os.path.join(folder, f"{net}_{bits}_b1_{layout}.so")
+    if batch > 1 and os.path.exists(so1):
+        m1, y = Module(so1), m(x)
+        row["exact_vs_batch1"] = all(np.array_equal(y[i:i + 1], m1(x[i:i + 1])) for i in range(batch))
+    else:
+        row["exact_vs_reference"] = check_exact(onnx, m, x)
+    sides = {"qcompile": m}
+    ort_run = onnxruntime_side(onnx, a.threads, f"{net} {bits} b{batch}")
+    if ort_run is not None:
+        sides["onnxruntime"] = ort_run
+    t = bench(sides, x, a.warmup, a.runs, a.rounds)
+    row.update(build_s=round(build_s, 1), so_mib=round(os.path.getsize(so) / 2**20, 1), timings=t)
+    if not a.no_generic and batch == 1:  # (the generic build takes seconds per image)
+        row["build_generic_s"] = round(compile_so(onnx, so_g, True, a.threads, layout), 1)
+        mg = Module(so_g)
+        row["generic_exact_equal"] = bool(np.array_equal(mg(x), m(x)))
+        t.update(bench({"generic": mg}, x, 1, a.generic_runs, a.rounds))
+    return row
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nets", default="resnet18,resnet50")
     ap.add_argument("--bits", default="8", help="comma-separated qmodel bit schemes (8, 4, w4a8, ...)")
+    ap.add_argument("--batch", default="1", help="comma-separated batch sizes")
+    ap.add_argument("--layout", default="NCHW", help="comma-separated qcompile --layout values (NCHW, NHWC)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--runs", type=int, default=5)
@@ -114,59 +208,34 @@ def main(argv=None) -> int:
     ap.add_argument("--generic-runs", type=int, default=1, help="timed calls of the generic build per round")
     ap.add_argument("--models", default=None, help="folder for the ONNX models and .so files (default: a temp dir)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--write", nargs="+", metavar="FILE", help="replace the table's block (<!-- table:cpu -->) in "
-                    "these files")
+    ap.add_argument("--write", nargs="+", metavar="FILE", help="replace the tables' blocks (<!-- table:cpu -->, "
+                    "<!-- table:cpu_readme -->) in those of these files that have them")
     ap.add_argument("--table", metavar="RESULTS", help="only write the table of this results file")
     a = ap.parse_args(argv)
     if a.table:
-        write_block("cpu", table(json.loads(pathlib.Path(a.table).read_text())), a.write)
+        write_tables(json.loads(pathlib.Path(a.table).read_text()), a.write or [])
         return 0
     os.environ["TVM_NUM_THREADS"] = str(a.threads)  # (before TVM's thread pool starts)
     import onnxruntime as ort
-
-    from qcompile.runtime import Module
 
     folder = a.models or tempfile.mkdtemp(prefix="bench_cpu_")
     os.makedirs(folder, exist_ok=True)
     res = {"device": cpu_name(), "date": datetime.date.today().isoformat(),
            "command": "python scripts/bench_cpu.py " + " ".join(shlex.quote(s) for s in (argv or sys.argv[1:])),
-           "threads": a.threads, "onnxruntime": ort.__version__, "json": a.json, "results": []}
+           "threads": a.threads, "onnxruntime": ort.__version__, "json": a.json, "kernel": host_kernel(),
+           "results": []}
     rng = np.random.default_rng(0)
-    for net in a.nets.split(","):
-        for bits in a.bits.split(","):
-            onnx = make_model(net, bits, folder)
-            so, so_g = os.path.join(folder, f"{net}_{bits}.so"), os.path.join(folder, f"{net}_{bits}_generic.so")
-            build_s = compile_so(onnx, so, False, a.threads)
-            m = Module(so)
-            x = rng.standard_normal(m.meta["input_shape"]).astype("float32")
-            exact = check_exact(onnx, m, x)
-            so_opts = ort.SessionOptions()
-            so_opts.intra_op_num_threads, so_opts.inter_op_num_threads = a.threads, 1
-            so_opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            try:
-                sess = ort.InferenceSession(onnx, so_opts, providers=["CPUExecutionProvider"])
-            except Exception as e:  # (onnxruntime lacks some 4-bit kernels, e.g. MaxPool on uint4)
-                sess = None
-                print(f"{net} {bits}: onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}", flush=True)
-            sides = {"qcompile": m}
-            if sess is not None:
-                iname = sess.get_inputs()[0].name
-                sides["onnxruntime"] = lambda v: sess.run(None, {iname: v})[0]
-            t = bench(sides, x, a.warmup, a.runs, a.rounds)
-            row = {"net": net, "bits": bits, "exact_vs_reference": exact, "build_s": round(build_s, 1), "timings": t}
-            if not a.no_generic:
-                row["build_generic_s"] = round(compile_so(onnx, so_g, True, a.threads), 1)
-                mg = Module(so_g)
-                row["generic_exact_equal"] = bool(np.array_equal(mg(x), m(x)))
-                t.update(bench({"generic": mg}, x, 1, a.generic_runs, a.rounds))
-            res["results"].append(row)
-            print(json.dumps(row), flush=True)
+    for net, bits, batch, layout in itertools.product(a.nets.split(","), a.bits.split(","),
+                                                      [int(b) for b in a.batch.split(",")], a.layout.split(",")):
+        row = bench_row(a, net, bits, batch, layout, folder, rng)
+        res["results"].append(row)
+        print(json.dumps(row), flush=True)
     print(table(res))
     if a.json:
         pathlib.Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
     if a.write:
-        write_block("cpu", table(res), a.write)
+        write_tables(res, a.write)
     return 0
 
 

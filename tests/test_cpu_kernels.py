@@ -1,8 +1,13 @@
-"""The CPU (x86 AVX2) conv kernel and its dispatch: bit for bit against the NumPy integer references.
+"""The CPU (x86) conv kernels and their dispatch: bit for bit against the NumPy integer references, per inner kernel.
 
-Kernel level: ``schedules.cpu_conv.make_cpu_conv`` built for the CPU build target and compared with
-``schedules.reference.conv_reference`` on fresh random inputs (ResNet shapes and odd ones: odd channel counts,
-stride 2, padding with a nonzero pad value, the 7x7 stem, residual adds, 4-bit weights, NCHW and NHWC).
+Inner kernels: ``cpu_direct_avx2`` (``schedules.cpu_conv``, ``vpmaddwd``), ``cpu_direct_vnni`` (zmm ``vpdpbusd``) and
+``cpu_direct_avxvnni`` (ymm ``vpdpbusd``, ``schedules.cpu_conv_vnni``). Each is run where the host's CPU runs its
+instructions (``/proc/cpuinfo``; the others skip) and assembled on any x86-64 host (the instruction checked in the
+assembly).
+Kernel level: each kernel built for its target and compared with ``schedules.reference.conv_reference`` on fresh
+random inputs (ResNet-50 shapes and odd ones: channel counts not a multiple of 4, output channels not a multiple of
+16, stride 2, dilation, padding with a nonzero pad value, the 7x7 stem, residual adds, int8 and uint8 inputs, 4-bit
+values, NCHW and NHWC).
 Graph level: ``DispatchCPU`` on small QDQ models, built and compared with ``qcompile.reference.Reference``.
 """
 import numpy as np
@@ -13,8 +18,9 @@ from tvm import relax
 from qcompile.errors import run_pass
 from qcompile.pipeline import PipelineRecord, build, lower_to_integer, qcompile_pipeline
 from qcompile.reference import Reference
-from qcompile.relay_passes.dispatch_cpu import DispatchCPU, cpu_kernels_target
+from qcompile.relay_passes.dispatch_cpu import KERNELS, DispatchCPU, cpu_kernels_target, dispatch_kernel
 from qcompile.schedules import cpu_conv as CC
+from qcompile.schedules import cpu_conv_vnni as CV
 from qcompile.schedules import reference as RF
 from qcompile.schedules.spec import ConvSpec
 
@@ -22,15 +28,40 @@ from qdq_models import tiny_resnet_qdq
 
 # the host's real features (/proc/cpuinfo): the kernels' tests run only where the built code can run
 needs_avx2 = pytest.mark.skipif(not CC.host_has_avx2(), reason="the CPU kernels need an x86-64 host with AVX2")
-TARGET = CC.cpu_target(tvm.target.Target({"kind": "llvm"}))  # x86-64-v3 on such a host
+TARGET = CC.cpu_target(tvm.target.Target({"kind": "llvm"}))  # the host's best kernel target on such a host
+HOST_KERNEL = CC.target_kernel(TARGET)
+_LLVM = lambda **kw: tvm.target.Target({"kind": "llvm", **kw})
+# each inner kernel: its build target, and whether this host runs it
+KERNEL_TARGET = {"cpu_direct_avx2": _LLVM(mcpu="x86-64-v3"),
+                 "cpu_direct_vnni": _LLVM(mcpu="x86-64-v4", mattr=["+avx512vnni"]),
+                 "cpu_direct_avxvnni": _LLVM(mcpu="x86-64-v3", mattr=["+avxvnni"]),
+                 "cpu_direct_sdot": _LLVM(mtriple="aarch64-linux-gnu", mattr=["+neon", "+dotprod"])}
+X86_HOST = tvm.target.codegen.llvm_get_system_triple().startswith("x86_64")
+HOST_RUNS = {"cpu_direct_avx2": CC.host_has_avx2(), "cpu_direct_vnni": CC.host_vnni() == "avx512",
+             "cpu_direct_avxvnni": CC.host_vnni() is not None and "avx_vnni" in CC.host_flags(),
+             "cpu_direct_sdot": False}  # (an aarch64 build is only cross-compiled and its assembly checked here)
+
+
+def _kernel_params():
+    """pytest params, one per inner kernel, skipped where this host does not run its instructions."""
+    return [pytest.param(k, marks=pytest.mark.skipif(not HOST_RUNS[k], reason=f"this host does not run {k}"))
+            for k in KERNELS]
 
 U8 = dict(x_dtype="uint8", out_dtype="uint8", lo=0, hi=255)
 SPECS = {
-    # ResNet layers (batch 1): 3x3, 1x1 expand, 1x1 stride 2 (downsample), the dense layer as a 1x1 conv
+    # ResNet-50 layers (batch 1): 3x3 at 56, 14 and 7, 1x1 reduce / expand, 1x1 stride 2 (downsample), the stem on
+    # a 112x112 image, the dense layer as a 1x1 conv
+    "r50_3x3_56": ConvSpec(N=1, H=56, W=56, C=64, K=64, R=3, S=3, padding=1, **U8),
     "r50_3x3": ConvSpec(N=1, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, **U8),
+    "r50_3x3_7": ConvSpec(N=1, H=7, W=7, C=512, K=512, R=3, S=3, padding=1, **U8),
+    "r50_3x3_s2": ConvSpec(N=1, H=28, W=28, C=128, K=128, R=3, S=3, stride=2, padding=1, **U8),
+    "r50_reduce": ConvSpec(N=1, H=14, W=14, C=1024, K=256, R=1, S=1, **U8),
     "r50_1x1": ConvSpec(N=1, H=7, W=7, C=512, K=2048, R=1, S=1, x_dtype="uint8", out_dtype="int8"),
+    "r50_stem": ConvSpec(N=1, H=112, W=112, C=3, K=64, R=7, S=7, stride=2, padding=3, x_dtype="int8",
+                         out_dtype="uint8", lo=0, hi=255),
     "down_s2": ConvSpec(N=1, H=14, W=14, C=64, K=128, R=1, S=1, stride=2, **U8),
     "dense": ConvSpec(N=2, H=1, W=1, C=96, K=10, R=1, S=1, x_dtype="uint8", out_dtype="int8"),
+    "dense_1000": ConvSpec(N=1, H=1, W=1, C=2048, K=1000, R=1, S=1, x_dtype="uint8", out_dtype="int8"),
     # the 7x7/2 stem on 3 channels, int8 input, odd image
     "stem": ConvSpec(N=1, H=29, W=31, C=3, K=16, R=7, S=7, stride=2, padding=3, x_dtype="int8", out_dtype="uint8",
                      lo=0, hi=255, zo=3),
@@ -48,6 +79,14 @@ SPECS = {
                            out_dtype="int8", lo=-8, hi=7),
     "int32_out": ConvSpec(N=1, H=5, W=5, C=8, K=8, R=3, S=3, x_dtype="int8", out_dtype="int32",
                           lo=-(1 << 31), hi=(1 << 31) - 1),
+    # int8 input, 4-bit values (one per byte, signed) with a negative pad value, C = 6, K = 33, 1x2 kernel
+    "a4_signed": ConvSpec(N=1, H=6, W=9, C=6, K=33, R=1, S=2, padding=(0, 1, 0, 0), x_dtype="int8", w_bits=4,
+                          out_dtype="int8", lo=-8, hi=7, pad_value=-3),
+    # int8 input read in place by the VNNI kernels in NHWC (1x1, no padding, C a multiple of 4), stride 2
+    "int8_1x1_s2": ConvSpec(N=2, H=9, W=10, C=12, K=24, R=1, S=1, stride=2, x_dtype="int8", out_dtype="int8"),
+    # int8 input with a residual and per-channel stage-2 constants, K = 20 (a partial 16-channel block), C = 4
+    "int8_res": ConvSpec(N=1, H=7, W=5, C=4, K=20, R=3, S=3, padding=1, x_dtype="int8", out_dtype="int8",
+                         has_residual=True, res_dtype="int8", pad_value=-128),
 }
 
 
@@ -58,11 +97,21 @@ def _random(spec: ConvSpec, seed: int):
     return x, w, bias, M, S, res
 
 
-def _run_kernel(spec: ConvSpec, io: str, x, w, bias, M, S, res):
-    f = CC.make_cpu_conv(spec, io).with_attr("global_symbol", "k")
-    lib = tvm.compile(tvm.IRModule({"k": f}), target=TARGET)
+def _make(kernel: str, spec: ConvSpec, io: str, w, bias):
+    """(PrimFunc, packed weights, bias as the kernel takes it) of one inner kernel."""
+    if kernel == "cpu_direct_avx2":
+        return CC.make_cpu_conv(spec, io), CC.pack_weights(w), bias
+    tile = CV.choose_tile(spec, kernel)
+    w8, b = CV.prepack(spec, w, bias, kernel)
+    return CV.make_cpu_conv_vnni(spec, io, tile), w8, b
+
+
+def _run_kernel(kernel: str, spec: ConvSpec, io: str, x, w, bias, M, S, res):
+    f, wp, bias = _make(kernel, spec, io, w, bias)
+    assert str(f.attrs["qcompile.strategy"]) == kernel
+    lib = tvm.compile(tvm.IRModule({"k": f.with_attr("global_symbol", "k")}), target=KERNEL_TARGET[kernel])
     lay = (lambda a: np.ascontiguousarray(np.transpose(a, (0, 3, 1, 2)))) if io == "NCHW" else (lambda a: a)
-    args = [lay(x).astype(ConvSpec.storage(spec.x_dtype)), CC.pack_weights(w), bias, M, S]
+    args = [lay(x).astype(ConvSpec.storage(spec.x_dtype)), wp, bias, M, S]
     if res is not None:
         args += [lay(res[0]).astype(ConvSpec.storage(spec.res_dtype)), np.ascontiguousarray(res[1], np.int32)]
     oshape = lay(np.zeros((spec.N, spec.P, spec.Q, spec.K), np.int8)).shape
@@ -73,14 +122,14 @@ def _run_kernel(spec: ConvSpec, io: str, x, w, bias, M, S, res):
     return np.ascontiguousarray(np.transpose(y, (0, 2, 3, 1))) if io == "NCHW" else y
 
 
-@needs_avx2
+@pytest.mark.parametrize("kernel", _kernel_params())
 @pytest.mark.parametrize("io", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("name", list(SPECS))
-def test_kernel_exact(name, io):
+def test_kernel_exact(name, io, kernel):
     spec = SPECS[name]
     x, w, bias, M, S, res = _random(spec, seed=len(name))
     ref = RF.conv_reference(spec, x, w, bias, M, S, res)
-    y = _run_kernel(spec, io, x, w, bias, M, S, res)
+    y = _run_kernel(kernel, spec, io, x, w, bias, M, S, res)
     assert y.shape == ref.shape
     assert ref.std() > 0 and len(np.unique(ref)) > 2  # the outputs move (not all clipped)
     assert np.array_equal(y, ref)
@@ -95,9 +144,77 @@ def test_pack_weights_layout():
     assert not p[1, :, :, :, 6:].any() and not p[:, :, :, 2, 1::2].any()  # K and C padding are zeros
 
 
+@pytest.mark.parametrize("isa", list(CV.ISAS))
+def test_vnni_prepack(isa):
+    """int8 weights in 4-channel groups, ``lanes`` output channels per vector, zeros past K and C; the bias carries the
+    input flip (int32, wrapping): -128 sum(w) for a signed input on vpdpbusd (u8 x s8), +128 sum(w) for an unsigned
+    input on sdot (s8 x s8), unchanged otherwise."""
+    rng = np.random.default_rng(1)
+    lanes = CV.ISAS[isa].lanes
+    w = rng.integers(-128, 128, (19, 2, 3, 5))
+    bias = rng.integers(-(1 << 31), 1 << 31, 19).astype(np.int32)
+    sumw = w.reshape(19, -1).sum(axis=1)
+    for x_dtype in ("int8", "uint8"):
+        spec = ConvSpec(N=1, H=4, W=4, C=5, K=19, R=2, S=3, x_dtype=x_dtype)
+        p, b = CV.prepack(spec, w, bias, isa)
+        kb = -(-19 // lanes)
+        assert p.shape == (kb, 2, 3, 2, 4 * lanes) and p.dtype == np.int8
+        for k, r, s_, c in [(0, 0, 0, 0), (18, 1, 2, 4), (9, 0, 1, 3), (16, 1, 0, 1)]:
+            assert p[k // lanes, r, s_, c // 4, 4 * (k % lanes) + c % 4] == w[k, r, s_, c]
+        assert not p[:, :, :, 1, 1::4].any() and not p[-1, ..., 4 * (19 - (kb - 1) * lanes):].any()
+        shift = {(True, "int8"): -128, (False, "uint8"): 128}.get((CV.ISAS[isa].unsigned_x, x_dtype), 0)
+        assert CV.flips_input(spec, isa) == (shift != 0)
+        want = (bias.astype(np.int64) + shift * sumw).astype(np.uint32).view(np.int32)
+        assert b.dtype == np.int32 and np.array_equal(b, want)
+
+
+def test_vnni_tile_choice():
+    """ResNet's rows: 14 pixels x 2 channel vectors (7 x 2 for rows of 7), no tile or channel block computed twice;
+    every tile within the register bound (accumulators, kt weight vectors, a broadcast)."""
+    Z = CV.VnniTile
+    for q, k in [(112, 64), (56, 256), (28, 512), (14, 1024)]:
+        assert CV.choose_tile(ConvSpec(N=1, H=q, W=q, C=64, K=k, R=1, S=1)) == Z("cpu_direct_vnni", 14, 2)
+    assert CV.choose_tile(ConvSpec(N=1, H=7, W=7, C=64, K=2048, R=1, S=1)) == Z("cpu_direct_vnni", 7, 2)
+    assert CV.choose_tile(ConvSpec(N=1, H=1, W=1, C=64, K=1000, R=1, S=1)) == Z("cpu_direct_vnni", 1, 8)
+    for isa, regs in (("cpu_direct_vnni", 32), ("cpu_direct_avxvnni", 16), ("cpu_direct_sdot", 32)):
+        for spec in SPECS.values():
+            t = CV.choose_tile(spec, isa)
+            assert t.isa == isa and t.qt <= spec.Q and t.qt * t.kt + t.kt + 1 <= regs
+    with pytest.raises(ValueError, match="registers"):
+        Z("cpu_direct_vnni", 7, 4)
+    with pytest.raises(ValueError, match="unknown instruction set"):
+        Z("cpu_direct_amx")
+
+
 def test_kernel_refuses_packed_operands():
     with pytest.raises(ValueError, match="uint4"):
         CC.make_cpu_conv(ConvSpec(N=1, H=4, W=4, C=8, K=8, R=1, S=1, x_dtype="uint4"))
+    with pytest.raises(ValueError, match="uint4"):
+        CV.make_cpu_conv_vnni(ConvSpec(N=1, H=4, W=4, C=8, K=8, R=1, S=1, x_dtype="uint4"))
+
+
+# the inner loop's instruction per kernel (x86 in AT&T syntax): vpdpbusd on zmm, the VEX form on ymm, vpmaddwd on ymm,
+# sdot on 128-bit NEON
+ASM = {"cpu_direct_vnni": r"^\s*vpdpbusd\s.*%zmm", "cpu_direct_avxvnni": r"^\s*\{vex\}\s*vpdpbusd\s.*%ymm",
+       "cpu_direct_avx2": r"^\s*vpmaddwd\s.*%ymm", "cpu_direct_sdot": r"^\s*sdot\s+v\d+\.4s"}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_assembly(kernel):
+    """Each kernel's build for its target holds its instruction and not the others' (any host: compiled, not run;
+    the x86 kernels for an x86-64 triple, the Arm one for aarch64)."""
+    import re
+
+    spec = SPECS["odd_res"]
+    x, w, bias, M, S, res = _random(spec, seed=0)
+    f = _make(kernel, spec, "NHWC", w, bias)[0].with_attr("global_symbol", "k")
+    tgt = KERNEL_TARGET[kernel]
+    if "mtriple" not in tgt.attrs:
+        tgt = tvm.target.Target({**{k: v for k, v in dict(tgt.export()).items() if k not in ("keys", "features")},
+                                 "mtriple": "x86_64-linux-gnu"})
+    asm = tvm.compile(tvm.IRModule({"k": f}), target=tgt).mod.inspect_source("asm")
+    for other, pattern in ASM.items():
+        assert bool(re.search(pattern, asm, re.M)) == (other == kernel), other
 
 
 def _capture_targets(monkeypatch) -> list:
@@ -117,22 +234,27 @@ def _ops(mod):
             if isinstance(b.value, relax.Call) and hasattr(b.value.op, "name")]
 
 
-@needs_avx2
+@pytest.mark.parametrize("kernel", _kernel_params())
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("bits", [(8, 8), (4, 4), (4, 8)])
-def test_dispatch_exact(bits, layout):
+def test_dispatch_exact(bits, layout, kernel):
     mod, shape = tiny_resnet_qdq(seed=3, w_bits=bits[0], a_bits=bits[1], shape=(2, 3, 13, 11), c=10)
     x = np.random.default_rng(4).standard_normal(shape).astype("float32")
     mi = lower_to_integer(mod, layout, pack_int4=False)
-    p = DispatchCPU()
+    p = DispatchCPU(kernel)
     md = run_pass(p, mi)
     # every conv and the dense on the kernel, the block's residual add fused into conv c2's epilogue
-    assert [n for n, _ in p.chosen] == ["q_stem", "q_c1", "q_c2", "q_fc"] and not p.skipped
+    assert p.chosen == [(n, kernel) for n in ("q_stem", "q_c1", "q_c2", "q_fc")] and not p.skipped
     assert p.fused == [("q_c2", "q_res")]
     ops = _ops(md)
     assert "relax.nn.conv2d" not in ops and "relax.matmul" not in ops
-    y = relax.VirtualMachine(build(md, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    y = relax.VirtualMachine(build(md, KERNEL_TARGET[kernel]), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
     assert np.array_equal(y, Reference(mi)(x)) and y.std() > 0
+
+
+def test_dispatch_rejects_unknown_kernel():
+    with pytest.raises(ValueError, match="unknown kernel 'cpu_direct_sse'"):
+        DispatchCPU("cpu_direct_sse")
 
 
 @needs_avx2
@@ -146,9 +268,9 @@ def test_pipeline_dispatches_on_llvm_and_opt_out(monkeypatch):
     seen = {}
     pipe = qcompile_pipeline("llvm", "NCHW", record=rec, on_phase=lambda n, m: seen.setdefault(n, m))
     y = relax.VirtualMachine(build(mod, "llvm", pipeline=pipe), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
-    # build() decided x86-64-v3 once; the pipeline, run under it by tvm.compile, dispatched
-    assert [str(t.attrs.get("mcpu", "")) for t in targets] == ["x86-64-v3"]
-    assert set(rec.kernels.values()) == {"cpu_direct_avx2"} and len(rec.kernels) == 4
+    # build() decided the host's kernel target once; the pipeline, run under it by tvm.compile, dispatched its kernel
+    assert [str(t.attrs.get("mcpu", "")) for t in targets] == [str(TARGET.attrs["mcpu"])]
+    assert set(rec.kernels.values()) == {HOST_KERNEL} and len(rec.kernels) == 4
     assert "relax.nn.conv2d" not in _ops(seen["3_dispatched"])
     assert np.array_equal(y, Reference(rec.integer_mod)(x))
     for off in (dict(cpu_kernels=False), None):
@@ -178,7 +300,7 @@ def test_dispatch_leaves_hwnc_to_generic_path():
     mi = lower_to_integer(mod, "HWNC", pack_int4=False)
     p = DispatchCPU()
     md = run_pass(p, mi)
-    assert p.chosen == [("q_fc", "cpu_direct_avx2")] and _ops(md).count("relax.nn.conv2d") == 3
+    assert p.chosen == [("q_fc", HOST_KERNEL)] and _ops(md).count("relax.nn.conv2d") == 3
     y = relax.VirtualMachine(build(md, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
     assert np.array_equal(y, Reference(mi)(x)) and y.std() > 0
 
@@ -201,10 +323,18 @@ def test_target_decision(monkeypatch, capfd):
     """Only a plain llvm target is upgraded, and only on an x86-64 host with AVX2; a target naming mtriple / mcpu /
     mattr is used as given and runs the kernels only if it enables AVX2 on an x86 triple. An aarch64 cross build gets
     no x86 CPU (LLVM prints no "not valid" errors) and no kernel. Any host."""
-    T_ = lambda **kw: tvm.target.Target({"kind": "llvm", **kw})
+    T_ = _LLVM
     assert cpu_kernels_target(T_(mcpu="nehalem")) is None                            # x86 without AVX2
-    if CC.host_has_avx2():  # (an x86 host triple: the target below is x86)
+    if X86_HOST:  # (an x86 host triple: the targets below are x86)
         assert str(cpu_kernels_target(T_(mattr=["+avx2"])).attrs["mattr"][0]) == "+avx2"  # as given
+        # the kernel each target's features pick, whatever the host
+        assert CC.target_kernel(T_(mcpu="nehalem")) is None
+        for kernel, tgt in KERNEL_TARGET.items():
+            assert CC.target_kernel(tgt) == kernel
+        assert CC.target_kernel(T_(mcpu="x86-64-v4")) == "cpu_direct_avx2"   # AVX-512 without VNNI
+        assert CC.target_kernel(T_(mcpu="icelake-server")) == "cpu_direct_vnni"
+        with tvm.target.Target(KERNEL_TARGET["cpu_direct_avx2"]):
+            assert dispatch_kernel() == "cpu_direct_avx2"
     a64 = T_(mtriple="aarch64-linux-gnu")
     assert CC.cpu_target(a64).same_as(a64) and cpu_kernels_target(a64) is None
     assert not CC.target_has_avx2(T_(mtriple="aarch64-linux-gnu", mcpu="cortex-a72"))
@@ -214,6 +344,16 @@ def test_target_decision(monkeypatch, capfd):
     build(mod, a64, pipeline=qcompile_pipeline(a64, record=rec))
     assert rec.kernels == {} and "mcpu" not in targets[0].attrs
     assert "not valid" not in capfd.readouterr().err
+    # plain llvm on a host: the best of x86-64-v4 + AVX-512 VNNI, x86-64-v3 + AVX-VNNI, x86-64-v3
+    if CC.host_has_avx2():
+        for vnni, (mcpu, mattr, kernel) in {"avx512": ("x86-64-v4", "+avx512vnni", "cpu_direct_vnni"),
+                                            "avx": ("x86-64-v3", "+avxvnni", "cpu_direct_avxvnni"),
+                                            None: ("x86-64-v3", None, "cpu_direct_avx2")}.items():
+            monkeypatch.setattr(CC, "host_vnni", lambda v=vnni: v)
+            t = CC.cpu_target(T_())
+            assert str(t.attrs["mcpu"]) == mcpu and [str(a) for a in t.attrs.get("mattr", [])] == ([mattr] if mattr
+                                                                                                  else [])
+            assert CC.target_kernel(t) == kernel and dispatch_kernel() == kernel
     # a host without AVX2 (or not x86-64): plain llvm stays plain, the pipeline keeps the generic path
     monkeypatch.setattr(CC, "host_has_avx2", lambda: False)
     assert cpu_kernels_target(T_()) is None and "mcpu" not in CC.cpu_target(T_()).attrs
@@ -221,3 +361,41 @@ def test_target_decision(monkeypatch, capfd):
     rec = PipelineRecord()
     build(mod, "llvm", pipeline=qcompile_pipeline("llvm", record=rec))
     assert rec.kernels == {} and "mcpu" not in targets[0].attrs
+
+
+def test_dispatch_bound_per_kernel():
+    """A layer whose int32 sums fit for the AVX2 kernel but not for the VNNI kernels' shifted input (x + 128 up to 255,
+    bias - 128 sum(w)) stays on the generic path under VNNI, exact either way; a uint8 input needs no shift."""
+    from types import SimpleNamespace as NS
+
+    from qcompile.relay_passes import dispatch_cpu as DC
+
+    C = 60_000  # sum |w| = sum w = 127 C: 255 x that fits int32, (255 + 128) x that does not
+    for x_dt, want_vnni in (("int8", "accumulator may exceed int32"), ("uint8", None)):
+        x = NS(ty=NS(shape=[1, C], dtype=x_dt))
+        one = np.ones(1, np.int32)
+        g = NS(x=x, w=np.full((C, 1), 127, np.int8), dense=True, pad_value=0, bias=np.zeros(1, np.int32), pad=0,
+               M=one, S=one * 20, zo=0, lo=-128, hi=127, w_bits=8)
+        var = NS(ty=NS(dtype="int8"))
+        plan, why = DC._spec(g, None, var, "cpu_direct_avx2")
+        assert why is None and plan[0].C == C
+        plan, why = DC._spec(g, None, var, "cpu_direct_vnni")
+        assert why == want_vnni
+
+
+def test_aarch64_dotprod_cross_build():
+    """``--target llvm -mtriple=aarch64-linux-gnu -mattr=+dotprod``: every conv and the dense layer on the sdot kernel
+    (record.kernels), the build's code holds ``sdot``; without dotprod the generic path. Any host: cross-compiled,
+    the assembly checked (no aarch64 machine or emulator here to run it)."""
+    import re
+
+    mod, _ = tiny_resnet_qdq(seed=13, shape=(1, 3, 9, 9))
+    for mattr, kernel in ((["+neon", "+dotprod"], "cpu_direct_sdot"), (["+neon"], None)):
+        tgt = _LLVM(mtriple="aarch64-linux-gnu", mattr=mattr)
+        assert CC.target_kernel(tgt) == kernel and CC.cpu_target(tgt).same_as(tgt)
+        rec = PipelineRecord()
+        ex = build(mod, tgt, pipeline=qcompile_pipeline(tgt, "NHWC", record=rec))
+        asm = "\n".join(m.inspect_source("asm") for m in [ex.mod, *ex.mod.imports] if m.kind == "llvm")
+        assert bool(re.search(ASM["cpu_direct_sdot"], asm, re.M)) == (kernel is not None)
+        assert set(rec.kernels.values()) == ({kernel} if kernel else set())
+        assert len(rec.kernels) == (4 if kernel else 0)
