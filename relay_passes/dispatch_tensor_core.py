@@ -18,6 +18,10 @@ is fused into that conv's kernel as a second epilogue stage (y1 never reaches me
 in the epilogue). 4-bit activations produced by a kernel stay packed (two per byte, low nibble first)
 when every consumer is a kernel (data or residual operand); other consumers read bytes.
 
+Grouped convs (NHWC, groups > 1) run on CUDA-core kernels instead (``schedules.grouped.plan_grouped``): ``depthwise``
+where groups == C == K, else ``grouped``; they read 4-bit inputs one value per byte (so a producer whose consumers
+include one writes bytes) and write packed 4-bit outputs where the kernel holds whole bytes.
+
 On CUDA a stride-2 conv with a short 8-bit channel vector (the RGB stem, padded to 4 channels) runs as the stride-1
 conv over its 2x2 space-to-depth input (``schedules.spec.space_to_depth``): the input is rearranged in the graph,
 
@@ -76,6 +80,7 @@ class _Group:
     out_dtype: str
     dense: bool
     fused: bool = False     # consumed only by a residual add that is fused into this kernel
+    groups: int = 1         # conv groups (> 1: NHWC grouped / depthwise convs, on CUDA-core kernels)
 
 
 @dataclass
@@ -193,7 +198,10 @@ def _find_groups(func: relax.Function, layouts=("NHWC", "HWNC")) -> dict:
         if w is None:
             continue
         dense = acc.op.name == "relax.matmul"
-        if not dense and (str(acc.attrs.data_layout) not in layouts or int(acc.attrs.groups) != 1):
+        ngroups = 1 if dense else int(acc.attrs.groups)
+        if not dense and (str(acc.attrs.data_layout) not in layouts
+                          or (ngroups != 1 and (str(acc.attrs.data_layout), str(acc.attrs.kernel_layout))
+                              != ("NHWC", "OHWI"))):
             continue
         x, pad, pad_value = acc.args[0], (0, 0, 0, 0), 0
         if not dense:
@@ -212,7 +220,7 @@ def _find_groups(func: relax.Function, layouts=("NHWC", "HWNC")) -> dict:
         w_bits = 4 if wclip is not None and int(wclip.args[1].value) >= -8 and int(wclip.args[2].value) <= 7 else 8
         groups[b.var] = _Group(b.var, acc, x, w, w_bits, pad, pad_value, bias.astype(np.int32),
                                chan(M).astype(np.int32), chan(S).astype(np.int32), zo, lo, hi,
-                               _range_dtype(lo, hi, str(b.var.ty.dtype)), dense)
+                               _range_dtype(lo, hi, str(b.var.ty.dtype)), dense, groups=ngroups)
     return groups
 
 
@@ -275,7 +283,7 @@ def find_fusions(func: relax.Function, packed_pools: bool = False, layouts=("NHW
     # consumers (pools, un-fused adds) the kernel writes the same values one per byte (no pack/unpack).
     kernel_uses: dict = {}
     for g in groups.values():
-        if not g.dense:
+        if not g.dense and g.groups == 1:  # (grouped / depthwise kernels read 4-bit inputs one value per byte)
             kernel_uses[g.x] = kernel_uses.get(g.x, 0) + 1
     for r in residuals.values():
         kernel_uses[r.res] = kernel_uses.get(r.res, 0) + 1
@@ -356,7 +364,51 @@ class _Dispatcher(PyExprMutator):
             # not a kernel (a fused conv's own chain stays as it is here; nothing uses it once its
             # residual add is replaced, and DeadCodeElimination drops it)
             return super().visit_var_binding_(binding)
+        if g.groups != 1:  # (CUDA kernels only; the te-compute check on a CPU leaves grouped convs as they are)
+            return self._emit_grouped(binding.var, g, r) if self.kind == "cuda" else super().visit_var_binding_(binding)
         self._emit_kernel(binding.var, g, r)
+
+    def _emit_grouped(self, var, g: _Group, r: Optional[_Residual]):
+        """A grouped / depthwise conv (NHWC) on its CUDA-core kernel (``schedules.grouped.plan_grouped``); 4-bit
+        activations are read one value per byte, the output written packed where the kernel holds whole bytes."""
+        from qcompile.schedules import ConvSpec
+        from qcompile.schedules.grouped import plan_grouped
+
+        N, H, W, C = (int(s) for s in g.x.ty.shape)
+        K, R, S_ = g.w.shape[0], g.w.shape[1], g.w.shape[2]
+        a = g.acc_call.attrs
+        res = {}
+        if r is not None:
+            res = dict(has_residual=True, res_dtype=_x_dtype(r.res, self.var2val), zo2=r.zo2, lo2=r.lo2, hi2=r.hi2,
+                       res_i32=r.i32)
+            if res["res_dtype"] in ("int4", "uint4") and K % 2:
+                res["res_dtype"] = str(r.res.ty.dtype)
+            if (r.rq2 == r.rq2[:, :1]).all():
+                res["rq2_uniform"] = tuple(int(v) for v in r.rq2[:, 0])
+        out_dtype = (r or g).out_dtype
+        spec = ConvSpec(N=N, H=H, W=W, C=C, K=K, R=R, S=S_, stride=tuple(int(v) for v in a.strides), padding=g.pad,
+                        dilation=tuple(int(v) for v in a.dilation), layout="NHWC", x_dtype=str(g.x.ty.dtype),
+                        w_bits=g.w_bits, out_dtype=out_dtype, zo=g.zo, lo=g.lo, hi=g.hi, pad_value=g.pad_value,
+                        shift_ge33=bool(33 <= np.min(g.S) and np.max(g.S) <= 62), **res)
+        pk = plan_grouped(spec, g.groups, self.arch)
+        if pk.spec.out_dtype != out_dtype:  # (a 4-bit output the kernel cannot pack: one value per byte)
+            out_dtype = pk.spec.out_dtype
+        fname = f"qconv_{g.out.name}" + ("_resadd" if r is not None else "")
+        func = pk.funcs[0].with_attr("op_pattern", 8).with_attr("tirx.is_scheduled", True)
+        gv = self.builder_.add_func(func.with_attr("global_symbol", fname), fname)
+        self.chosen.append((g.out.name, pk.label))
+        epi = [relax.const(g.bias, "int32"), relax.const(g.M, "int32"), relax.const(g.S, "int32")]
+        if r is not None:
+            self.fused.append((g.out.name, var.name))
+            epi += [self._data(r.res, res["res_dtype"], 3), relax.const(r.rq2, "int32")]
+        _, _, out_shape = pk.spec.shapes()
+        out = self.builder_.emit(relax.call_tir(gv, [self.visit_expr(g.x), relax.const(pk.weights(g.w), "int8"), *epi],
+                                                relax.TensorType(list(out_shape), ConvSpec.storage(out_dtype))),
+                                 var.name + "_cc")
+        if out_dtype in ("int4", "uint4"):
+            self.packed[var] = out
+            out = self.builder_.emit(unpack_int4(out, 3, out_dtype == "int4"), var.name + "_unpack")
+        self.set_var_remap(var, out)
 
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
         from qcompile.schedules import ConvSpec, plan_conv, select_strategy
@@ -425,7 +477,7 @@ class _Dispatcher(PyExprMutator):
         self.chosen.append((g.out.name, pk.strategy + ("+s2d" if s2d is not None else "") + pk.label[len(pk.strategy):]))
         if r is not None:
             self.fused.append((g.out.name, var.name))
-        x = self._data(g.x, x_dtype, 3)
+        x = self._data(g.x, x_dtype, 1 if g.dense else 3)  # (dense: [N, C])
         if c_pad:
             x = self.builder_.emit(relax.op.nn.pad(x, [0, 0, 0, 0, 0, 0, 0, c_pad], pad_value=0.0),
                                    var.name + "_cpad")
