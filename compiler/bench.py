@@ -1,7 +1,8 @@
 """The ``qbench`` command: throughput and latency of a compiled ``.so`` on this host's device, beside PyTorch fp16.
 
-It builds nothing: it loads the module with the runtime (``qcompile.runtime.Module``), puts a random float input on
-the module's device once, and times
+It builds nothing: it loads the module with the runtime (``qcompile.runtime.Module``), puts a random input on the
+module's device once (float32 images, or, for a module built with ``--input-dtype int8|uint8``, integers of its input
+range in its dtype and layout: the INT8-input path), and times
 
 * throughput: ``--number`` calls queued back to back, then one device synchronization; the median over ``--repeat``
   such runs, as ms per batch and images per second;
@@ -9,8 +10,8 @@ the module's device once, and times
   This is what a serving loop that keeps its data on the GPU sees (the input already there, the host side of the
   call -- argument checks, the VM, the CUDA-graph launch -- included); ``host_p50_ms`` is that host side alone (the
   median time until the call returns, before the synchronization);
-* with ``--host-io``: the same for a NumPy input and output (the host-to-device copy of the float input and the copy
-  of the logits back included);
+* with ``--host-io``: the same for a NumPy input and output (the host-to-device copy of the input -- float32, or a
+  quarter of its bytes as int8 -- and the copy of the logits back included);
 * with ``--torch NET`` (torchvision's name, e.g. resnet50) where torch with CUDA is installed: the same network in
   PyTorch fp16 (cuDNN, channels_last, ``cudnn.benchmark``, one CUDA-graph replay per call), measured the same way in
   the same process.
@@ -136,7 +137,7 @@ def _bench(a, argv) -> int:
 
     shape = tuple(m.meta["input_shape"])
     batch = shape[0]
-    x_np = np.random.default_rng(0).standard_normal(shape).astype("float32")
+    x_np = random_input(m, np.random.default_rng(0))
     x = m._tensor(x_np)  # on the module's device, once
     sync_fn = tvm_ffi.get_global_func("runtime.Device_StreamSync")
     dev = m.dev
@@ -148,12 +149,13 @@ def _bench(a, argv) -> int:
     _warm(a.warm, lambda: m._run(x), sync)
     device = _device_name(m)
     res = {"module": a.module, "device": device, "date": datetime.date.today().isoformat(), "batch": batch,
+           "input": f"{m.meta.get('input_dtype', 'float32')} {m.meta.get('input_layout', 'NCHW')}",
            "command": shlex.join([PROG, *argv]), "qcompile": time_calls(lambda: m._run(x), sync, number,
                                                                                a.repeat, a.calls)}
     if a.host_io:
         res["qcompile_host_io"] = time_calls(lambda: m(x_np), sync, max(2, number // 4), a.repeat, a.calls)
     if a.torch:
-        res["torch_fp16"] = _torch_fp16(a.torch, shape, number, a.repeat, a.calls)
+        res["torch_fp16"] = _torch_fp16(a.torch, nchw_shape(m), number, a.repeat, a.calls)
         res["torch_fp16"]["net"] = a.torch
     print(format_table(res))
     if a.json:
@@ -162,6 +164,23 @@ def _bench(a, argv) -> int:
         with atomic_output(a.json) as tmp, open(tmp, "w") as f:
             f.write(json.dumps(res, indent=1) + "\n")
     return 0
+
+
+def random_input(m, rng):
+    """A random input of the kind module ``m`` takes: standard-normal float32 images, or uniform integers over an
+    integer input's range (``m.input_quant``), in its dtype and layout."""
+    shape, iq = tuple(m.meta["input_shape"]), m.input_quant
+    if iq is None:
+        return rng.standard_normal(shape).astype("float32")
+    return rng.integers(iq.qmin, iq.qmax + 1, shape).astype(iq.dtype)
+
+
+def nchw_shape(m) -> tuple:
+    """The NCHW shape of module ``m``'s images (its input shape, transposed back from NHWC)."""
+    shape = tuple(m.meta["input_shape"])
+    if m.meta.get("input_layout", "NCHW") == "NHWC" and len(shape) == 4:
+        return (shape[0], shape[3], shape[1], shape[2])
+    return shape
 
 
 def _check_torch(m):
@@ -196,7 +215,8 @@ def format_table(res: dict) -> str:
         rows.append(("qcompile, NumPy in/out", res["qcompile_host_io"]))
     if "torch_fp16" in res:
         rows.append((f"PyTorch fp16 {res['torch_fp16']['net']}", res["torch_fp16"]))
-    lines = [f"{res['module']} on {res['device']}, batch {b} ({res['date']})",
+    lines = [f"{res['module']} on {res['device']}, batch {b}, input {res.get('input', 'float32 NCHW')} "
+             f"({res['date']})",
              "| | ms per batch | img/s | p50 ms | p90 ms | p99 ms | max ms | host ms |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in rows:

@@ -31,10 +31,16 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--bits", choices=list(BIT_SCHEMES),
                     help="for a float model: post-training quantization scheme (needs --calibrate); "
                          "for a quantized model: optional, must agree with the model")
-    ap.add_argument("--layout", choices=list(LAYOUTS), help="activation layout (default: NCHW on llvm, NHWC on cuda)")
+    ap.add_argument("--layout", choices=list(LAYOUTS), help="activation layout (default NHWC: the layout of the CPU and tensor-core kernels)")
     ap.add_argument("--target", choices=list(TARGETS), default="llvm")
     ap.add_argument("--arch", choices=list(CUDA_ARCHS), help="GPU architecture for --target cuda (default sm_90)")
     ap.add_argument("--batch", type=int, help="fix a dynamic batch dimension (default 1)")
+    ap.add_argument("--input-dtype", choices=["float32", "int8", "uint8"], default="float32",
+                    help="what the module takes: float32 images (default; quantized inside), or int8 / uint8 images "
+                         "already quantized with the model's input scale and zero point (the first QuantizeLinear is "
+                         "folded away; the .so's metadata records them: Module.input_quant, qrun --quantize)")
+    ap.add_argument("--input-layout", choices=["NCHW", "NHWC"], default="NCHW",
+                    help="layout of the module's input (default NCHW); NHWC spares the transpose to an NHWC build")
     ap.add_argument("--calibrate", metavar="DATA.npy", help="float32 NCHW calibration images for a float model")
     ap.add_argument("--net", choices=["resnet18", "resnet50", "resnet_tiny"], help="network a HAWQ checkpoint belongs to")
     ap.add_argument("--input-size", type=int, metavar="H", help="image size (H = W) of a HAWQ checkpoint that does not record it")
@@ -132,7 +138,8 @@ def _run(a, log) -> int:
     opts = CompileOptions(bits=a.bits, layout=a.layout, target=a.target, arch=a.arch, batch=a.batch,
                           calibrate=a.calibrate, net=a.net, input_size=a.input_size, pack_int4=not a.no_pack_int4,
                           dump_ir=a.dump_ir, weights_beside=a.weights_beside,
-                          packed_int4_weights=a.packed_int4_weights, tuning_logs=tuple(a.tuning_log), gpu=a.gpu)
+                          packed_int4_weights=a.packed_int4_weights, tuning_logs=tuple(a.tuning_log), gpu=a.gpu,
+                          input_dtype=a.input_dtype, input_layout=a.input_layout)
     res = compile_model(a.model, opts, log)
     if a.emit_cuda:
         from .driver import emit_cuda

@@ -38,6 +38,8 @@ class CompileOptions:
     tuning_logs: tuple = ()             # tuning log files / folders searched before the packaged logs (cuda)
     gpu: Optional[str] = None           # GPU name matched against the records' device (None: arch-level matching)
     kernel_cache: Optional[bool] = None  # cuda: nvcc's outputs from/to the kernel cache (None: QCOMPILE_KERNEL_CACHE)
+    input_dtype: str = "float32"        # float32 | int8 | uint8 (already quantized: the input quantize folded away)
+    input_layout: str = "NCHW"          # NCHW | NHWC: the layout main takes its input in
 
 
 @dataclass
@@ -236,6 +238,7 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     check_tuning_logs(opts.tuning_logs, opts.gpu, opts.target)
     if opts.batch is not None and opts.batch < 1:
         raise QCompileError(f"--batch must be a positive integer, got {opts.batch}")
+    _check_input_options(opts)
     if opts.input_size is not None and opts.input_size < 1:
         raise QCompileError(f"--input-size must be a positive integer, got {opts.input_size}")
     if opts.target == "cuda":
@@ -253,8 +256,10 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     meta = {  # (output_shape and the weights' fields: filled in by the pipeline's metadata phase)
         "qcompile": __import__("qcompile").__version__,
         "input_name": info["input_name"],
-        "input_shape": list(info["input_shape"]),
-        "input_dtype": "float32",
+        "input_shape": _input_shape(info["input_shape"], opts.input_layout),  # (what main takes)
+        "input_dtype": opts.input_dtype,
+        "input_layout": opts.input_layout,
+        "input_quant": None,  # (an integer input's scale, zero point, ...: filled in by the pipeline)
         "output_shape": None,
         "layout": layout,
         "bits": found,
@@ -271,6 +276,11 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     def on_phase(name, mod):  # progress lines and notes between the pipeline's phases
         if name == "2_integer":
             layers.extend(_layers(mod, layout))
+            if record.input_quant is not None:
+                iq = record.input_quant
+                log(f"      input {info['input_name']}: {iq['dtype']} {iq['layout']}, already quantized (the model's "
+                    f"quantize '{iq['node']}' folded away): scale {iq['scale']!r}, zero point {iq['zero_point']}, "
+                    f"range [{iq['qmin']}, {iq['qmax']}]")
             if opts.target == "cuda" and layout == "NCHW":
                 log("note: NCHW has no tensor-core convolution; use --layout NHWC or HWNC (convs stay on generic "
                     "kernels)")
@@ -286,7 +296,8 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     target = {"kind": "llvm"} if opts.target == "llvm" else {"kind": "cuda", "arch": opts.arch}
     pipeline = qcompile_pipeline(target, layout, pack_int4=opts.pack_int4, expand_w4=not opts.packed_int4_weights,
                                  weights_beside=opts.weights_beside, meta=meta, dump_dir=opts.dump_ir, record=record,
-                                 on_phase=on_phase, tuning_logs=opts.tuning_logs, gpu=opts.gpu)
+                                 on_phase=on_phase, tuning_logs=opts.tuning_logs, gpu=opts.gpu,
+                                 input_dtype=opts.input_dtype, input_layout=opts.input_layout)
     prog.step(f"lowering to integer compute ({layout})")
     nvcc_note = ""
     if opts.target == "cuda":
@@ -304,6 +315,21 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     prog.done(nvcc_note)
     log(format_summary(layers))
     return CompileResult(ex, record.integer_mod, meta, layers, record.weights, record.planned, progress=prog)
+
+
+def _check_input_options(opts: CompileOptions) -> None:
+    from qcompile.runtime import INPUT_DTYPES, INPUT_LAYOUTS
+
+    if opts.input_dtype not in INPUT_DTYPES:
+        raise QCompileError(f"unknown input dtype '{opts.input_dtype}' (choose from {', '.join(INPUT_DTYPES)})")
+    if opts.input_layout not in INPUT_LAYOUTS:
+        raise QCompileError(f"unknown input layout '{opts.input_layout}' (choose from {', '.join(INPUT_LAYOUTS)})")
+
+
+def _input_shape(shape, layout: str) -> list:
+    """The model's NCHW input shape in ``layout`` (the lowering refuses NHWC for an input that is not 4-D)."""
+    shape = [int(d) for d in shape]
+    return [shape[i] for i in (0, 2, 3, 1)] if layout == "NHWC" and len(shape) == 4 else shape
 
 
 def _nvcc_note(before, after, jobs: int) -> str:

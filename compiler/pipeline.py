@@ -53,6 +53,7 @@ class PipelineRecord:
     knobs: dict = field(default_factory=dict)  # conv/dense binding name -> its knobs source (implicit-GEMM layers)
     weights: list = field(default_factory=list)  # values of main's lifted weight parameters (weights_beside)
     planned: list = field(default_factory=list)  # (conv/dense binding name, PlannedKernel) per tensor-core layer
+    input_quant: Optional[dict] = None  # an integer input's quantization (InputQuant.to_meta()); None: a float input
 
 
 def _target(target) -> tvm.target.Target:
@@ -77,10 +78,13 @@ def _phase_end(name: str, dump_dir: Optional[str], on_phase: Optional[Callable])
     return _after
 
 
-def _record_integer(record: PipelineRecord) -> tvm.transform.Pass:
+def _record_integer(record: PipelineRecord, lower) -> tvm.transform.Pass:
+    """After ``lower`` (a ``LowerQDQToInteger``): the integer module and the input's quantization into ``record``."""
+
     @tvm.transform.module_pass(opt_level=0, name="qcompile.record_integer")
     def _rec(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         record.integer_mod = mod
+        record.input_quant = lower.input_quant.to_meta() if lower.input_quant is not None else None
         return mod
 
     return _rec
@@ -118,17 +122,19 @@ def _tensor_cores(arch: str, expand_w4: bool, record: PipelineRecord, tuning_log
 def _cpu_kernels(record: PipelineRecord, target: tvm.target.Target, after: tvm.transform.Pass) -> tvm.transform.Pass:
     """Phase 3 on llvm: each requantized conv/dense on qcompile's CPU kernel (``DispatchCPU``), then ``after``;
     ``record.kernels`` names each layer's kernel by its conv/dense binding. Only for a target that already enables
-    AVX2 (``cpu_conv.target_has_avx2``): the target ``tvm.compile`` runs the pipeline under (the one that generates
-    the code), else -- the pipeline run on its own -- ``target``. Otherwise the module is left to the generic path."""
+    a kernel's instructions (``cpu_conv.target_kernel``: AVX2 / VNNI on x86, dotprod on aarch64), whose kernel it
+    runs: the target ``tvm.compile`` runs the pipeline under (the one that generates the code), else -- the pipeline
+    run on its own -- ``target``. Otherwise the module is left to the generic path."""
     from qcompile.relay_passes.dispatch_cpu import DispatchCPU
     from qcompile.relay_passes.dispatch_tensor_core import find_groups
-    from qcompile.schedules.cpu_conv import target_has_avx2
+    from qcompile.schedules.cpu_conv import target_kernel
 
     @tvm.transform.module_pass(opt_level=0, name="qcompile.cpu_kernels")
     def _dispatch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        if not target_has_avx2(tvm.target.Target.current(allow_none=True) or target):
+        kernel = target_kernel(tvm.target.Target.current(allow_none=True) or target)
+        if kernel is None:
             return mod
-        p = DispatchCPU()
+        p = DispatchCPU(kernel)
         out = p(mod)
         func, chosen = mod["main"], dict(p.chosen)
         for acc_out, g in find_groups(func, layouts=("NCHW", "NHWC")).items():
@@ -170,7 +176,8 @@ def _lift_weights(record: PipelineRecord) -> tvm.transform.Pass:
 
 def _attach_metadata(meta: dict, record: PipelineRecord) -> tvm.transform.Pass:
     """Add the ``qcompile_meta`` function (``qcompile.runtime.META_FUNC``): it returns ``meta`` as JSON bytes, with
-    ``output_shape`` (of ``main`` at this point) and, for weights beside the .so, ``num_weights`` and
+    ``output_shape`` (of ``main`` at this point), ``input_quant`` (an integer input's scale, zero point, dtype,
+    layout and range; None for a float input) and, for weights beside the .so, ``num_weights`` and
     ``weights_sha256`` filled in (``meta`` is updated in place)."""
 
     @tvm.transform.module_pass(opt_level=0, name="qcompile.attach_metadata")
@@ -178,6 +185,7 @@ def _attach_metadata(meta: dict, record: PipelineRecord) -> tvm.transform.Pass:
         out_ty = mod["main"].ret_ty if hasattr(mod["main"], "ret_ty") else None
         meta["output_shape"] = ([int(s) for s in out_ty.shape] if out_ty is not None and hasattr(out_ty, "shape")
                                 else None)
+        meta["input_quant"] = record.input_quant
         meta["num_weights"] = len(record.weights)
         if meta.get("weights") == "beside":
             meta["weights_sha256"] = weights_digest(record.weights)
@@ -263,7 +271,8 @@ def qcompile_pipeline(target="llvm", layout: str = "NCHW", *, pack_int4: bool = 
                       weights_beside: bool = False, meta: Optional[dict] = None, integer: bool = True,
                       backend: bool = True, dump_dir: Optional[str] = None, record: Optional[PipelineRecord] = None,
                       on_phase: Optional[Callable] = None, tuning_logs=(), gpu: Optional[str] = None,
-                      cpu_kernels: bool = True) -> tvm.transform.Pass:
+                      cpu_kernels: bool = True, input_dtype: str = "float32",
+                      input_layout: str = "NCHW") -> tvm.transform.Pass:
     """The whole pass order (see the module docstring) as one pass over a QDQ-form module.
 
     ``target``: a kind ("llvm", "cuda"), a JSON-dict target or a ``tvm.target.Target`` (cuda: its ``arch`` picks the
@@ -273,17 +282,20 @@ def qcompile_pipeline(target="llvm", layout: str = "NCHW", *, pack_int4: bool = 
     integer Relax). ``on_phase(name, mod)`` is called after each phase, with its dump's name. ``tuning_logs`` (files
     or folders searched before the packaged logs) and ``gpu`` (the GPU name records are matched against) choose the
     tensor-core kernels' knobs. ``cpu_kernels``: on llvm, convs and dense layers on qcompile's CPU kernel where the
-    target enables AVX2 (an x86 triple and an ``mcpu`` / ``mattr`` with AVX2: the target ``tvm.compile`` runs the
-    pipeline under, else ``target``; :func:`build` picks x86-64-v3 for a plain ``llvm`` target on an AVX2 host);
-    ``QCOMPILE_CPU_KERNELS=0`` or False: TVM's generic lowering."""
+    target enables one (``cpu_conv.target_kernel``: AVX2 / VNNI on x86, dotprod on aarch64; the target
+    ``tvm.compile`` runs the pipeline under, else ``target``; :func:`build` picks the host's best x86 level for a
+    plain ``llvm`` target on an AVX2 host);
+    ``QCOMPILE_CPU_KERNELS=0`` or False: TVM's generic lowering. ``input_dtype`` (float32, int8, uint8) and
+    ``input_layout`` (NCHW, NHWC): what ``main`` takes; int8 / uint8 fold the model's input quantize away (the input
+    is its integer tensor; ``record.input_quant`` and the metadata's ``input_quant`` give its scale and zero point)."""
     tgt = _target(target)
     dump_dir = dump_dir or os.environ.get("QCOMPILE_DUMP_IR")
     record = record if record is not None else PipelineRecord()
     after = lambda name: _phase_end(name, dump_dir, on_phase)
     passes = []
     if integer:
-        passes += [after("1_qdq"),
-                   LowerQDQToInteger(layout), _record_integer(record), after("2_integer")]
+        lower = LowerQDQToInteger(layout, input_dtype, input_layout)
+        passes += [after("1_qdq"), lower, _record_integer(record, lower), after("2_integer")]
         if tgt.kind.name == "cuda" and layout != "NCHW":
             passes += [_tensor_cores(str(tgt.attrs["arch"]), expand_w4, record, tuple(tuning_logs or ()), gpu),
                        after("3_dispatched")]
@@ -318,7 +330,8 @@ def build(mod: tvm.IRModule, target="llvm", cuda_graph: bool = True, pipeline: O
 
     On llvm the codegen target is decided here, once, and ``tvm.compile`` runs the pipeline under it: where the
     pipeline runs the CPU kernels (or ``mod`` already holds them), a plain ``llvm`` target on an x86-64 host with AVX2
-    becomes x86-64-v3 (``dispatch_cpu.cpu_kernels_target``); otherwise, and for a target naming ``mtriple`` /
+    becomes the host's best kernel target (x86-64-v4 + AVX-512 VNNI, x86-64-v3 + AVX-VNNI or x86-64-v3:
+    ``dispatch_cpu.cpu_kernels_target``); otherwise, and for a target naming ``mtriple`` /
     ``mcpu`` / ``mattr``, the target is used as given.
 
     On CUDA the whole forward pass is captured once and replayed as a CUDA graph
@@ -327,9 +340,9 @@ def build(mod: tvm.IRModule, target="llvm", cuda_graph: bool = True, pipeline: O
     if tgt.kind.name == "llvm":  # the codegen target, decided once: the pipeline runs under it (tvm.compile)
         from qcompile.schedules.cpu_conv import cpu_target
 
-        if has_cpu_kernels(mod):  # already dispatched: the kernels need AVX2 whatever the switch says
+        if has_cpu_kernels(mod):  # already dispatched: the kernels need their target whatever the switch says
             tgt = cpu_target(tgt)
-        elif _runs_cpu_kernels(pipeline):  # x86-64-v3 on an AVX2 host (plain llvm), else as given
+        elif _runs_cpu_kernels(pipeline):  # the host's best on an AVX2 host (plain llvm), else as given
             tgt = cpu_kernels_target(tgt) or tgt
     pipeline = pipeline or qcompile_pipeline(tgt, integer=False)
     config = {"relax.backend.use_cuda_graph": cuda_graph} if tgt.kind.name == "cuda" else {}

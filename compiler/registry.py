@@ -56,7 +56,7 @@ class TargetKind:
 
 
 TARGETS = {
-    "llvm": TargetKind("llvm", "NCHW", "CPU through LLVM (reference and tests)"),
+    "llvm": TargetKind("llvm", "NHWC", "CPU through LLVM: int8 kernels on x86 (AVX2, AVX-VNNI, AVX-512 VNNI)"),
     "cuda": TargetKind("cuda", "NHWC", "NVIDIA GPU; --arch sm_75|sm_80|sm_86|sm_89|sm_90"),
 }
 

@@ -17,10 +17,16 @@ import json
 import os
 import struct
 import sys
+from dataclasses import asdict, dataclass
 
-# The function every qcompile .so carries: it returns the module's metadata (input name and shape, layout, bits,
-# target, weights) as JSON bytes. The compiler adds it (qcompile.pipeline); Module reads it.
+# The function every qcompile .so carries: it returns the module's metadata (input name, shape, dtype, layout and
+# quantization, layout, bits, target, weights) as JSON bytes. The compiler adds it (qcompile.pipeline); Module reads it.
 META_FUNC = "qcompile_meta"
+
+# What a module's input can be (qcompile --input-dtype / --input-layout): float32 images, quantized inside the module,
+# or images already quantized with the model's input scale and zero point (InputQuant); NCHW or channels last.
+INPUT_DTYPES = ("float32", "int8", "uint8")
+INPUT_LAYOUTS = ("NCHW", "NHWC")
 
 # The exported symbol under which TVM stores a module's serialized data (the Relax VM executable, its constants --
 # the metadata JSON among them -- and any CUDA kernels).
@@ -141,6 +147,60 @@ def weights_digest(weights) -> str:
         h.update(f"{w.dtype.str}{w.shape};".encode())
         h.update(w.tobytes())
     return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class InputQuant:
+    """How the images a module compiled with ``--input-dtype int8|uint8`` takes are quantized: its model's input
+    QuantizeLinear, which the module no longer runs::
+
+        q = clip(floor(x / scale + 0.5) + zero_point, qmin, qmax)       x: float32 images, q: dtype, in layout
+
+    in float32 arithmetic, exactly as the module built with ``--input-dtype float32`` quantizes its input (ties round
+    up, where ONNX's QuantizeLinear rounds them to even: x / scale exactly halfway between two integers). ``zero_point``,
+    ``qmin`` and ``qmax`` are in ``dtype``: where it is not the model's zero-point dtype, they are the model's shifted
+    by 128 (exact for 8 bits). ``node``: the folded quantize. :meth:`quantize` does it for NumPy images."""
+
+    scale: float
+    zero_point: int
+    dtype: str
+    layout: str
+    qmin: int
+    qmax: int
+    node: str = ""
+
+    def to_meta(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_meta(cls, d: dict) -> "InputQuant":
+        return cls(float(d["scale"]), int(d["zero_point"]), str(d["dtype"]), str(d["layout"]), int(d["qmin"]),
+                   int(d["qmax"]), str(d.get("node", "")))
+
+    def __iter__(self):  # scale, zero_point, dtype, layout = m.input_quant
+        return iter((self.scale, self.zero_point, self.dtype, self.layout))
+
+    def quantize(self, x, layout: str = "NCHW"):
+        """Float images ``x`` (NumPy, any float dtype, taken as float32; 4-D in ``layout`` when the module's input
+        is) -> the integer array the module takes (``dtype``, in ``self.layout``). ``RunError`` for a non-float
+        array or NaN/Inf values."""
+        import numpy as np
+
+        x = np.asarray(x)
+        if not np.issubdtype(x.dtype, np.floating):
+            raise RunError(f"quantizing the input: expected float images, got dtype {x.dtype}")
+        if layout not in INPUT_LAYOUTS:
+            raise RunError(f"quantizing the input: layout must be one of {', '.join(INPUT_LAYOUTS)}, not {layout!r}")
+        with np.errstate(over="ignore", invalid="ignore"):
+            x = x.astype(np.float32)
+            bad = int(x.size - np.isfinite(x).sum())
+            if bad:
+                raise RunError(f"quantizing the input: it holds {bad} non-finite values (NaN or Inf); fix the images")
+            f = np.floor(x / np.float32(self.scale) + np.float32(0.5)) + np.float32(self.zero_point)
+            q = np.clip(f, self.qmin, self.qmax).astype(self.dtype)
+        if x.ndim == 4 and layout != self.layout:
+            q = q.transpose((0, 2, 3, 1) if self.layout == "NHWC" else (0, 3, 1, 2))
+        return np.ascontiguousarray(q)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -374,7 +434,10 @@ class Module:
 
     ``device``: "cpu" or "cuda" (default: the module's target; a module runs only on the kind of device it was
     compiled for). ``weights``: the weights file of a ``--weights-beside`` module (default: ``NAME.weights.npz`` beside
-    ``NAME.so``). ``meta``: the module's metadata (input name and shape, layout, bits, target, ...)."""
+    ``NAME.so``). ``meta``: the module's metadata (input name, shape, dtype and layout, layout, bits, target, ...).
+    ``input_quant``: for a module compiled with ``--input-dtype int8|uint8``, the input's quantization
+    (:class:`InputQuant`: scale, zero point, dtype, layout; :meth:`quantize_input` applies it); None for float32
+    images."""
 
     def __init__(self, path: str, device: str | None = None, weights: str | None = None):
         import ctypes
@@ -453,6 +516,8 @@ class Module:
         self.meta = json.loads(bytes(self._numpy(meta_t)).decode())
         self.weights = [self._tensor(w) for w in arrays]
         self._vm = None
+        iq = self.meta.get("input_quant")
+        self.input_quant = InputQuant.from_meta(iq) if isinstance(iq, dict) else None
 
     @property
     def dev(self):
@@ -491,22 +556,40 @@ class Module:
         self._copy_to(t, self._c_void_p(a.ctypes.data), a.nbytes)
         return a
 
+    def _takes(self) -> str:
+        """What the input must be, for messages: "float32 NCHW images", "int8 NHWC images quantized with scale ..."."""
+        iq = self.input_quant
+        what = f"{self.meta.get('input_dtype', 'float32')} {self.meta.get('input_layout', 'NCHW')} images"
+        return what if iq is None else f"{what} quantized with scale {iq.scale!r} and zero point {iq.zero_point}"
+
+    def quantize_input(self, x, layout: str = "NCHW"):
+        """Float images ``x`` (NumPy, in ``layout``) quantized for a module compiled with ``--input-dtype
+        int8|uint8``, exactly as the float-input module quantizes them (:meth:`InputQuant.quantize`); the output of
+        ``m(m.quantize_input(x))`` equals that of the float-input module on ``x``, bit for bit."""
+        if self.input_quant is None:
+            raise RunError(f"'{self.path}' takes float32 images (it quantizes them itself); there is nothing to "
+                           f"quantize on the host (compile with --input-dtype int8 or uint8 for that)")
+        return self.input_quant.quantize(x, layout)
+
     def check_input(self, x, allow_nonfinite: bool = False):
-        """``x`` as the contiguous float32 array the module takes; ``RunError`` for another shape, a non-float dtype,
-        or (unless ``allow_nonfinite``) NaN/Inf values."""
+        """``x`` as the contiguous array the module takes (float32, or the int8 / uint8 of ``input_quant``);
+        ``RunError`` for another shape or dtype, (float input, unless ``allow_nonfinite``) NaN/Inf values, or (a
+        4-bit integer input) values outside its range."""
         import numpy as np
 
         name = self.meta["input_name"]
         want = tuple(self.meta["input_shape"])
+        if self.input_quant is not None:
+            return self._check_int_input(np.asarray(x), name, want)
         if x.dtype != np.float32:
             if np.issubdtype(x.dtype, np.floating):
                 with np.errstate(over="ignore"):  # float64 beyond float32's range becomes Inf: refused below
                     x = x.astype(np.float32)
             else:
-                raise RunError(f"input '{name}' must be float32 NCHW images, got dtype {x.dtype}")
+                raise RunError(f"input '{name}' must be {self._takes()}, got dtype {x.dtype}")
         if tuple(x.shape) != want:
             raise RunError(f"input '{name}' has shape {tuple(x.shape)}, the module was compiled for "
-                           f"{want} (float32 NCHW; recompile with --batch N for another batch size)")
+                           f"{want} ({self._takes()}; recompile with --batch N for another batch size)")
         if not allow_nonfinite:
             finite = np.isfinite(x)
             if not finite.all():
@@ -517,8 +600,27 @@ class Module:
                                f"--allow-nonfinite (allow_nonfinite=True) to run anyway")
         return np.ascontiguousarray(x)
 
+    def _check_int_input(self, x, name: str, want: tuple):
+        """``check_input`` for an integer input: its dtype exactly (no silent conversion), shape, and range."""
+        import numpy as np
+
+        iq = self.input_quant
+        if x.dtype != np.dtype(iq.dtype):
+            hint = (" -- quantize float images first: Module.quantize_input(x), or qrun --quantize"
+                    if np.issubdtype(x.dtype, np.floating) else "")
+            raise RunError(f"input '{name}' must be {self._takes()}, got dtype {x.dtype}{hint}")
+        if tuple(x.shape) != want:
+            raise RunError(f"input '{name}' has shape {tuple(x.shape)}, the module was compiled for {want} "
+                           f"({self._takes()}; recompile with --batch N for another batch size)")
+        info = np.iinfo(x.dtype)
+        if (iq.qmin, iq.qmax) != (info.min, info.max) and x.size and (x.min() < iq.qmin or x.max() > iq.qmax):
+            raise RunError(f"input '{name}' holds values outside [{iq.qmin}, {iq.qmax}], the range of the model's "
+                           f"input quantize (min {int(x.min())}, max {int(x.max())})")
+        return np.ascontiguousarray(x)
+
     def __call__(self, x, allow_nonfinite: bool = False):
-        """The module's output (float logits) for images ``x`` (float32 NCHW, the compiled batch size); NaN/Inf pixels
+        """The module's output (float logits) for images ``x`` (float32 NCHW, the compiled batch size; a module built
+        with ``--input-dtype`` / ``--input-layout`` takes that dtype and layout, see ``input_quant``); NaN/Inf pixels
         are refused unless ``allow_nonfinite``.
 
         ``x`` a NumPy array (or anything ``np.asarray`` takes): a NumPy array out. ``x`` a tensor of another array
@@ -567,12 +669,12 @@ class Module:
             raise RunError(f"input '{name}' ({lib} tensor) cannot be read in place: "
                            f"{(str(e).strip().splitlines() or [type(e).__name__])[-1]} (pass a contiguous tensor)") \
                 from None
-        if str(t.dtype) != "float32":
-            raise RunError(f"input '{name}' must be float32 NCHW images, got dtype {t.dtype}")
+        if str(t.dtype) != self.meta.get("input_dtype", "float32"):
+            raise RunError(f"input '{name}' must be {self._takes()}, got dtype {t.dtype}")
         if tuple(t.shape) != want:
-            raise RunError(f"input '{name}' has shape {tuple(t.shape)}, the module was compiled for {want} (float32 "
-                           f"NCHW; recompile with --batch N for another batch size)")
-        if not allow_nonfinite:
+            raise RunError(f"input '{name}' has shape {tuple(t.shape)}, the module was compiled for {want} "
+                           f"({self._takes()}; recompile with --batch N for another batch size)")
+        if not allow_nonfinite and self.input_quant is None:
             if lib in ("torch", "cupy"):
                 ok = bool(importlib.import_module(lib).isfinite(x).all())
             else:
@@ -695,7 +797,11 @@ def qrun_main(argv=None) -> int:
     ap = _Parser(prog="qrun", description="Run a qcompile .so on a batch of images with the TVM runtime only. Every "
                  "bad input gets one 'qrun: error:' line and exit status 2.")
     ap.add_argument("module", help="compiled .so from qcompile (native code: run only modules you built or trust)")
-    ap.add_argument("--input", required=True, help=".npy file of float32 NCHW images (the compiled batch size)")
+    ap.add_argument("--input", required=True, help=".npy file of images (the compiled batch size): float32 NCHW, or "
+                    "what a module built with --input-dtype / --input-layout takes (int8 / uint8, NHWC)")
+    ap.add_argument("--quantize", action="store_true", help="for a module built with --input-dtype int8|uint8: "
+                    "--input holds float32 NCHW images; quantize them with the module's input scale and zero point "
+                    "(as the float-input module does) before the run")
     ap.add_argument("--output", help="write the output (float logits) to this .npy file (written to a temporary file "
                     "beside it, then renamed)")
     ap.add_argument("--labels", metavar="NPY", help=".npy file of integer class indices, one per image: also print "
@@ -714,13 +820,33 @@ def qrun_main(argv=None) -> int:
 def _qrun(ap, argv) -> int:
     out = None
     a = ap.parse_args(argv)  # (a usage error raises RunError: one line)
+    import numpy as np  # (after --help, which imports neither numpy nor tvm_ffi)
+
     if a.output:  # checked before any work; written (through a temporary file beside it) once the result exists
         out = _check_output(a.output, {a.input: "input file", a.module: "compiled module",
                                       **({a.labels: "labels file"} if a.labels else {})})
     x = read_npy(a.input, "input")
     _import_tvm_ffi_without_torch()
     m = Module(a.module, a.device)
+    if a.quantize:
+        if m.input_quant is None:
+            raise RunError(f"--quantize applies to a module built with --input-dtype int8 or uint8; '{a.module}' "
+                           f"takes float32 images and quantizes them itself (leave --quantize out)")
+        if not np.issubdtype(x.dtype, np.floating):
+            raise RunError(f"--quantize: input '{a.input}' holds {x.dtype} values; it takes float32 NCHW images")
+        want = list(m.meta["input_shape"])
+        if m.input_quant.layout == "NHWC" and len(want) == 4:
+            want = [want[0], want[3], want[1], want[2]]
+        if list(x.shape) != want:
+            raise RunError(f"--quantize: input '{a.input}' has shape {tuple(x.shape)}, the module was compiled for "
+                           f"float32 NCHW images of shape {tuple(want)} (recompile with --batch N for another batch "
+                           f"size)")
+        x = m.quantize_input(x, "NCHW")
     x = m.check_input(x, a.allow_nonfinite)
+    if m.input_quant is not None:
+        iq = m.input_quant
+        print(f"input {iq.dtype} {iq.layout}: scale {iq.scale!r}, zero point {iq.zero_point}, range [{iq.qmin}, "
+              f"{iq.qmax}]{' (quantized from the float32 NCHW images of --input)' if a.quantize else ''}", flush=True)
     labels = None
     if a.labels:
         shape = m.meta.get("output_shape") or []
@@ -737,8 +863,6 @@ def _qrun(ap, argv) -> int:
         print(f"median {1e3 * sorted(ts)[len(ts) // 2]:.3f} ms over {a.time} runs")
     if out:
         _write_output(y, *out)
-    import numpy as np
-
     top1 = np.argmax(y.reshape(y.shape[0], -1), axis=1)
     dest = f"{out[0]} " if a.output else ""
     shown = top1[:16].tolist()

@@ -33,6 +33,13 @@ flattened with spatial extent > 1, at the output. The network input quantize is
 ``clip(floor(x / s + 0.5) + zp, lo, hi)`` (float32; ties round up); the output dequantize is
 ``float32(q - zp) * s``. A 4-bit tensor is an int8/uint8 tensor clipped to its 4-bit range (see
 :mod:`qcompile.qdq`); ``PackInt4`` packs those later.
+
+The network input is float32 NCHW by default; ``input_layout`` NHWC takes it channels last (the quantize runs
+element-wise, then one transpose to the pass's layout where the two differ). ``input_dtype`` int8 / uint8 takes it
+already quantized: the model's input quantize (one per-tensor QuantizeLinear, the input's only user) is folded away
+and the input is its integer tensor (see :class:`InputQuant`). Where the asked dtype and the model's zero-point dtype
+differ (8 bits only), the graph shifts the input by 128 (``q_uint8 = q_int8 + 128``, exact: the same rounding with
+``zp +- 128``); a 4-bit input range is enforced with a clip.
 """
 from __future__ import annotations
 
@@ -48,6 +55,7 @@ from tvm.ir.expr import Constant
 from qcompile.errors import QCompileError, UnsupportedOpError, keeps_user_errors
 from qcompile.fixed_point import MAX_SHIFT, quantize_multipliers
 from qcompile.qdq import QType, QTYPES, check_scale, const_value, qtype_of
+from qcompile.runtime import INPUT_DTYPES, INPUT_LAYOUTS, InputQuant
 
 # Integer offsets (``-zp * sum(w)``, biases in accumulator steps) are added to int32 accumulators; the requantize
 # multiplies ``t + c`` (|t + c| < 2^31) by a 31-bit multiplier in int64.
@@ -141,12 +149,28 @@ def _name(var) -> str:
     return var.name if isinstance(var, relax.Var) else ""
 
 
+def _op_name(e) -> str:
+    return str(e.op.name).replace("relax.", "") if isinstance(e, relax.Call) and hasattr(e.op, "name") \
+        else type(e).__name__
+
+
+def _input_error(dtype: str, detail: str) -> QCompileError:
+    return QCompileError(f"--input-dtype {dtype}: {detail}; compile with --input-dtype float32 (the default), which "
+                         f"takes float images and quantizes them inside the module")
+
+
 class _Lowering:
-    def __init__(self, func: relax.Function, layout: str):
+    def __init__(self, func: relax.Function, layout: str, input_dtype: str = "float32", input_layout: str = "NCHW"):
         if layout not in LAYOUTS:
             raise QCompileError(f"unknown layout '{layout}' (choose from {', '.join(LAYOUTS)})")
+        if input_dtype not in INPUT_DTYPES:
+            raise QCompileError(f"unknown input dtype '{input_dtype}' (choose from {', '.join(INPUT_DTYPES)})")
+        if input_layout not in INPUT_LAYOUTS:
+            raise QCompileError(f"unknown input layout '{input_layout}' (choose from {', '.join(INPUT_LAYOUTS)})")
         self.func = func
         self.layout = layout
+        self.input_dtype, self.input_layout = input_dtype, input_layout
+        self.input_quant: Optional[InputQuant] = None  # set where the input is an integer tensor
         self.dl, self.kl, self.caxis, self.hw_axes, self.perm = LAYOUTS[layout]
         self.bb = relax.BlockBuilder()
         self.var2val = relax.analysis.get_var2val(func)
@@ -187,8 +211,51 @@ class _Lowering:
                 pass
             raise
 
+    def _input_var(self) -> relax.Var:
+        """The network input parameter: the QDQ form's float32 NCHW input, in ``input_layout`` and ``input_dtype``.
+
+        1. Another layout than NCHW needs a 4-D input.
+        2. An integer input needs the input quantize of :meth:`_input_quantize` (checked here, before anything is
+           emitted)."""
+        ty = self.input.ty
+        shape = [int(d) for d in ty.shape]
+        if self.input_layout != "NCHW":
+            if len(shape) != 4:
+                raise QCompileError(f"--input-layout {self.input_layout}: input '{self.input.name}' has shape "
+                                    f"{shape}, not 4-D images; compile with --input-layout NCHW")
+            shape = [shape[i] for i in LAYOUTS[self.input_layout][4]]
+        if self.input_dtype != "float32":
+            self._input_quantize()
+        return relax.Var(self.input.name, relax.TensorType(shape, self.input_dtype))
+
+    def _input_quantize(self) -> relax.Call:
+        """The one per-tensor quantize an integer input replaces: the input's only user, with constant scalar scale
+        and zero point, and a zero-point dtype the asked dtype matches (or, for 8 bits, differs from by 128)."""
+        dtype, name = self.input_dtype, self.input.name
+        bindings = [b for block in self.func.body.blocks for b in block.bindings]
+        users = [(b.var, b.value) for b in bindings
+                 if any(v.same_as(self.input) for v in relax.analysis.free_vars(b.value))]
+        if any(v.same_as(self.input) for v in relax.analysis.free_vars(self.func.body.body)):
+            users.append((None, None))
+        if len(users) != 1 or not (isinstance(users[0][1], relax.Call) and users[0][1].op.name == "relax.quantize"):
+            shown = ", ".join("the output" if v is None else f"'{_name(v)}' ({_op_name(c)})" for v, c in users)
+            raise _input_error(dtype, f"input '{name}' must feed exactly one QuantizeLinear, its only user; it feeds "
+                                      f"{shown or 'nothing'}")
+        qvar, q = users[0]
+        scale, zp = const_value(q.args[1]), const_value(q.args[2])
+        if scale is None or zp is None or scale.size != 1 or zp.size != 1:
+            raise _input_error(dtype, f"the input quantize '{_name(qvar)}' has a per-channel (or non-constant) scale "
+                                      f"or zero point; an integer input needs one per-tensor scale and zero point")
+        model = str(q.attrs.out_dtype)
+        four_bit = any(isinstance(b.value, relax.Call) and b.value.op.name == "relax.clip"
+                       and b.value.args[0].same_as(qvar) for b in bindings)
+        if model != dtype and four_bit:  # (+-128 is not the shift between a 4-bit tensor's two forms)
+            raise _input_error(dtype, f"the input quantize '{_name(qvar)}' quantizes to 4 bits stored as {model}; "
+                                      f"give the input as {model} (--input-dtype {model})")
+        return q
+
     def _run(self) -> relax.Function:
-        x = relax.Var(self.input.name, self.input.ty)
+        x = self._input_var()
         self.env[self.input] = ("input", x)
         with self.bb.function("main", [x]):
             with self.bb.dataflow():
@@ -299,13 +366,34 @@ class _Lowering:
 
     # -- input / output --------------------------------------------------------------------------
     def quantize_input(self, x, s, zp, qt, name):
-        """``q = clip(floor(x / s + 0.5) + zp, qmin, qmax)`` on the float NCHW input, then to the layout."""
-        f = relax.op.floor(relax.op.add(relax.op.divide(x, relax.const(float(s), "float32")), relax.const(0.5, "float32")))
-        if zp:
-            f = relax.op.add(f, relax.const(float(zp), "float32"))
-        q = self.emit(relax.op.astype(relax.op.clip(f, qt.qmin, qt.qmax), qt.storage), name or "input_q")
-        if self.layout != "NCHW" and len(x.ty.shape) == 4:
-            q = self.emit(relax.op.permute_dims(q, list(self.perm)), "input_layout")
+        """``q = clip(floor(x / s + 0.5) + zp, qmin, qmax)`` on the float input, then to the layout; an integer input
+        is ``q`` itself (:meth:`integer_input`)."""
+        if self.input_dtype != "float32":
+            q = self.integer_input(x, s, zp, qt, name)
+        else:
+            f = relax.op.floor(relax.op.add(relax.op.divide(x, relax.const(float(s), "float32")),
+                                            relax.const(0.5, "float32")))
+            if zp:
+                f = relax.op.add(f, relax.const(float(zp), "float32"))
+            q = self.emit(relax.op.astype(relax.op.clip(f, qt.qmin, qt.qmax), qt.storage), name or "input_q")
+        if len(x.ty.shape) == 4 and self.input_layout != self.layout:
+            perm = np.argsort(LAYOUTS[self.input_layout][4])[list(self.perm)]  # input layout -> NCHW -> the layout
+            q = self.emit(relax.op.permute_dims(q, [int(p) for p in perm]), "input_layout")
+        return q
+
+    def integer_input(self, x, s, zp, qt, name):
+        """The integer input ``x`` as the model's quantized tensor (``qt``): shifted by 128 where its dtype is the
+        other 8-bit one, clipped to a 4-bit range; ``self.input_quant`` records its parameters."""
+        dtype = self.input_dtype
+        shift = 0 if dtype == qt.storage else (128 if qt.storage == "uint8" else -128)  # model value - input value
+        self.input_quant = InputQuant(float(s), int(zp) - shift, dtype, self.input_layout, qt.qmin - shift,
+                                      qt.qmax - shift, name)
+        q = x
+        if shift:
+            q = self.emit(relax.op.astype(relax.op.add(relax.op.astype(x, "int32"), relax.const(shift, "int32")),
+                                          qt.storage), name or "input_q")
+        if qt.bits < 8:
+            q = self.emit(relax.op.clip(q, qt.qmin, qt.qmax), (name or "input") + "_clip")
         return q
 
     def output(self, e):
@@ -849,11 +937,14 @@ class _Lowering:
 class LowerQDQToInteger:
     """Rewrite ``main`` of a QDQ-form module into integer compute in ``layout`` (see module docstring)."""
 
-    def __init__(self, layout: str = "NCHW"):
-        self.layout = layout
+    def __init__(self, layout: str = "NCHW", input_dtype: str = "float32", input_layout: str = "NCHW"):
+        self.layout, self.input_dtype, self.input_layout = layout, input_dtype, input_layout
+        self.input_quant: Optional[InputQuant] = None  # after a run with an integer input: its quantization
 
     @keeps_user_errors
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        func = _Lowering(mod["main"], self.layout).run()
+        low = _Lowering(mod["main"], self.layout, self.input_dtype, self.input_layout)
+        func = low.run()
+        self.input_quant = low.input_quant
         out = tvm.IRModule({"main": func}, attrs=mod.attrs)
         return relax.transform.DeadCodeElimination(["main"])(out)
