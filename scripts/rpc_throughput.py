@@ -74,8 +74,10 @@ def build_batch(model: str, arch: str, batch: int, per_task: int, seed: int, job
 
 
 def measure_with(built: list, servers: int, key: str, server_args: list, seed: int, repeat: int,
-                 min_repeat_ms: int) -> dict:
-    """Start a tracker and ``servers`` rpc_servers (GPU i for server i), measure every candidate, stop them."""
+                 min_repeat_ms: int, problems) -> dict:
+    """Start a tracker and ``servers`` rpc_servers (GPU i for server i), measure every candidate, stop them.
+    ``problems``: the shapes' inputs and references, made before (``draw_problems``): the runs time the GPUs'
+    work, not the NumPy references (which a tuning run makes once per shape, not per candidate)."""
     from qcompile.tune.runners import RPCRunner
 
     tp = _free_port()
@@ -90,7 +92,9 @@ def measure_with(built: list, servers: int, key: str, server_args: list, seed: i
                                            "--key", key, "--host", "127.0.0.1", "--port", str(p), "--port-end",
                                            str(p + 1)] + server_args, env=env, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL))
-        runner = RPCRunner("127.0.0.1", tp, key, seed=seed, repeat=repeat, min_repeat_ms=min_repeat_ms)
+        runner = RPCRunner("127.0.0.1", tp, key, seed=seed, repeat=repeat, min_repeat_ms=min_repeat_ms,
+                           log=lambda line: print(f"  [{servers} server(s)] {line}", flush=True))
+        runner.problems = problems
         t = time.time()
         while runner.servers() < servers and time.time() - t < 120:
             time.sleep(0.3)
@@ -117,6 +121,17 @@ def measure_with(built: list, servers: int, key: str, server_args: list, seed: i
                                                       sort_keys=True): m.ms for m in got if m.ms is not None})
 
 
+def draw_problems(built: list, seed: int):
+    """Every shape's problem (inputs, NumPy reference) for the rpc runner's seed, made once before the timed runs."""
+    from qcompile.tune import measure as M
+
+    entries = [b.entry for b in built]
+    problems = M.Problems(keep=len({M.spec_key(e) for e in entries}) + 1)
+    for e in entries:
+        problems.get(e, M.shape_seed(seed, e))
+    return problems
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -136,11 +151,14 @@ def main(argv=None) -> int:
     t = time.time()
     built = build_batch(a.model, a.arch, a.batch, a.per_task, a.seed, a.jobs, a.build_dir)
     print(f"built {len(built)} candidates in {time.time() - t:.0f} s", flush=True)
+    t = time.time()
+    problems = draw_problems(built, a.seed)
+    print(f"drew the shapes' inputs and references in {time.time() - t:.0f} s", flush=True)
     out = dict(date=datetime.date.today().isoformat(), command="python scripts/rpc_throughput.py "
                + " ".join(map(shlex.quote, argv if argv is not None else sys.argv[1:])), model=os.path.basename(a.model),
                arch=a.arch, batch=a.batch, candidates=len(built), runs=[])
     for n in a.servers:
-        r = measure_with(built, n, a.key, shlex.split(a.server_args), a.seed, a.repeat, a.min_repeat_ms)
+        r = measure_with(built, n, a.key, shlex.split(a.server_args), a.seed, a.repeat, a.min_repeat_ms, problems)
         print(f"{n} server(s): {r['candidates']} candidates in {r['seconds']} s = {r['per_minute']}/min "
               f"{r['status']}", flush=True)
         out["runs"].append(r)

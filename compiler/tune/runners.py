@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--measure-device", choices=("cuda", "cpu"), default="cuda",
                    help="the device kind the candidates run on (cpu: llvm-built candidates; default: cuda)")
     g.add_argument("--device-id", type=int, default=0, help="which GPU the local runner uses (default: 0)")
+    g.add_argument("--problem-cache", metavar="DIR",
+                   help="local runner: keep each shape's random inputs and NumPy reference in DIR, with the seed they "
+                        "were drawn from, so a resumed run reuses them instead of computing the references again "
+                        "(large: hundreds of MB per shape at batch 256; default: a temporary folder per run)")
     g.add_argument("--measure-timeout", type=float, default=120.0, metavar="S",
                    help="seconds one candidate may take on the device (default: 120)")
     g.add_argument("--repeat", type=int, default=7, help="timed repeats per kernel (default: 7)")
@@ -74,7 +78,9 @@ def make_runner(args) -> Runner:
     common = dict(device=g("measure_device") or "cuda", timeout=g("measure_timeout", 120.0), repeat=g("repeat", 7),
                   min_repeat_ms=g("min_repeat_ms", 20))
     if kind == "local":
-        return LocalRunner(device_id=g("device_id", 0), **common)
+        cache = g("problem_cache")
+        return LocalRunner(device_id=g("device_id", 0), cache_dir=cache, seed=problem_seed(cache) if cache else None,
+                           **common)
     if kind == "rpc":
         if not g("rpc_tracker") or not g("rpc_key"):
             raise QCompileError("--runner rpc needs --rpc-tracker HOST:PORT and --rpc-key KEY")
@@ -85,6 +91,24 @@ def make_runner(args) -> Runner:
     if not g("export") and not g("import_results"):
         raise QCompileError("--runner offline needs --export DIR (and --import RESULTS once they are measured)")
     return OfflineRunner(g("export"), g("import_results") or (), arch=g("arch"))
+
+
+def problem_seed(folder: str) -> int:
+    """The seed of a problem cache (``--problem-cache``): read from ``folder/seed``, or drawn at random and written
+    there (the folder made) by the first run that uses it."""
+    path = os.path.join(folder, "seed")
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except FileNotFoundError:
+        pass
+    except ValueError:
+        raise QCompileError(f"--problem-cache {folder}: {path} is not a seed (an integer); remove the folder") from None
+    os.makedirs(folder, exist_ok=True)
+    seed = int.from_bytes(os.urandom(4), "little")
+    with open(path, "w") as f:
+        f.write(f"{seed}\n")
+    return seed
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -138,8 +162,8 @@ def _device_info(d: dict) -> DeviceInfo:
 class LocalRunner(Runner):
     """This machine's device; each batch measured by measure.py's supervisor (a worker process per batch, a new
     one after a candidate that kills it). One seed for the runner's life (random unless given): a shape's inputs
-    and reference are drawn once, kept in a temporary folder (``cache_dir``, removed at exit) and reused by the
-    following rounds."""
+    and reference are drawn once, kept in ``cache_dir`` (default: a temporary folder, removed at exit) and reused by
+    the following rounds -- and by later runs where ``cache_dir`` and the seed are kept (``--problem-cache``)."""
 
     def __init__(self, device: str = "cuda", device_id: int = 0, timeout: float = 120.0, repeat: int = 7,
                  min_repeat_ms: int = 20, seed: int | None = None, log=None, cache_dir: str | None = None):
@@ -205,6 +229,7 @@ class RPCRunner(Runner):
         self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
         self.priority, self.log = priority, log
         self._info = None
+        self.problems = M.Problems(keep=8)  # (the shapes' inputs and references, made here once per shape and seed)
 
     def _tracker(self):
         from tvm import rpc
@@ -246,7 +271,7 @@ class RPCRunner(Runner):
             sess.upload(path, entry["id"] + ".so")
             mod = sess.load_module(entry["id"] + ".so")
             rec = M.measure_entry(mod, entry, self._remote_device(sess), seed, self.repeat, self.min_repeat_ms,
-                                  poison_seed=M.candidate_seed(self.seed, entry["id"]))
+                                  poison_seed=M.candidate_seed(self.seed, entry["id"]), problems=self.problems)
         except Exception as e:  # noqa: BLE001  (the candidate's failure; the session is dropped)
             msg = " ".join(str(e).split())
             rec = dict(id=entry["id"], status=RUN_ERROR, ms=None, seed=seed, detail=f"{type(e).__name__}: "
@@ -261,8 +286,16 @@ class RPCRunner(Runner):
             info = self._info
             n = self.sessions or max(1, self.servers())
             q: queue.Queue = queue.Queue()
+            entries = sorted(entries, key=M.spec_key)  # (a shape's candidates in a row: its problem made once)
             for e in entries:
                 q.put(e)
+            firsts, seen = [], set()
+            for e in entries:
+                if M.spec_key(e) not in seen:
+                    seen.add(M.spec_key(e))
+                    firsts.append(e)
+            for e in firsts[:self.problems.keep // 2]:  # (the first shapes' problems drawn in the background)
+                self.problems.prefetch(e, M.shape_seed(self.seed, e))
             lock = threading.Lock()
 
             def loop():

@@ -163,3 +163,24 @@ def test_check_lists_every_strategy_for_sm90_and_sm75():
     assert {c.strategy for c in check.candidates("sm_75")} == {"implicit_gemm", "direct_hwnc", "fallback"}
     assert check.arch_for("sm_90") == ("sm_90", "sass") and check.arch_for("sm_86") == ("sm_86", "sass")
     assert check.arch_for("sm_100") == ("sm_89", "ptx") and check.arch_for("sm_87") == ("sm_86", "sass")
+
+
+def test_problem_cache_keeps_its_seed_and_problems_across_runners(built, tmp_path):
+    """``--problem-cache DIR``: the first local runner draws a seed and writes it to DIR; a later one (a resumed run)
+    reads the same seed, finds every shape's problem in DIR (nothing drawn again) and measures the same way."""
+    cache = tmp_path / "problems"
+    args = type("A", (), dict(runner="local", problem_cache=str(cache), measure_device="cpu", repeat=2,
+                              min_repeat_ms=1))()
+    first = RN.make_runner(args)
+    assert first.cache_dir == str(cache) and (cache / "seed").read_text().strip() == str(first.seed)
+    _check(first.measure(built), built)
+    drawn = sorted(p.name for p in cache.iterdir() if p.is_dir())
+    assert len(drawn) == len({repr(b.candidate.spec) for b in built if b.error is None}) >= 1
+    again = RN.make_runner(args)
+    assert again.seed == first.seed
+    stamps = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
+    _check(again.measure(built), built)
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()} == stamps
+    (cache / "seed").write_text("x")
+    with pytest.raises(QCompileError, match="not a seed"):
+        RN.make_runner(args)
