@@ -2,8 +2,10 @@
 DenseNet).
 
     qmodel digits --bits 8 -o digits.onnx --save-input x.npy --save-labels y.npy
+    qmodel digits --net mobilenet_v2_tiny --bits 4 --save-input x.npy --save-labels y.npy
     qmodel resnet18 --bits 4 --format onnx -o r18_w4.onnx
     qmodel resnet50 --bits mixed --format pt2 --input-size 64
+    qmodel mobilenet_v2_tiny --format pt2 --quantizer x86 -o mv2_x86.pt2     # torchao's X86InductorQuantizer
     qmodel resnet_tiny --in-ch 1 --input-size 8 --weights out/digits/resnet_tiny_digits.pt \\
            --calibrate out/digits/calib.npy --bits 8 --format hawq -o tiny.hawq.pth
 
@@ -21,6 +23,8 @@ import time
 
 from qcompile.errors import QCompileError
 
+from .pt2e_quantizers import DEFAULT_QUANTIZER, QUANTIZER_NAMES, QUANTIZERS, quantizer_bits_error
+
 FORMATS = {"onnx": ".onnx", "pt2": ".pt2", "hawq": ".hawq.pth"}
 # the file suffixes qcompile tells each format by (-o must end with one)
 FORMAT_SUFFIXES = {"onnx": (".onnx",), "pt2": (".pt2",), "hawq": (".pth", ".pt", ".ckpt", ".tar")}
@@ -30,6 +34,8 @@ MODEL_NAMES = ("resnet18", "resnet50", "resnet_tiny", "resnext50_32x4d", "resnex
                "densenet121", "densenet_tiny")
 # the networks of models/mobile.py: quantized by onnxruntime's quantize_static (8 or 4 bits) and written as ONNX QDQ
 ORT_QUANTIZED = MODEL_NAMES[5:]
+# the networks ``digits --net`` trains (models/digits.py, NETS) and the names of their files (-o's default)
+DIGITS_NETS = {"resnet_tiny": "digits", "mobilenet_v2_tiny": "digits_mobilenet_v2", "resnext_tiny": "digits_resnext"}
 PROG = "qmodel"
 
 
@@ -68,11 +74,15 @@ def _parser() -> argparse.ArgumentParser:
 
     ap = OneLineArgumentParser(prog="qmodel", description="Quantize a ResNet (PTQ) and export it.",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("model", help=f"one of: {', '.join(MODEL_NAMES)}, digits (resnet_tiny trained on scikit-learn's "
-                                  "digits in a few seconds; the others have random weights)")
+    ap.add_argument("model", help=f"one of: {', '.join(MODEL_NAMES)}, digits (a small net trained on scikit-learn's "
+                                  "digits in a few seconds, see --net; the others have random weights)")
     ap.add_argument("--bits", default="8",
                     help="8 | 4 | mixed | path to a JSON dict {layer: [w_bits, a_bits]} (default 8)")
     ap.add_argument("--format", default="onnx", help="onnx | pt2 | hawq (default onnx)")
+    ap.add_argument("--quantizer", default=DEFAULT_QUANTIZER, choices=QUANTIZER_NAMES,
+                    help="--format pt2: the PT2E quantizer; " + "; ".join(f"{q.name}: {q.help}" for q in
+                                                                          QUANTIZERS.values())
+                    + f" (default {DEFAULT_QUANTIZER})")
     ap.add_argument("-o", "--output", help="output path (default <model>_<bits><ext>)")
     ap.add_argument("--calibrate", metavar="NPY", help="calibration batch, float32 NCHW .npy")
     ap.add_argument("--calib-samples", type=int, default=8,
@@ -93,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--save-output", metavar="NPY", help="write the fake-quant reference output for it")
     ap.add_argument("--save-labels", metavar="NPY", help="digits: write the test labels (int64) of --save-input")
     ap.add_argument("--epochs", type=int, default=20, help="digits: training epochs (default 20)")
+    ap.add_argument("--net", help=f"digits: the network trained, one of: {', '.join(DIGITS_NETS)} (default "
+                                  f"resnet_tiny; each quantized as qmodel quantizes its family)")
     ap.add_argument("-q", "--quiet", action="store_true")
     return ap
 
@@ -136,6 +148,10 @@ def _check_args(args) -> list:
         raise _Fail(f"unknown model {args.model!r}; choose from: {', '.join(MODEL_NAMES)}, digits")
     if args.save_labels and args.model != "digits":
         raise _Fail("--save-labels needs the digits model (the others have random weights and no labels)")
+    if args.net is not None and args.model != "digits":
+        raise _Fail(f"--net chooses the network of the digits model; {args.model} is a network itself")
+    if args.net is not None and args.net not in DIGITS_NETS:
+        raise _Fail(f"unknown --net {args.net!r}; choose from: {', '.join(DIGITS_NETS)}")
     if args.model == "digits" and args.epochs < 1:
         raise _Fail(f"--epochs must be at least 1, got {args.epochs}")
     if args.model == "digits" and (args.weights or args.in_ch not in (None, 1) or args.input_size not in (None, 8)
@@ -144,9 +160,16 @@ def _check_args(args) -> list:
                     "--num-classes do not apply to it")
     if args.format not in FORMATS:
         raise _Fail(f"unknown format {args.format!r}; choose from: {', '.join(FORMATS)}")
-    if args.model in ORT_QUANTIZED and (args.format != "onnx" or args.bits not in ("8", "4")):
-        raise _Fail(f"{args.model} is quantized by onnxruntime's quantize_static: --format onnx with --bits 8 or 4 "
-                    f"only")
+    family = _family(args)
+    _check_quantizer(args)
+    standard = QUANTIZERS[args.quantizer].standard
+    if family in ORT_QUANTIZED and not standard and (args.format != "onnx" or args.bits not in ("8", "4")):
+        raise _Fail(f"{family} is quantized by onnxruntime's quantize_static: --format onnx with --bits 8 or 4 "
+                    f"only (or --format pt2 with a standard --quantizer: "
+                    f"{', '.join(n for n, q in QUANTIZERS.items() if q.standard)})")
+    if family in ORT_QUANTIZED and not standard and args.save_output:
+        raise _Fail(f"--save-output needs the fake-quant model of qcompile's own quantizer; {family} is quantized "
+                    f"by onnxruntime (run the .onnx with onnxruntime instead)")
     if not (args.bits in ("8", "4", "mixed") or args.bits.endswith(".json")):
         raise _Fail(f"unsupported --bits {args.bits!r}: use 8, 4, mixed or a .json file "
                     "{layer_name: [w_bits, a_bits]} with widths 4 or 8")
@@ -167,7 +190,8 @@ def _check_args(args) -> list:
             check_input_file(path, f"{flag} file")
             inputs.append((f"{flag} file", path))
     tag = os.path.splitext(os.path.basename(str(args.bits)))[0]
-    out = args.output or f"{args.model}_{tag}{FORMATS[args.format]}"
+    name = DIGITS_NETS[args.net or "resnet_tiny"] if args.model == "digits" else args.model
+    out = args.output or f"{name}_{tag}{FORMATS[args.format]}"
     outs = [("-o", out, FORMAT_SUFFIXES[args.format], f"(--format {args.format}; qcompile tells formats by suffix)")]
     outs += [(flag, p, (".npy",), "") for flag, p in (("--save-input", args.save_input),
                                                       ("--save-output", args.save_output),
@@ -176,6 +200,22 @@ def _check_args(args) -> list:
         others = [(f"{f} output", q) for f, q, _, _ in outs[:i]]
         check_output_path(p, flag, inputs + others, suffixes=suffixes, why=why)
     return [p for _, p, _, _ in outs]
+
+
+def _check_quantizer(args) -> None:
+    """``--quantizer``: a standard torchao quantizer makes a PT2E program at its own config's bit width."""
+    if not QUANTIZERS[args.quantizer].standard:
+        return
+    if args.format != "pt2":
+        raise _Fail(f"--quantizer {args.quantizer} makes a PT2E program: it needs --format pt2")
+    err = quantizer_bits_error(args.quantizer, args.bits)
+    if err:
+        raise _Fail(err)
+
+
+def _family(args) -> str:
+    """The example network ``args`` builds (digits: its ``--net``)."""
+    return (args.net or "resnet_tiny") if args.model == "digits" else args.model
 
 
 def _run(args, say) -> int:
@@ -196,13 +236,14 @@ def _run(args, say) -> int:
 
 
 def _digits(args, say):
-    """resnet_tiny trained on scikit-learn's digits (models/digits.py); its test split is the sample input."""
+    """--net (resnet_tiny) trained on scikit-learn's digits (models/digits.py); its test split is the sample input."""
     from .digits import accuracy, train
 
-    say(f"digits: training resnet_tiny on scikit-learn's digits ({args.epochs} epochs, seed {args.seed}, one thread)")
+    net = _family(args)
+    say(f"digits: training {net} on scikit-learn's digits ({args.epochs} epochs, seed {args.seed}, one thread)")
     t = time.time()
     try:
-        model, data = train(epochs=args.epochs, seed=args.seed)
+        model, data = train(epochs=args.epochs, seed=args.seed, net=net)
     except ModuleNotFoundError as e:
         if e.name != "sklearn":
             raise
@@ -261,13 +302,16 @@ def _random_or_loaded(args, say):
 
 def _quantize_export(args, say, model, calib, shape, test) -> None:
     """Quantize ``model`` on ``calib`` and export it; ``test``: (images, labels) to save instead of a random input."""
-    if args.model in ORT_QUANTIZED:
-        _ort_quantize_export(args, say, model, calib, shape)
+    net = _family(args)
+    if QUANTIZERS[args.quantizer].standard:
+        _standard_pt2e_export(args, say, model, calib, shape, test)
+        return
+    if net in ORT_QUANTIZED:
+        _ort_quantize_export(args, say, model, calib, shape, test)
         return
     cc = CalibConfig(method8=args.calib_method8, method4=args.calib_method4, percentile=args.percentile,
                      seed=args.seed)
     t = time.time()
-    net = "resnet_tiny" if args.model == "digits" else args.model
     qm = quantize_model(model, calib, args.bits, calib=cc, arch=net, residual_bits=args.residual_bits)
     n4 = sum(1 for l in qm.layers.values() if l.w_bits == 4)
     a4 = sum(1 for a in qm.acts.values() if a.bits == 4)
@@ -289,8 +333,47 @@ def _quantize_export(args, say, model, calib, shape, test) -> None:
         say(line)
 
 
-def _ort_quantize_export(args, say, model, calib, shape) -> None:
-    """A network of models/mobile.py: onnxruntime's quantize_static (QDQ) on ``calib``, then ``--save-input``."""
+def _standard_pt2e_export(args, say, model, calib, shape, test) -> None:
+    """torchao's standard quantizer ``--quantizer`` on the float ``model`` (models/pt2e_quantizers.py), calibrated on
+    ``calib``; ``--save-output`` is PyTorch's output of the converted program for the saved input."""
+    from qcompile.checks import atomic_outputs
+
+    from .export_pt2 import quantized_ops, run_pt2
+    from .pt2e_quantizers import export_pt2e
+
+    batch = args.batch if args.batch > 0 else None
+    g = torch.Generator().manual_seed(args.seed + 2)
+    example = torch.randn((batch or 1, *shape[1:]), generator=g) if test is None \
+        else torch.from_numpy(test[0][:batch or 1])
+    sample = example if test is None else torch.from_numpy(test[0])
+    out = args.output
+    saves = [p for p in (args.save_input, args.save_labels, args.save_output) if p]
+    t = time.time()
+    say(f"quantizing with torchao's {QUANTIZERS[args.quantizer].cls} (prepare_pt2e, {calib.shape[0]} calibration "
+        f"samples, convert_pt2e) and exporting {out} (pt2) ...")
+    try:
+        with atomic_outputs(out, *saves) as tmps:
+            tmp = dict(zip([out, *saves], tmps))
+            ep = export_pt2e(model, args.quantizer, tmp[out], example, torch.from_numpy(calib),
+                             dynamic_batch=batch is None)
+            say(f"wrote {out} (PT2E, {sum(quantized_ops(ep).values())} quantized_decomposed ops, "
+                f"{time.time() - t:.1f}s)")
+            if args.save_input:
+                np.save(tmp[args.save_input], sample.numpy())
+                say(f"wrote sample input {args.save_input} {tuple(sample.shape)}")
+            if args.save_labels:
+                np.save(tmp[args.save_labels], test[1])
+                say(f"wrote the test labels {args.save_labels} {tuple(test[1].shape)}")
+            if args.save_output:
+                np.save(tmp[args.save_output], run_pt2(ep, sample).numpy())
+                say(f"wrote PyTorch's output of the converted program {args.save_output}")
+    except OSError as e:
+        raise _Fail(f"cannot write '{out}': {e.strerror or e}") from None
+
+
+def _ort_quantize_export(args, say, model, calib, shape, test) -> None:
+    """A network of models/mobile.py: onnxruntime's quantize_static (QDQ) on ``calib``, then ``--save-input`` (and
+    ``--save-labels``): ``test`` (images, labels) where given, else a seeded random batch."""
     from qcompile.checks import atomic_outputs
 
     from .export_onnx import export_onnx_ort
@@ -299,19 +382,23 @@ def _ort_quantize_export(args, say, model, calib, shape) -> None:
     out = args.output
     t = time.time()
     say(f"quantizing with onnxruntime's quantize_static (bits={args.bits}) and exporting {out} (onnx) ...")
-    saves = [p for p in (args.save_input, args.save_output) if p]
-    if args.save_output:
-        raise _Fail(f"--save-output needs the fake-quant model of qcompile's own quantizer; {args.model} is quantized "
-                    f"by onnxruntime (run the .onnx with onnxruntime instead)")
+    saves = [p for p in (args.save_input, args.save_labels) if p]  # (--save-output: refused by _check_args)
     try:
         with atomic_outputs(out, *saves) as tmps:
-            om = export_onnx_ort(model, tmps[0], shape, calib, bits=int(args.bits), batch=batch)
+            tmp = dict(zip([out, *saves], tmps))
+            om = export_onnx_ort(model, tmp[out], shape, calib, bits=int(args.bits), batch=batch)
             say(f"wrote {out} (ONNX QDQ, opset {om.opset_import[0].version}, {len(om.graph.node)} nodes, "
                 f"{time.time() - t:.1f}s)")
-            if args.save_input:
+            if args.save_input and test is not None:
+                np.save(tmp[args.save_input], test[0])
+                say(f"wrote the test images {args.save_input} {test[0].shape}")
+            elif args.save_input:
                 g = torch.Generator().manual_seed(args.seed + 2)
-                np.save(tmps[1], torch.randn((batch or 1, *shape[1:]), generator=g).numpy())
+                np.save(tmp[args.save_input], torch.randn((batch or 1, *shape[1:]), generator=g).numpy())
                 say(f"wrote sample input {args.save_input} {(batch or 1, *shape[1:])}")
+            if args.save_labels:
+                np.save(tmp[args.save_labels], test[1])
+                say(f"wrote the test labels {args.save_labels} {test[1].shape}")
     except OSError as e:
         raise _Fail(f"cannot write '{out}': {e.strerror or e}") from None
 

@@ -1,14 +1,22 @@
-"""``digits``: ``resnet_tiny`` trained on scikit-learn's digits -- the example model whose answers can be checked.
+"""``digits``: small CNNs trained on scikit-learn's digits -- the example models whose answers can be checked.
 
 The data ship with scikit-learn (no download): 1797 grayscale 8x8 images of the handwritten digits 0-9. Pixels are
 scaled to [0, 1] (value / 16) and split 80/20, stratified by class with a fixed seed: 1437 training and 360 test
-images. The model is ``resnet_tiny`` with one input channel (a 3x3 stem, one BasicBlock per stage at 16, 32 and 64
-channels, 8x8 -> 2x2, global average pool, 10 classes). Training (AdamW, one-cycle learning rate, label smoothing,
-random +-1 pixel shifts) runs from a fixed seed on one CPU thread with PyTorch's deterministic algorithms: the same
-versions of torch and scikit-learn give the same weights, bit for bit, on the same kind of CPU.
+images. The networks (:data:`NETS`, ``qmodel digits --net NAME``) take one input channel and end at 2x2 before the
+global average pool and a 10-class classifier:
+
+* ``resnet_tiny`` (the default): a 3x3 stem, one BasicBlock per stage at 16, 32 and 64 channels;
+* ``mobilenet_v2_tiny`` with its stem at stride 1 (the 8x8 input's adaptation, as resnet_tiny's stem): inverted
+  residuals with ReLU6 and depthwise 3x3 convs; ``qmodel`` quantizes it with onnxruntime's ``quantize_static``;
+* ``resnext_tiny``: one Bottleneck per stage whose 3x3 convs have 8 groups.
+
+Training (AdamW, one-cycle learning rate, label smoothing, random +-1 pixel shifts) runs from a fixed seed on one CPU
+thread with PyTorch's deterministic algorithms: the same versions of torch and scikit-learn give the same weights, bit
+for bit, on the same kind of CPU.
 
     from qcompile.models.digits import train
     model, data = train()          # a few seconds; data: x_train, y_train, x_test, y_test, calib (NumPy)
+    model, data = train(net="resnext_tiny")
 
 ``qmodel digits`` uses this, as do ``scripts/train_digits.py`` and ``scripts/digits_accuracy.py``.
 """
@@ -16,18 +24,56 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .resnet import build_model
+from .mobile import mobilenet_v2_tiny
+from .resnet import resnext_tiny, resnet_tiny
 
 EPOCHS = 20          # ~99% float test accuracy; a few seconds on one core
 CALIB_IMAGES = 256   # calibration batch, drawn from the training split
 INPUT_SHAPE = (1, 1, 8, 8)
 NUM_CLASSES = 10
+
+
+@dataclass(frozen=True)
+class DigitsNet:
+    """A network ``qmodel digits --net NAME`` trains on the digits (1x8x8 input, 10 classes).
+
+    ``name`` is the example model whose shape it has (``qmodel NAME``); ``build(num_classes, in_ch)`` makes it for
+    the 8x8 input; ``quantizer`` is how ``qmodel`` quantizes that family: ``"qmodel"`` (qcompile's PTQ,
+    ``quantize_model`` + ``export_onnx``) or ``"onnxruntime"`` (``quantize_static``, ``export_onnx_ort``), with the
+    ``bits`` it takes; ``stem``: the name its files start with; ``about``: one line on its shape here."""
+    name: str
+    build: Callable[..., torch.nn.Module]
+    quantizer: str
+    bits: tuple[str, ...]
+    stem: str
+    about: str
+
+
+NETS: dict[str, DigitsNet] = {n.name: n for n in (
+    DigitsNet("resnet_tiny", resnet_tiny, "qmodel", ("8", "4", "mixed"), "digits",
+              "a 3x3 stem (16), one BasicBlock per stage at 16, 32, 64 channels; 8x8 -> 2x2"),
+    DigitsNet("mobilenet_v2_tiny", lambda num_classes, in_ch: mobilenet_v2_tiny(num_classes, in_ch, stem_stride=1),
+              "onnxruntime", ("8", "4"), "digits_mobilenet_v2",
+              "its 3x3 stem (16) at stride 1 (`qmodel mobilenet_v2_tiny`'s is at 2), inverted residuals (ReLU6, "
+              "depthwise 3x3) at 8, 16 (twice, a residual) and 24 channels, a 1x1 head (64); 8x8 -> 2x2"),
+    DigitsNet("resnext_tiny", resnext_tiny, "qmodel", ("8", "4", "mixed"), "digits_resnext",
+              "a 3x3 stem (8), one Bottleneck per stage (outputs 32, 64, 128) whose 3x3 convs have 8 groups; "
+              "8x8 -> 2x2"),
+)}
+
+
+def get_net(name: str) -> DigitsNet:
+    try:
+        return NETS[name]
+    except KeyError:
+        raise ValueError(f"unknown digits net {name!r}; known: {', '.join(NETS)}") from None
 
 
 def load_split(seed: int = 0) -> dict:
@@ -71,9 +117,18 @@ def _deterministic(threads: int):
         torch.use_deterministic_algorithms(det)
 
 
+def _build(net: DigitsNet, seed: int) -> torch.nn.Module:
+    """``net`` with 1 input channel and 10 classes, its weights initialized from ``seed`` (global RNG untouched)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return net.build(num_classes=NUM_CLASSES, in_ch=1)
+
+
 def train(epochs: int = EPOCHS, seed: int = 0, batch: int = 64, lr: float = 4e-3, calib_images: int = CALIB_IMAGES,
-          threads: int = 1, log: Optional[Callable[[str], None]] = None) -> tuple[torch.nn.Module, dict]:
-    """Train ``resnet_tiny`` (1 channel, 10 classes) on the digits; return the model (eval mode) and the data.
+          threads: int = 1, log: Optional[Callable[[str], None]] = None,
+          net: str = "resnet_tiny") -> tuple[torch.nn.Module, dict]:
+    """Train ``net`` (a key of :data:`NETS`; 1 channel, 10 classes) on the digits; return the model (eval mode) and
+    the data.
 
     ``data`` holds ``x_train``, ``y_train``, ``x_test``, ``y_test`` and ``calib`` (``calib_images`` training
     images, drawn with ``seed``), all NumPy. ``log(line)`` gets a progress line every few epochs.
@@ -85,11 +140,7 @@ def train(epochs: int = EPOCHS, seed: int = 0, batch: int = 64, lr: float = 4e-3
     xte = torch.from_numpy(data["x_test"])
     with _deterministic(threads), torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = build_model("resnet_tiny", num_classes=NUM_CLASSES, in_ch=1, seed=seed)
-        for m in model.modules():  # the registry gives BN random statistics for untrained use; start from plain BN
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.reset_parameters()
-                m.reset_running_stats()
+        model = _build(get_net(net), seed)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=5e-4)
         steps_per_epoch = -(-len(xt) // batch)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * steps_per_epoch)

@@ -76,9 +76,9 @@ V2_SETTINGS = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 3, 2], [6, 64, 4, 2], [6, 9
 
 
 class MobileNetV2(nn.Module):
-    def __init__(self, num_classes=1000, in_ch=3, settings=V2_SETTINGS, stem=32, last=1280):
+    def __init__(self, num_classes=1000, in_ch=3, settings=V2_SETTINGS, stem=32, last=1280, stem_stride=2):
         super().__init__()
-        layers: list = [ConvBNAct(in_ch, stem, 3, 2)]
+        layers: list = [ConvBNAct(in_ch, stem, 3, stem_stride)]
         cin = stem
         for t, c, n, s in settings:
             for i in range(n):
@@ -97,9 +97,11 @@ def mobilenet_v2(num_classes: int = 1000, in_ch: int = 3) -> MobileNetV2:
     return MobileNetV2(num_classes, in_ch)
 
 
-def mobilenet_v2_tiny(num_classes: int = 10, in_ch: int = 3) -> MobileNetV2:
-    """Stem 16, inverted residuals (t=1, 8), (t=6, 16, s2, twice: a residual), (t=6, 24, s2), head 1x1 (64)."""
-    return MobileNetV2(num_classes, in_ch, [[1, 8, 1, 1], [6, 16, 2, 2], [6, 24, 1, 2]], stem=16, last=64)
+def mobilenet_v2_tiny(num_classes: int = 10, in_ch: int = 3, stem_stride: int = 2) -> MobileNetV2:
+    """Stem 16, inverted residuals (t=1, 8), (t=6, 16, s2, twice: a residual), (t=6, 24, s2), head 1x1 (64).
+    ``stem_stride=1``: the digits variant (8x8 input ends at 2x2, as resnet_tiny's)."""
+    return MobileNetV2(num_classes, in_ch, [[1, 8, 1, 1], [6, 16, 2, 2], [6, 24, 1, 2]], stem=16, last=64,
+                       stem_stride=stem_stride)
 
 
 # ---------------------------------------------------------------------------------------------- MobileNetV3

@@ -132,11 +132,12 @@ def test_clip_with_a_computed_bound_is_one_clear_error(folder):
 
 @pytest.mark.nvcc
 def test_grouped_and_depthwise_compile_for_cuda(folder):
-    """On cuda the depthwise and grouped convs run TVM's generic kernels (no tensor-core strategy takes groups > 1);
-    the 1x1 convs keep theirs."""
+    """On cuda the depthwise convs run the CUDA-core depthwise kernel (no tensor-core strategy takes groups > 1); the
+    1x1 convs keep their tensor-core kernels; nothing is left to TVM's generic kernels."""
     path = F.onnx_model("mobilenet_v2_mini", "qdq", folder)
     res = compile_model(path, CompileOptions(target="cuda", batch=2), log=_quiet)
     kernels = {lay.name: lay.kernel for lay in res.layers}
     dw = [n for n in kernels if any(f"features_{i}_conv_conv_{j}_" in n for i, j in ((1, 0), (2, 1), (3, 1)))]
-    assert len(dw) == 3 and all(kernels[n] == "generic" for n in dw), kernels
-    assert sum(k not in ("generic", "fallback") for k in kernels.values()) >= 6, kernels
+    assert len(dw) == 3 and all(kernels[n] == "depthwise" for n in dw), kernels
+    assert "generic" not in kernels.values(), kernels
+    assert sum(k.startswith("implicit_gemm") for k in kernels.values()) >= 6, kernels

@@ -446,32 +446,59 @@ def test_cli(tmp_path, capsys):
     assert "resnet19" in err and "'3'" in err and "tflite" in err
 
 
-def test_train_digits_smoke(tmp_path):
+@pytest.mark.parametrize("net, files, key", [
+    ("resnet_tiny", ("digits_int8.onnx", "digits_int4.onnx", "digits_mixed.onnx", "digits_int8.hawq.pth"),
+     "int4_fakequant"),
+    ("mobilenet_v2_tiny", ("digits_mobilenet_v2_int8.onnx", "digits_mobilenet_v2_int4.onnx"), "int4_onnx"),
+    ("resnext_tiny", ("digits_resnext_int8.onnx", "digits_resnext_int4.onnx", "digits_resnext_mixed.onnx"),
+     "mixed_fakequant")])
+def test_train_digits_smoke(tmp_path, net, files, key):
     pytest.importorskip("sklearn")
     spec = importlib.util.spec_from_file_location("train_digits", os.path.join(ROOT, "scripts", "train_digits.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["-o", str(tmp_path), "--epochs", "1", "--no-pt2", "--calib", "32"]) == 0
-    for f in ("x_test.npy", "y_test.npy", "calib.npy", "digits_int8.onnx", "digits_int4.onnx",
-              "digits_mixed.onnx", "resnet_tiny_digits.pt", "accuracy.json"):
+    assert mod.main(["-o", str(tmp_path), "--epochs", "1", "--no-pt2", "--calib", "32", "--net", net]) == 0
+    for f in ("x_test.npy", "y_test.npy", "calib.npy", f"{net}_digits.pt", "accuracy.json", *files):
         assert (tmp_path / f).exists(), f
     acc = json.loads((tmp_path / "accuracy.json").read_text())
-    assert np.load(tmp_path / "x_test.npy").shape[1:] == (1, 8, 8) and 0 <= acc["int4_fakequant"] <= 100
+    assert np.load(tmp_path / "x_test.npy").shape[1:] == (1, 8, 8) and 0 <= acc[key] <= 100 and acc["net"] == net
 
 
 # --------------------------------------------------------------------------- digits
-def test_digits_training_deterministic():
-    """Two trainings from the same seed give the same weights bit for bit, and the split is 1437 / 360 images."""
+@pytest.mark.parametrize("net", ["resnet_tiny", "mobilenet_v2_tiny", "resnext_tiny"])
+def test_digits_training_deterministic(net):
+    """Two trainings of a net from the same seed give the same weights bit for bit, another seed others, and the
+    split is 1437 / 360 images."""
     pytest.importorskip("sklearn")
     from qcompile.models.digits import train
 
-    (m1, d1), (m2, d2) = train(epochs=1), train(epochs=1)
+    (m1, d1), (m2, d2) = train(epochs=1, net=net), train(epochs=1, net=net)
     s1, s2 = m1.state_dict(), m2.state_dict()
     assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
     assert d1["x_train"].shape == (1437, 1, 8, 8) and d1["x_test"].shape == (360, 1, 8, 8)
     assert np.array_equal(d1["calib"], d2["calib"]) and d1["calib"].shape == (256, 1, 8, 8)
-    m3, _ = train(epochs=1, seed=1)
-    assert not torch.equal(m3.state_dict()["fc.weight"], s1["fc.weight"])
+    m3, _ = train(epochs=1, seed=1, net=net)
+    last = [k for k in s1 if k.endswith("weight")][-1]  # the classifier's
+    assert not torch.equal(m3.state_dict()[last], s1[last])
+
+
+def test_digits_nets_registry():
+    """qmodel's torch-free list of digits nets (--help, -o's default) is the registry's; the MobileNetV2 digits
+    variant is mobilenet_v2_tiny at stem stride 1 (8x8 ends at 2x2, as resnet_tiny's), the rest the example nets."""
+    from qcompile.models.cli import DIGITS_NETS, ORT_QUANTIZED
+    from qcompile.models.digits import NETS
+
+    assert DIGITS_NETS == {n.name: n.stem for n in NETS.values()}
+    for n in NETS.values():
+        assert (n.quantizer == "onnxruntime") == (n.name in ORT_QUANTIZED)
+        assert n.bits == (("8", "4") if n.quantizer == "onnxruntime" else ("8", "4", "mixed"))
+        model = n.build(num_classes=10, in_ch=1).eval()
+        feats = []
+        last = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)][-1]
+        last.register_forward_hook(lambda m, i, o: feats.append(o.shape))
+        with torch.no_grad():
+            assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+        assert feats[0][2:] == (2, 2), n.name
 
 
 def test_qmodel_digits_end_to_end(tmp_path, capsys):
@@ -505,20 +532,51 @@ def test_qmodel_digits_usage_errors(tmp_path, capsys):
     assert _parser().get_default("epochs") == EPOCHS  # (the CLI names the default without importing torch)
 
     for bad in (["resnet_tiny", "--save-labels", "y.npy"], ["digits", "--in-ch", "3"], ["digits", "--epochs", "0"],
-                ["digits", "--input-size", "16"]):
+                ["digits", "--input-size", "16"], ["resnext_tiny", "--net", "resnext_tiny"],
+                ["digits", "--net", "vgg"], ["digits", "--net", "mobilenet_v2_tiny", "--bits", "mixed"],
+                ["digits", "--net", "mobilenet_v2_tiny", "--save-output", str(tmp_path / "fq.npy")]):
         assert main(bad + ["-q", "-o", str(tmp_path / "bad.onnx")]) == 2
     err = capsys.readouterr().err
     assert "--save-labels needs the digits model" in err and "--epochs must be at least 1" in err
+    assert "--net chooses the network of the digits model" in err and "unknown --net 'vgg'" in err
+    assert "mobilenet_v2_tiny is quantized by onnxruntime's quantize_static" in err
+    assert "--save-output needs the fake-quant model" in err
     assert not (tmp_path / "bad.onnx").exists()
+
+
+def _digits_accuracy_script():
+    spec = importlib.util.spec_from_file_location("digits_accuracy", os.path.join(ROOT, "scripts", "digits_accuracy.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_digits_new_nets_end_to_end(tmp_path, capsys):
+    """scripts/digits_accuracy.py's run for the MobileNetV2-style net (onnxruntime's quantize_static) and the
+    ResNeXt-style net (qcompile's PTQ, grouped 3x3), INT8 and INT4, on a slice: 2 epochs of training, compiled for
+    llvm at batch 40 and run on the first 40 test images. The .so classifies them as its reference does (PyTorch's
+    fake-quant, onnxruntime's QDQ graph as written), far above chance; the table has a row per net."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("onnxruntime")
+    mod = _digits_accuracy_script()
+    mod.main(["run", "-o", str(tmp_path), "--nets", "mobilenet_v2_tiny", "resnext_tiny", "--epochs", "2",
+              "--bits", "8", "4", "--test-images", "40"])
+    res = json.loads((tmp_path / "digits_accuracy.json").read_text())
+    assert res["n_test"] == 40 and [n["net"] for n in res["nets"]] == ["mobilenet_v2_tiny", "resnext_tiny"]
+    for n in res["nets"]:
+        assert [r["bits"] for r in n["rows"]] == ["8", "4"] and n["float"] > 25, n
+        for r in n["rows"]:
+            assert r["disagree"] <= 1 and r["accuracy"] > 25, (n["net"], r)
+        assert (tmp_path / f"{'digits_mobilenet_v2' if n['net'] == 'mobilenet_v2_tiny' else 'digits_resnext'}"
+                           f"_int4.so").exists()
+    block = mod.table(tmp_path / "digits_accuracy.json")
+    assert "| mobilenet_v2_tiny | onnxruntime `quantize_static` |" in block and "| resnext_tiny | qcompile's" in block
+    assert "-o {}".format(tmp_path) in capsys.readouterr().out
 
 
 def test_digits_table_reproduces_the_docs():
     """README's and BENCHMARKS' digits tables are what scripts/digits_accuracy.py writes from its results file."""
-    script = os.path.join(ROOT, "scripts", "digits_accuracy.py")
-    spec = importlib.util.spec_from_file_location("digits_accuracy", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    block = mod.table(os.path.join(ROOT, "docs", "bench", "digits_accuracy.json"))
+    block = _digits_accuracy_script().table(os.path.join(ROOT, "docs", "bench", "digits_accuracy.json"))
     for doc in ("README.md", os.path.join("docs", "BENCHMARKS.md")):
         text = open(os.path.join(ROOT, doc)).read()
         assert f"<!-- table:digits -->\n{block}<!-- /table:digits -->" in text, f"{doc}: digits table is stale"

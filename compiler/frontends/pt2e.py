@@ -4,8 +4,17 @@ The program's ``quantized_decomposed.quantize_per_tensor`` / ``dequantize_per_te
 ``dequantize_per_channel`` nodes map one to one onto the QDQ form (``qcompile.qdq``); their
 ``quant_min``/``quant_max`` give the bit width (``-8, 7`` on int8 is INT4, ``0, 15`` on uint8 is
 UINT4); int32 ``dequantize_per_channel`` of a constant is a bias. Float ATen ops between them:
-conv2d, linear, relu, hardtanh, add, max_pool2d, adaptive_avg_pool2d / mean (global), flatten,
-view / reshape, batch norm (inference), dropout / clone (identity).
+conv2d, linear, relu, hardtanh (ReLU6), add, max_pool2d, adaptive_avg_pool2d / mean (global), flatten,
+view / reshape, batch norm (inference), dropout / clone (identity); in-place variants (``relu_``,
+``hardtanh_``, ``add_``) alike.
+
+torchao's standard quantizers (``X86InductorQuantizer``, ``XNNPACKQuantizer``; see
+``qcompile.models.pt2e_quantizers``) write the same ops with: asymmetric uint8 / int8 activations (zero
+points), float biases (not quantized), float classifier outputs (X86), and narrow-range weights
+(``[-127, 127]`` on int8): a constant weight's range only bounds its values, so it is the weight type of its
+storage that holds the range (:meth:`_Importer._weight_qt`). An activation quantized to a range that is no
+supported type (``[-127, 127]``, 2-bit, ...), an asymmetric weight or a per-channel axis other than 0 stops
+with the node, the op and the reason.
 """
 from __future__ import annotations
 
@@ -14,7 +23,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import QCompileError, UnsupportedOpError
-from ..qdq import QDQBuilder, check_scale, check_zero_point, qtype_from_range
+from ..qdq import QTYPES, QDQBuilder, check_scale, check_zero_point, qtype_from_range
 
 
 def _import_torch():
@@ -141,7 +150,17 @@ class _Importer:
     # -- quantized_decomposed ------------------------------------------------------------------
     def _qt(self, node, qmin, qmax, dtype):
         dt = str(dtype).replace("torch.", "")
-        return qtype_from_range(dt, int(qmin), int(qmax), f"node '{node.name}'")
+        return qtype_from_range(dt, int(qmin), int(qmax), f"node '{node.name}' ({_target_name(node.target)})")
+
+    def _weight_qt(self, node, qmin, qmax, dtype):
+        """The type of a constant weight quantized to ``[qmin, qmax]``: the narrowest supported type of the same
+        storage that holds the range. A narrow range such as XNNPACK's symmetric ``[-127, 127]`` only restricts the
+        constant's values (its dequantize is exact either way), so it is the int8 weight it holds."""
+        dt = str(dtype).replace("torch.", "")
+        for qt in sorted(QTYPES.values(), key=lambda t: t.bits):
+            if qt.storage == dt and qt.qmin <= int(qmin) and int(qmax) <= qt.qmax:
+                return qt
+        return self._qt(node, qmin, qmax, dtype)
 
     def q_quantize_per_tensor(self, node, x, scale, zp, qmin, qmax, dtype, **kw):
         qt = self._qt(node, qmin, qmax, dtype)
@@ -158,9 +177,13 @@ class _Importer:
         return s, z
 
     def q_dequantize_per_tensor(self, node, q, scale, zp, qmin, qmax, dtype, **kw):
-        s, z = self._sz(node, scale, zp, self._qt(node, qmin, qmax, dtype))
-        if q.name in self.consts:  # a per-tensor quantized weight
-            qt = self._qt(node, qmin, qmax, dtype)
+        weight = q.name in self.consts  # a per-tensor quantized weight
+        qt = (self._weight_qt if weight else self._qt)(node, qmin, qmax, dtype)
+        s, z = self._sz(node, scale, zp, qt)
+        if weight:
+            if z != 0:
+                raise UnsupportedOpError("dequantize_per_tensor", node.name,
+                                         f"asymmetric weights (zero point {z}) are not supported")
             return self.b.qweight(self.consts[q.name], np.float32(s), qt, axis=0, name=node.name)
         return self.b.dequantize(self.val(q, node), s, z, name=node.name)
 
@@ -170,12 +193,12 @@ class _Importer:
         return v
 
     def q_quantize_per_channel(self, node, w, scales, zps, axis, qmin, qmax, dtype, **kw):
-        qt = self._qt(node, qmin, qmax, dtype)
+        qt = self._weight_qt(node, qmin, qmax, dtype)
         wv = self.const(w, node).astype(np.float64)
         s = check_scale(self.const(scales, node), f"node '{node.name}' ({_target_name(node.target)})")
         shp = [1] * wv.ndim
         shp[axis] = -1
-        return np.clip(np.round(wv / s.reshape(shp)), qt.qmin, qt.qmax).astype(qt.storage)
+        return np.clip(np.round(wv / s.reshape(shp)), int(qmin), int(qmax)).astype(qt.storage)
 
     def q_dequantize_per_channel(self, node, w, scales, zps, axis, qmin, qmax, dtype, **kw):
         q = self.const(w, node)
@@ -187,7 +210,7 @@ class _Importer:
             return self.b.qbias(q.astype(np.int32), s, node.name)
         if axis != 0:
             raise UnsupportedOpError("dequantize_per_channel", node.name, f"per-channel axis {axis} (expected 0, output channels)")
-        return self.b.qweight(q, s, self._qt(node, qmin, qmax, dtype), axis=0, name=node.name)
+        return self.b.qweight(q, s, self._weight_qt(node, qmin, qmax, dtype), axis=0, name=node.name)
 
     # -- aten -----------------------------------------------------------------------------------
     def op_conv2d(self, node, x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
@@ -219,6 +242,8 @@ class _Importer:
 
     def op_hardtanh(self, node, x, lo=-1.0, hi=1.0):
         return self.b.clip(self.val(x, node), lo, hi, node.name)
+
+    op_hardtanh_ = op_hardtanh
 
     def op_add(self, node, a, b, alpha=1):
         if alpha != 1:

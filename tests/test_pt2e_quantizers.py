@@ -1,0 +1,242 @@
+"""PT2E programs made by torchao's standard quantizers, as users run them (models/pt2e_quantizers.py), compile for llvm.
+
+Each quantizer of ``QUANTIZERS`` (X86InductorQuantizer with its default config; XNNPACKQuantizer, symmetric
+per-channel) on resnet_tiny and mobilenet_v2_tiny (torchvision-shaped, BN unfolded, ReLU / ReLU6 = hardtanh):
+``torch.export`` -> ``prepare_pt2e`` -> calibrate -> ``convert_pt2e`` -> ``torch.export.save``; then ``qcompile``:
+
+1. bit-exact against the NumPy integer reference on fresh random inputs;
+2. within ONE output step of PyTorch's output of the converted program (the fake-quantized float graph). The step is
+   the output dequantize's scale (XNNPACK quantizes the classifier's output); where the classifier's output is float
+   (X86) it is one step of the classifier's quantized input carried through it, ``s_in * max_o sum_i |w_oi|``, and
+   the pooled integers the classifier reads must be within one step of PyTorch's too. The two differ in rounding
+   only: PyTorch computes in float32 and rounds ties to even; qcompile accumulates exactly in integers, adds a float
+   bias in accumulator steps (``s_x * s_w``, rounded) and requantizes with 31-bit fixed-point multipliers, rounding
+   ties up. A value moves by one step only where it lands within those errors of a rounding boundary, and later
+   layers carry such a step on. The average pool divides a sum of integers by H*W, so exact ties are frequent there
+   (1 in H*W values), and PyTorch's float32 mean decides them by its summation noise: the one-step comparison runs
+   PyTorch's program with each pool's quantize deciding exact ties up (its value snapped to a multiple of 1/(H*W));
+3. within one output step plus one carried step of the classifier's input of PyTorch's program as it is: one pooled
+   value moved by a tie moves several outputs by a part of a step each.
+"""
+import functools
+import logging
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+
+from qcompile.driver import CompileOptions, compile_model
+from qcompile.errors import QCompileError
+from qcompile.reference import Reference
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+STANDARD = ("x86", "xnnpack")
+NETS = ("resnet_tiny", "mobilenet_v2_tiny")
+SHAPE = (2, 3, 32, 32)
+
+
+def _quiet(*a):
+    pass
+
+
+@functools.lru_cache(maxsize=None)
+def _program(quantizer: str, net: str, tmp: str):
+    from qcompile.models.pt2e_quantizers import export_pt2e
+    from qcompile.models.resnet import build_model
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    model = build_model(net, num_classes=10, seed=3)
+    calib = torch.randn(16, *SHAPE[1:], generator=torch.Generator().manual_seed(4))
+    path = f"{tmp}/{net}_{quantizer}.pt2"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = export_pt2e(model, quantizer, path, torch.randn(SHAPE), calib)
+    return path, ep
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("pt2e_q"))
+
+
+POOLS = ("adaptive_avg_pool2d", "mean")
+
+
+def _pool_quantize_exact(window: int):
+    """The quantize after an average pool whose input has the same scale (the standard quantizers share it): the
+    pooled value in steps is a multiple of 1/window; snapped to it (undoing float32 noise) and rounded half up."""
+    def quantize(v, scale, zero_point, quant_min, quant_max, dtype):
+        r = torch.round(v.double() / float(scale) * window) / window
+        return torch.clamp(torch.floor(r + 0.5) + int(zero_point), quant_min, quant_max).to(dtype)
+    return quantize
+
+
+_RECORDED: dict = {}
+
+
+def _recording(name, fn):
+    def quantize(*a):
+        _RECORDED[name] = q = fn(*a)
+        return q
+    return quantize
+
+
+class _NamedReference(Reference):
+    """The NumPy integer reference, keeping every binding's value by its var name in ``named``."""
+
+    def __call__(self, *inputs):
+        env = {p: np.asarray(x) for p, x in zip(self.func.params, inputs)}
+        self.named = {}
+        for block in self.func.body.blocks:
+            for b in block.bindings:
+                env[b.var] = self.named[b.var.name] = self.eval(b.value, env)
+        return self.eval(self.func.body.body, env)
+
+
+def _pooled(ep) -> str:
+    """The quantize of the last average pool: the pooled integers the classifier reads (its scale is the pool
+    input's; later requantizes to other scales would count one step of it as several of theirs)."""
+    return [n.name for n in ep.graph.nodes if "quantized_decomposed.quantize_per_tensor" in str(n.target)
+            and any(p in str(n.args[0].target) for p in POOLS)][-1]
+
+
+def _run_torch(ep, x: np.ndarray, exact_pool_ties: bool, record: tuple = ()) -> np.ndarray:
+    """PyTorch's output of the converted program; ``exact_pool_ties``: each average pool's quantize decides exact
+    ties as qcompile's integer pool does (up) instead of by float32 noise. The outputs of the quantize nodes named in
+    ``record`` go to ``_RECORDED``."""
+    qpt = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    gm = ep.module()
+    pools = 0
+    for n in gm.graph.nodes if exact_pool_ties else ():
+        if n.target is qpt and any(p in str(n.args[0].target) for p in POOLS):
+            pool_in = n.args[0].args[0]
+            assert "dequantize_per_tensor" in str(pool_in.target) and float(pool_in.args[1]) == float(n.args[1])
+            h, w = pool_in.meta["val"].shape[2:]
+            n.target = _pool_quantize_exact(int(h) * int(w))
+            pools += 1
+    assert pools or not exact_pool_ties, "no average pool quantize found"
+    for n in gm.graph.nodes:
+        if n.name in record:
+            n.target = _recording(n.name, n.target)
+    gm.recompile()
+    with torch.no_grad():
+        return gm(torch.from_numpy(x)).numpy()
+
+
+def _steps(ep):
+    """(one output step, one step of the classifier's input carried through it) of the program's output."""
+    consts = {**{k: v for k, v in ep.state_dict.items()}, **{k: v for k, v in ep.constants.items()}}
+    spec = {s.arg.name: s.target for s in ep.graph_signature.input_specs}
+    out = [n for n in ep.graph.nodes if n.op == "output"][0].args[0][0]
+    lin = out.args[0].args[0] if "dequantize_per_tensor" in str(out.target) else out
+    assert "linear" in str(lin.target), lin
+    x_dq, w_dq = lin.args[0], lin.args[1]
+    q_w, s_w = (consts[spec[a.name]].double() for a in w_dq.args[:2])
+    carried = float(x_dq.args[1]) * float((q_w * s_w.reshape(-1, 1)).abs().sum(1).max())
+    step = float(out.args[1]) if lin is not out else carried
+    return step, carried
+
+
+def _vm_run(res, x):
+    return relax.VirtualMachine(res.executable, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+
+
+@pytest.mark.parametrize("net", NETS)
+@pytest.mark.parametrize("quantizer", STANDARD)
+def test_standard_quantizer_compiles_and_matches_pytorch(tmp, quantizer, net):
+    path, ep = _program(quantizer, net, tmp)
+    res = compile_model(path, CompileOptions(), log=_quiet)
+    assert res.meta["input_shape"] == list(SHAPE)
+    ref = _NamedReference(res.integer_mod)
+    step, carried = _steps(ep)
+    for seed in range(2):
+        x = np.random.default_rng(300 + seed).standard_normal(SHAPE).astype("float32")
+        y = _vm_run(res, x)
+        assert np.array_equal(y, ref(x)), "compiled output differs from the NumPy integer reference"
+        assert len(np.unique(y)) > 5
+        pooled = _pooled(ep)
+        err = np.abs(y.astype(np.float64) - _run_torch(ep, x, exact_pool_ties=True, record=(pooled,))).max()
+        assert err <= step * (1 + 1e-5), f"{err} > one output step {step} (pool ties rounded up)"
+        q_ref = ref.named[pooled].astype(np.int64).reshape(SHAPE[0], -1)
+        q_torch = _RECORDED[pooled].numpy().astype(np.int64).reshape(SHAPE[0], -1)
+        assert np.abs(q_ref - q_torch).max() <= 1, f"the pooled tensor '{pooled}' is more than one step off"
+        err = np.abs(y.astype(np.float64) - _run_torch(ep, x, exact_pool_ties=False)).max()
+        assert err <= (step + carried) * (1 + 1e-5), f"{err} > one output step {step} + a carried step {carried}"
+
+
+def test_pt2_frontend_reads_standard_forms(tmp):
+    """What the standard quantizers write and the frontend takes: uint8 asymmetric activations (X86), int8 ones
+    with a zero point (XNNPACK), [-127, 127] per-channel weights, float biases, hardtanh_ for ReLU6."""
+    from qcompile.models.export_pt2 import quantized_ops
+
+    _, x86 = _program("x86", "mobilenet_v2_tiny", tmp)
+    _, xnn = _program("xnnpack", "mobilenet_v2_tiny", tmp)
+    q = [n for n in x86.graph.nodes if "quantize_per_tensor" in str(n.target)]
+    assert {n.args[-1] for n in q} == {torch.uint8} and any(n.args[2] != 0 for n in q)
+    w = [n for n in xnn.graph.nodes if "dequantize_per_channel" in str(n.target)]
+    assert {(n.args[4], n.args[5]) for n in w} == {(-127, 127)}
+    assert any("hardtanh_" in str(n.target) for n in x86.graph.nodes)
+    assert quantized_ops(xnn)["dequantize_per_channel.default"] == len(w)
+
+
+def test_unsupported_op_names_node(tmp_path):
+    """A standard-quantized program with an op the frontend does not know: the error names the op and the node."""
+    from torch import nn
+
+    from qcompile.models.pt2e_quantizers import export_pt2e
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return torch.erf(self.conv(x))
+
+    path = str(tmp_path / "erf.pt2")
+    export_pt2e(Net(), "xnnpack", path, torch.randn(2, 3, 8, 8))
+    with pytest.raises(QCompileError, match=r"aten\.erf.*node 'erf'"):
+        compile_model(path, CompileOptions(), log=_quiet)
+
+
+def test_qmodel_quantizer_flag(tmp_path):
+    from qcompile.models.cli import main as qmodel_main
+    from qcompile.models.export_pt2 import load_pt2
+
+    out = str(tmp_path / "r.pt2")
+    assert qmodel_main(["resnet_tiny", "--format", "pt2", "--quantizer", "xnnpack", "--input-size", "16", "-q",
+                        "--batch", "2", "-o", out]) == 0
+    ep = load_pt2(out)
+    assert any("dequantize_per_channel" in str(n.target) and n.args[4] == -127 for n in ep.graph.nodes)
+    assert qmodel_main(["resnet_tiny", "--format", "onnx", "--quantizer", "x86", "-q",
+                        "-o", str(tmp_path / "r.onnx")]) == 2
+    assert qmodel_main(["resnet_tiny", "--format", "pt2", "--quantizer", "x86", "--bits", "4", "-q",
+                        "-o", str(tmp_path / "r4.pt2")]) == 2
+
+
+def test_unsupported_activation_range_names_node(tmp_path):
+    """XNNPACK's config with activations on the narrow range [-127, 127] (no qcompile type): one error naming the
+    node, the op and the range."""
+    import dataclasses
+
+    from torch import nn
+
+    from qcompile.models.pt2e_quantizers import _quiet_import
+
+    xnn = _quiet_import("torchao.testing.pt2e._xnnpack_quantizer")
+    qpt2e = _quiet_import("torchao.quantization.pt2e.quantize_pt2e")
+    cfg = xnn.get_symmetric_quantization_config(is_per_channel=True)
+    narrow = dataclasses.replace(cfg.input_activation, quant_min=-127)
+    cfg = dataclasses.replace(cfg, input_activation=narrow, output_activation=narrow)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    gm = qpt2e.prepare_pt2e(torch.export.export(model, (x,), strict=True).module(), xnn.XNNPACKQuantizer().set_global(cfg))
+    gm(x)
+    path = str(tmp_path / "narrow.pt2")
+    torch.export.save(torch.export.export(qpt2e.convert_pt2e(gm), (x,)), path)
+    with pytest.raises(QCompileError, match=r"node 'quantize_per_tensor' \(quantized_decomposed\.quantize_per_tensor\)"
+                                            r": range \[-127, 127\] of int8 is not a supported quantized type"):
+        compile_model(path, CompileOptions(), log=_quiet)
