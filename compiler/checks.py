@@ -95,11 +95,12 @@ def check_input_file(path: str, what: str) -> str:
 
 
 def check_tuning_logs(paths: Sequence[str], gpu: Optional[str], target: str) -> None:
-    """Refuse ``--tuning-log`` paths that are missing, unreadable, or folders without a ``.jsonl`` log, and
-    ``--tuning-log`` / ``--gpu`` for a target without tensor-core kernels."""
-    for flag, given in (("--tuning-log", bool(paths)), ("--gpu", gpu is not None)):
-        if given and target != "cuda":
-            raise QCompileError(f"{flag} applies to --target cuda only (this build is for {target})")
+    """Refuse ``--tuning-log`` paths that are missing, unreadable, or folders without a ``.jsonl`` log,
+    ``--tuning-log`` for a target without tunable kernels (cuda, llvm) and ``--gpu`` for one other than cuda."""
+    if paths and target not in ("cuda", "llvm"):
+        raise QCompileError(f"--tuning-log applies to --target cuda and llvm only (this build is for {target})")
+    if gpu is not None and target != "cuda":
+        raise QCompileError(f"--gpu applies to --target cuda only (this build is for {target})")
     if gpu is not None and not gpu.strip():
         raise QCompileError("--gpu: empty GPU name (give the name nvidia-smi prints, e.g. 'NVIDIA H100 80GB HBM3')")
     for path in paths:

@@ -14,6 +14,7 @@ import time
 
 from .errors import OneLineArgumentParser, QCompileError, run_cli
 from .registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, LAYOUTS, TARGETS, format_of
+from .runtime import INPUT_DTYPES, INPUT_LAYOUTS
 
 PROG = "qcompile"
 DEBUG_ENV = "QCOMPILE_DEBUG"
@@ -35,11 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", choices=list(TARGETS), default="llvm")
     ap.add_argument("--arch", choices=list(CUDA_ARCHS), help="GPU architecture for --target cuda (default sm_90)")
     ap.add_argument("--batch", type=int, help="fix a dynamic batch dimension (default 1)")
-    ap.add_argument("--input-dtype", choices=["float32", "int8", "uint8"], default="float32",
+    ap.add_argument("--input-dtype", choices=list(INPUT_DTYPES), default="float32",
                     help="what the module takes: float32 images (default; quantized inside), or int8 / uint8 images "
                          "already quantized with the model's input scale and zero point (the first QuantizeLinear is "
                          "folded away; the .so's metadata records them: Module.input_quant, qrun --quantize)")
-    ap.add_argument("--input-layout", choices=["NCHW", "NHWC"], default="NCHW",
+    ap.add_argument("--input-layout", choices=list(INPUT_LAYOUTS), default="NCHW",
                     help="layout of the module's input (default NCHW); NHWC spares the transpose to an NHWC build")
     ap.add_argument("--calibrate", metavar="DATA.npy", help="float32 NCHW calibration images for a float model")
     ap.add_argument("--net", choices=["resnet18", "resnet50", "resnet_tiny"], help="network a HAWQ checkpoint belongs to")
@@ -55,8 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                          "instead of compiling them into the .so; each call then passes them as arguments, which "
                          "costs host time on every call (keep the default for latency)")
     ap.add_argument("--tuning-log", action="append", default=[], metavar="PATH",
-                    help="tuning log (.jsonl) or folder of them, searched before the packaged logs (cuda; repeatable, "
-                         "first named first; tuning_logs/README.md)")
+                    help="tuning log (.jsonl) or folder of them, searched before the packaged logs (cuda, llvm; "
+                         "repeatable, first named first; tuning_logs/README.md)")
     ap.add_argument("--gpu", metavar="NAME",
                     help="the GPU the build is for, as nvidia-smi names it (e.g. 'NVIDIA H100 80GB HBM3'): its own "
                          "tuning records win over other GPUs' of the arch (default: arch-level matching)")

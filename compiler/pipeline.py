@@ -119,11 +119,12 @@ def _tensor_cores(arch: str, expand_w4: bool, record: PipelineRecord, tuning_log
     return _dispatch
 
 
-def _cpu_kernels(record: PipelineRecord, target: tvm.target.Target, after: tvm.transform.Pass) -> tvm.transform.Pass:
+def _cpu_kernels(record: PipelineRecord, target: tvm.target.Target, after: tvm.transform.Pass,
+                 tuning_logs=()) -> tvm.transform.Pass:
     """Phase 3 on llvm: each requantized conv/dense on qcompile's CPU kernel (``DispatchCPU``), then ``after``;
     ``record.kernels`` names each layer's kernel by its conv/dense binding. Only for a target that already enables
     a kernel's instructions (``cpu_conv.target_kernel``: AVX2 / VNNI on x86, dotprod on aarch64), whose kernel it
-    runs: the target ``tvm.compile`` runs the pipeline under (the one that generates the code), else -- the pipeline
+    runs (its tiles from ``tuning_logs`` and the packaged logs, ``record.knobs`` / ``record.planned`` as on CUDA): the target ``tvm.compile`` runs the pipeline under (the one that generates the code), else -- the pipeline
     run on its own -- ``target``. Otherwise the module is left to the generic path."""
     from qcompile.relay_passes.dispatch_cpu import DispatchCPU
     from qcompile.relay_passes.dispatch_tensor_core import find_groups
@@ -134,13 +135,17 @@ def _cpu_kernels(record: PipelineRecord, target: tvm.target.Target, after: tvm.t
         kernel = target_kernel(tvm.target.Target.current(allow_none=True) or target)
         if kernel is None:
             return mod
-        p = DispatchCPU(kernel)
+        p = DispatchCPU(kernel, tuning_logs)
         out = p(mod)
-        func, chosen = mod["main"], dict(p.chosen)
+        func, chosen, sources, planned = mod["main"], dict(p.chosen), dict(p.sources), dict(p.planned)
         for acc_out, g in find_groups(func, layouts=("NCHW", "NHWC")).items():
             name = [b.var.name for blk in func.body.blocks for b in blk.bindings if b.value.same_as(g.acc_call)]
             if name and acc_out.name in chosen:
                 record.kernels[name[0]] = chosen[acc_out.name]
+            if name and acc_out.name in sources:
+                record.knobs[name[0]] = sources[acc_out.name]
+            if name and acc_out.name in planned:
+                record.planned.append((name[0], planned[acc_out.name]))
         return after(out)
 
     return _dispatch
@@ -300,7 +305,7 @@ def qcompile_pipeline(target="llvm", layout: str = "NCHW", *, pack_int4: bool = 
             passes += [_tensor_cores(str(tgt.attrs["arch"]), expand_w4, record, tuple(tuning_logs or ()), gpu),
                        after("3_dispatched")]
         elif tgt.kind.name == "llvm" and cpu_kernels and cpu_kernels_enabled():
-            passes += [_cpu_kernels(record, tgt, after("3_dispatched"))]
+            passes += [_cpu_kernels(record, tgt, after("3_dispatched"), tuple(tuning_logs or ()))]
         if pack_int4:
             passes += [_pack_int4(record), after("3_packed")]
         deploy = [_lift_weights(record)] if weights_beside else []

@@ -152,7 +152,7 @@ def weights_digest(weights) -> str:
 @dataclass(frozen=True)
 class InputQuant:
     """How the images a module compiled with ``--input-dtype int8|uint8`` takes are quantized: its model's input
-    QuantizeLinear, which the module no longer runs::
+    QuantizeLinear, which the module does not run::
 
         q = clip(floor(x / scale + 0.5) + zero_point, qmin, qmax)       x: float32 images, q: dtype, in layout
 

@@ -13,12 +13,19 @@ Left to TVM's generic lowering (correct, unscheduled): HWNC, grouped / depthwise
 any conv whose int32 accumulator could exceed int32 (the kernel adds the bias in int32; the bound is checked per
 output channel from the weights and the input's range, the flipped range for a dot-product kernel that flips it).
 
+The register tile of each NHWC layer comes from the tuning records of ``cpu_direct`` (``qtune --target llvm``):
+``schedules.tuning.knobs_for(spec, arch=<the inner kernel>, device=<this CPU's model name>, logs, "cpu_direct")``,
+the same lookup (key ``tuning_key(spec)``; device, arch, nearest batch) as the tensor-core layers'; where none is
+found, and for NCHW layers (the tuner measures NHWC), the kernel's automatic tile (``cpu_conv.auto_tile``).
+``sources`` says which per layer, ``planned`` lists the tunable layers (the tuner's tasks).
+
 ``cpu_kernels_target`` decides whether the kernels run in an llvm build and the build target they need
 (``QCOMPILE_CPU_KERNELS=0`` turns them off: the generic path, for comparison).
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -74,6 +81,31 @@ def dispatch_kernel() -> Optional[str]:
     return target_kernel(tgt)
 
 
+@dataclass(frozen=True)
+class CpuPlanned:
+    """A dispatched NHWC layer as the tuner sees it (``qcompile.tune.tasks``): its ConvSpec, the tuning strategy
+    (``cpu_direct``), the inner kernel (the records' arch), the knobs the logs gave and where they came from."""
+
+    spec: object
+    kernel: str
+    knobs: object
+    source: str
+    strategy: str = "cpu_direct"
+
+
+def tuned_tile(spec, kernel: str, tuning_logs=(), device: Optional[str] = None):
+    """(CpuKnobs, source) of one layer: the fastest record of ``cpu_direct`` for ``spec`` on ``kernel``
+    (``schedules.tuning.knobs_for``: this CPU's (``device``, default this host's model name), else another CPU's of the
+    kernel, else the nearest batch size), else the automatic tile (``CpuKnobs()``, "default"). Without
+    ``tuning_logs`` and without a default log for the kernel, no log is read (and none is warned about)."""
+    from qcompile.schedules.cpu_conv import SPACE_STRATEGY, CpuKnobs, cpu_model_name
+    from qcompile.schedules.tuning import knobs_for, log_path
+
+    if not tuning_logs and not log_path(kernel).is_file():
+        return CpuKnobs(), "default"
+    return knobs_for(spec, kernel, device or cpu_model_name(), tuple(tuning_logs), SPACE_STRATEGY)
+
+
 def _logical_weights(g: _Group) -> np.ndarray:
     """The group's weights as [K, R, S, C] int64."""
     w = np.asarray(g.w).astype(np.int64)
@@ -92,6 +124,8 @@ def _spec(g: _Group, r: Optional[_Residual], var, kernel: str):
     xs = [int(s) for s in g.x.ty.shape]
     w = _logical_weights(g)
     K, R, S_, C = w.shape
+    if g.groups != 1:
+        return None, f"grouped conv ({g.groups} groups)"
     if g.dense:
         io, (N, Cx), H, W = "NHWC", xs, 1, 1
         stride, dil = (1, 1), (1, 1)
@@ -139,12 +173,15 @@ def _spec(g: _Group, r: Optional[_Residual], var, kernel: str):
 
 @mutator
 class _CPUDispatcher(PyExprMutator):
-    def __init__(self, mod, groups, residuals, plans, kernel: str):
+    def __init__(self, mod, groups, residuals, plans, kernel: str, tuning_logs=(), device=None):
         super().__init__(mod)
         self.groups, self.residuals, self.plans, self.kernel = groups, residuals, plans, kernel
+        self.tuning_logs, self.device = tuple(tuning_logs or ()), device
         self.kernels: dict = {}  # kernel key -> GlobalVar (identical layers share one PrimFunc)
         self.chosen: list = []   # (conv output, kernel name)
         self.fused: list = []    # (conv output, residual add output)
+        self.sources: list = []  # (conv output, where its tile came from: device / arch / nearest / default)
+        self.planned: list = []  # (conv output, CpuPlanned) per NHWC layer
 
     def visit_var_binding_(self, binding):
         r = self.residuals.get(binding.var)
@@ -153,19 +190,33 @@ class _CPUDispatcher(PyExprMutator):
             return super().visit_var_binding_(binding)
         self._emit(binding.var, g, r, *self.plans[binding.var])
 
-    def _kernel(self, spec, io, w, bias):
+    def _tile(self, name: str, spec, io: str):
+        """The layer's tile (CpuKnobs; automatic for NCHW) and its source, recorded."""
+        from qcompile.schedules.cpu_conv import CpuKnobs
+
+        if io != "NHWC":
+            kn, source = CpuKnobs(), "default"
+        else:
+            kn, source = tuned_tile(spec, self.kernel, self.tuning_logs, self.device)
+            self.planned.append((name, CpuPlanned(spec, self.kernel, kn, source)))
+        self.sources.append((name, source))
+        return kn
+
+    def _kernel(self, spec, io, w, bias, tile):
         """(PrimFunc, packed weights, bias) of the module's inner kernel for one layer."""
         from qcompile.schedules import cpu_conv, cpu_conv_vnni
 
         if self.kernel == cpu_conv.STRATEGY:
-            return cpu_conv.make_cpu_conv(spec, io), relax.const(cpu_conv.pack_weights(w), "int16"), bias
-        tile = cpu_conv_vnni.choose_tile(spec, self.kernel)
+            return cpu_conv.make_cpu_conv(spec, io, tile), relax.const(cpu_conv.pack_weights(w), "int16"), bias
+        t = cpu_conv.effective_tile(spec, self.kernel, tile)
         w8, b = cpu_conv_vnni.prepack(spec, w, bias, self.kernel)
-        return cpu_conv_vnni.make_cpu_conv_vnni(spec, io, tile), relax.const(w8, "int8"), b
+        return (cpu_conv_vnni.make_cpu_conv_vnni(spec, io, cpu_conv_vnni.VnniTile(self.kernel, t.qt, t.kt)),
+                relax.const(w8, "int8"), b)
 
     def _emit(self, var, g: _Group, r: Optional[_Residual], spec, io, w):
-        func, wc, bias = self._kernel(spec, io, w, g.bias)
-        key = (spec, io)
+        tile = self._tile(g.out.name, spec, io)
+        func, wc, bias = self._kernel(spec, io, w, g.bias, tile)
+        key = (spec, io, tile)
         if key not in self.kernels:
             name = f"qconv_cpu_{len(self.kernels)}"
             func = func.with_attr("op_pattern", 8).with_attr("global_symbol", name)
@@ -189,17 +240,22 @@ class _CPUDispatcher(PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="DispatchCPU")
 class DispatchCPU:
     """Replace requantized integer conv2d/dense in ``main`` (NCHW or NHWC) by the CPU kernel (see module docstring):
-    ``kernel`` (one of ``KERNELS``), by default :func:`dispatch_kernel`. After the pass: ``chosen`` (conv output,
-    kernel) per dispatched layer, ``fused`` (conv output, residual add output) per fused residual, ``skipped`` (conv
-    output, reason) per layer left to the generic path."""
+    ``kernel`` (one of ``KERNELS``), by default :func:`dispatch_kernel`; ``tuning_logs`` / ``device``: where the
+    layers' tiles are looked up (:func:`tuned_tile`). After the pass: ``chosen`` (conv output, kernel) per dispatched
+    layer, ``fused`` (conv output, residual add output) per fused residual, ``skipped`` (conv output, reason) per
+    layer left to the generic path, ``sources`` (conv output, where its tile came from), ``planned`` (conv output,
+    CpuPlanned) per NHWC layer."""
 
-    def __init__(self, kernel: Optional[str] = None):
+    def __init__(self, kernel: Optional[str] = None, tuning_logs=(), device: Optional[str] = None):
         if kernel is not None and kernel not in KERNELS:
             raise ValueError(f"DispatchCPU: unknown kernel {kernel!r} (one of {', '.join(KERNELS)})")
         self.kernel = kernel
+        self.tuning_logs, self.device = tuple(tuning_logs or ()), device
         self.chosen: list = []
         self.fused: list = []
         self.skipped: list = []
+        self.sources: list = []
+        self.planned: list = []
 
     @keeps_user_errors
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
@@ -223,9 +279,10 @@ class DispatchCPU:
                 skipped.append((g.out.name, why))
             else:
                 plans[var] = plan
-        d = _CPUDispatcher(mod, groups, residuals, plans, kernel)
+        d = _CPUDispatcher(mod, groups, residuals, plans, kernel, self.tuning_logs, self.device)
         func = d.visit_expr(mod["main"])
         self.chosen, self.fused, self.skipped = d.chosen, d.fused, skipped
+        self.sources, self.planned = d.sources, d.planned
         out = d.builder_.get()
         out["main"] = func
         return relax.transform.DeadCodeElimination(["main"])(out)

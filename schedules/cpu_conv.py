@@ -33,6 +33,8 @@ where the host has them instead of this one.
 from __future__ import annotations
 
 import functools
+import platform
+from dataclasses import dataclass
 
 import numpy as np
 import tvm
@@ -47,6 +49,58 @@ QT = 6               # output pixels per register tile (6 x 2 accumulators + 2 w
 KT = 2               # channel blocks (of 8) per register tile
 PMADDWD = "llvm.x86.avx2.pmadd.wd"
 STRATEGY = "cpu_direct_avx2"
+SPACE_STRATEGY = "cpu_direct"  # the tuning strategy of every inner kernel (its records' "strategy"; the arch is the kernel)
+REGS = {"cpu_direct_avx2": 16, "cpu_direct_vnni": 32, "cpu_direct_avxvnni": 16, "cpu_direct_sdot": 32}
+QT_MAX, KT_MAX = 28, 8  # the largest tile (pixels x channel vectors) the kernels take
+
+
+@dataclass(frozen=True)
+class CpuKnobs:
+    """The register tile of a CPU inner kernel, as tuning records hold it: ``qt`` output pixels x ``kt`` channel
+    vectors of accumulators (0: the kernel's automatic choice for the shape, :func:`auto_tile`)."""
+
+    qt: int = 0
+    kt: int = 0
+
+
+def tile_legal(kernel: str, knobs: "CpuKnobs") -> str | None:
+    """Why ``kernel`` (a key of ``REGS``) refuses the tile (None: it takes it): THE check, made by the builders
+    (:func:`make_cpu_conv`, ``cpu_conv_vnni.make_cpu_conv_vnni``) and the tuning space (``schedules.space``): sizes
+    in 0..QT_MAX / 0..KT_MAX (0: automatic) and ``qt kt`` accumulators, ``kt`` weight vectors and a broadcast in the
+    kernel's vector registers."""
+    if kernel not in REGS:
+        return f"unknown CPU kernel {kernel!r} (one of {', '.join(REGS)})"
+    if type(knobs.qt) is not int or type(knobs.kt) is not int:
+        return "qt and kt are integers"
+    if not (0 <= knobs.qt <= QT_MAX and 0 <= knobs.kt <= KT_MAX):
+        return f"tile {knobs.qt} x {knobs.kt} outside 0..{QT_MAX} x 0..{KT_MAX}"
+    if (knobs.qt == 0) != (knobs.kt == 0):
+        return "qt and kt are both automatic (0) or both given"
+    if knobs.qt and knobs.qt * knobs.kt + knobs.kt + 1 > REGS[kernel]:
+        return f"tile {knobs.qt} x {knobs.kt} needs more than the {REGS[kernel]} vector registers of {kernel}"
+    return None
+
+
+def auto_tile(spec: ConvSpec, kernel: str) -> "CpuKnobs":
+    """The automatic tile of ``kernel`` for ``spec`` (what an untuned layer gets): QT x KT for the AVX2 kernel,
+    ``cpu_conv_vnni.choose_tile`` for the dot-product kernels."""
+    if kernel == STRATEGY:
+        return CpuKnobs(QT, KT)
+    from .cpu_conv_vnni import choose_tile
+
+    t = choose_tile(spec, kernel)
+    return CpuKnobs(t.qt, t.kt)
+
+
+def effective_tile(spec: ConvSpec, kernel: str, knobs: "CpuKnobs") -> "CpuKnobs":
+    """The tile the kernel is built with for ``spec``: automatic resolved, clamped to the row (Q) and the channel
+    vectors (K / lanes), as the builders do -- two knobs with the same effective tile build the same kernel."""
+    from .cpu_conv_vnni import ISAS
+
+    if not knobs.qt:
+        knobs = auto_tile(spec, kernel)
+    lanes = LANES if kernel == STRATEGY else ISAS[kernel].lanes
+    return CpuKnobs(min(knobs.qt, spec.Q), min(knobs.kt, -(-spec.K // lanes)))
 
 
 _X86 = ("x86_64", "i686", "i386", "i586")
@@ -79,6 +133,19 @@ def host_flags() -> frozenset:
     except OSError:
         pass
     return frozenset()
+
+
+def cpu_model_name() -> str:
+    """This host's CPU model as tuning records name it: the first ``model name`` of ``/proc/cpuinfo`` (x86), else
+    ``cpu (<machine>)`` (``qtune --target llvm`` names the CPU of its records so)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.split(":", 1)[0].strip() == "model name" and line.split(":", 1)[1].strip():
+                    return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return f"cpu ({platform.machine()})"
 
 
 def _host_llvm_has(feature: str) -> bool:
@@ -192,11 +259,14 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(p).reshape(kb, R, S, c2, 2 * LANES)
 
 
-def make_cpu_conv(spec: ConvSpec, io_layout: str = "NHWC") -> tvm.tirx.PrimFunc:
-    """The kernel for ``spec`` (its NHWC geometry; x, res and out in ``io_layout``, NHWC or NCHW)."""
-    why = applies(spec)
+def make_cpu_conv(spec: ConvSpec, io_layout: str = "NHWC", tile: CpuKnobs | None = None) -> tvm.tirx.PrimFunc:
+    """The kernel for ``spec`` (its NHWC geometry; x, res and out in ``io_layout``, NHWC or NCHW); ``tile``: the
+    register tile (default and 0 x 0: QT x KT; :func:`tile_legal` refuses the others before any TIR)."""
+    tile = tile or CpuKnobs()
+    why = tile_legal(STRATEGY, tile) or applies(spec)
     if why is not None:
         raise ValueError(f"cpu conv kernel: {why}")
+    tile = tile if tile.qt else CpuKnobs(QT, KT)
     if io_layout not in ("NHWC", "NCHW"):
         raise ValueError(f"cpu conv kernel: layout {io_layout}")
     N, H, W, C, K, R, S_ = spec.N, spec.H, spec.W, spec.C, spec.K, spec.R, spec.S
@@ -206,7 +276,7 @@ def make_cpu_conv(spec: ConvSpec, io_layout: str = "NHWC") -> tvm.tirx.PrimFunc:
     pt, pl, pb, pr = spec.pads
     Hp, Wp, C2 = H + pt + pb, W + pl + pr, -(-C // 2)
     KB = -(-K // LANES)
-    qt, kt = min(QT, Q), min(KT, KB)
+    qt, kt = min(tile.qt, Q), min(tile.kt, KB)
     n_qt, n_kt = -(-Q // qt), -(-KB // kt)
     nchw = io_layout == "NCHW"
     x_shape = (N, C, H, W) if nchw else (N, H, W, C)

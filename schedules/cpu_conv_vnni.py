@@ -54,7 +54,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_conv import applies
+from .cpu_conv import CpuKnobs, applies, tile_legal
 from .fallback import epilogue_value
 from .spec import ConvSpec
 
@@ -97,9 +97,10 @@ class VnniTile:
     def __post_init__(self):
         if self.isa not in ISAS:
             raise ValueError(f"cpu dot-product kernel: unknown instruction set {self.isa!r}")
-        regs = ISAS[self.isa].regs
-        if self.qt < 1 or self.kt < 1 or self.qt * self.kt + self.kt + 1 > regs:
-            raise ValueError(f"cpu dot-product kernel: tile {self.qt} x {self.kt} needs more than {regs} registers")
+        why = "tile sizes are at least 1" if self.qt < 1 or self.kt < 1 else tile_legal(
+            self.isa, CpuKnobs(self.qt, self.kt))
+        if why is not None:
+            raise ValueError(f"cpu dot-product kernel: {why}")
 
     @property
     def lanes(self) -> int:

@@ -20,7 +20,11 @@ A ``KernelSpace`` is what a tuner (``qcompile.tune``) needs of a strategy, and w
 * ``features(spec, arch, knobs) -> list[float]`` (``feature_names()`` names them, same length): the shape, the knobs,
   and derived sizes (tiles, waves over the SMs, K-chunks, padding waste, shared memory, threads, the family).
 
-``SPACES`` maps strategy names (``schedules.STRATEGIES``) to spaces; ``spaces_for(spec, arch)`` lists those that apply
+The CPU kernels' space (``cpu_direct``: the register tile, ``cpu_conv.CpuKnobs``) takes the CPU inner kernel
+(``cpu_direct_vnni``, ``cpu_direct_avxvnni``, ``cpu_direct_avx2``, ``cpu_direct_sdot``) as its ``arch`` and the
+CPU's cores as ``sms``.
+
+``SPACES`` maps strategy names (``schedules.STRATEGIES``, and ``cpu_direct``) to spaces; ``spaces_for(spec, arch)`` lists those that apply
 to a shape (``applies``). ``sms`` (the device's SM count, where a tuner knows it) overrides the arch table's reference
 part (``arch_info(arch).sms``) in ``legal``, ``sample``, ``effective``, ``default`` and the features, as it does in the
 builders (``plan_conv(..., sms=)``): split-K sizing, automatic tiles and persistent grids depend on it.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -129,8 +134,9 @@ SHAPE_FEATURES = ("log2_gemm_m", "log2_gemm_n", "log2_gemm_k", "R", "S", "stride
 
 def shape_features(spec: ConvSpec, arch: str, sms: int | None = None) -> list[float]:
     m, n, k = spec.gemm_shape()
+    units = sms or ((os.cpu_count() or 1) if arch in CPU_KERNELS else arch_info(arch).sms)
     return [math.log2(m), math.log2(n), math.log2(k), float(spec.R), float(spec.S), float(spec.strides[0]),
-            float(spec.x_bits), float(spec.has_residual), math.log2(sms or arch_info(arch).sms)]
+            float(spec.x_bits), float(spec.has_residual), math.log2(units)]
 
 
 # ---- implicit GEMM (NHWC) and the direct HWNC kernel: GemmKnobs ---------------------------------------------------
@@ -448,6 +454,67 @@ def _halo_space() -> KernelSpace:
                        ("log2_items", "items_per_block", "th_eff", "minb_eff", "pipe_eff", "smem_kib"))
 
 
+# ---- the CPU kernels (schedules/cpu_conv.py, cpu_conv_vnni.py): CpuKnobs; ``arch`` is the inner kernel ------------
+CPU_KERNELS = ("cpu_direct_avx2", "cpu_direct_vnni", "cpu_direct_avxvnni", "cpu_direct_sdot")
+
+
+def _cpu_space() -> KernelSpace:
+    """``cpu_direct``: the register tile (``CpuKnobs``: qt pixels x kt channel vectors, 0 x 0 automatic) of the CPU
+    inner kernel named by ``arch`` (``cpu_direct_avx2``, ``cpu_direct_vnni``, ``cpu_direct_avxvnni``,
+    ``cpu_direct_sdot``); ``sms`` is the CPU's threads. Legality is the builders' own ``cpu_conv.tile_legal``, the
+    default the kernel's automatic tile (``cpu_conv.auto_tile``), ``effective`` the tile the builder uses for the
+    shape (clamped to the row and the channel vectors)."""
+    from .cpu_conv import (LANES, QT_MAX, KT_MAX, REGS, STRATEGY, CpuKnobs, applies as cpu_applies, auto_tile,
+                           effective_tile, tile_legal)
+
+    def applies(spec, arch):
+        if arch not in CPU_KERNELS:
+            return f"cpu_direct runs on the CPU kernels ({', '.join(CPU_KERNELS)}), not {arch}"
+        if spec.layout != "NHWC":
+            return f"takes the NHWC geometry, not {spec.layout}"
+        return cpu_applies(spec)
+
+    def legal(spec, arch, kn, sms=None):
+        return tile_legal(arch, kn)
+
+    def effective(spec, arch, kn, sms=None):
+        return effective_tile(spec, arch, kn)
+
+    def default(spec, arch, sms=None):
+        return auto_tile(spec, arch)
+
+    def derived(spec, arch, kn, sms=None):
+        from .cpu_conv_vnni import ISAS
+
+        t = effective_tile(spec, arch, kn)
+        lanes = LANES if arch == STRATEGY else ISAS[arch].lanes
+        kb = -(-spec.K // lanes)
+        n_qt, n_kt = -(-spec.Q // t.qt), -(-kb // t.kt)
+        tasks = spec.N * spec.P * n_kt
+        threads = sms or os.cpu_count() or 1
+        steps = n_qt * n_kt * spec.P * spec.N * spec.R * spec.S * -(-spec.C // 4)
+        return [t.qt, t.kt, t.qt * t.kt, t.qt * t.kt + t.kt + 1 - REGS[arch], n_qt * t.qt / spec.Q - 1,
+                n_kt * t.kt / kb - 1, math.log2(tasks), tasks / threads, math.log2(steps),
+                math.log2(steps * max(t.qt * t.kt, t.qt + t.kt)), lanes]
+
+    def configs(spec, arch):
+        return [CpuKnobs(qt, kt) for qt, kt in CPU_CONFIGS[REGS[arch]]]
+
+    dims = {"qt": tuple(range(QT_MAX + 1)), "kt": tuple(range(KT_MAX + 1))}
+    return KernelSpace("cpu_direct", CpuKnobs, dims, applies, legal, default, effective, derived, None,
+                       ("qt_eff", "kt_eff", "accumulators", "spare_regs", "q_waste", "k_waste", "log2_tasks",
+                        "tasks_per_thread", "log2_steps", "log2_work", "lanes"), configs)
+
+
+# Start points of the CPU space (``KernelSpace.configs``), by the kernel's vector registers: a spread of register
+# tiles that fill them -- rows of pixels against few channel vectors, square ones, deep channel blocks -- so that a
+# task's first round sees each form once (those the shape clamps to the same tile count once).
+CPU_CONFIGS = {
+    32: ((14, 2), (7, 2), (8, 2), (6, 3), (4, 4), (4, 6), (3, 7), (28, 1), (10, 2)),
+    16: ((6, 2), (4, 2), (3, 3), (2, 4), (12, 1), (7, 1), (2, 5), (4, 1)),
+}
+
+
 SPACES: dict[str, KernelSpace] = {
     "implicit_gemm": KernelSpace("implicit_gemm", GemmKnobs, dict(GemmKnobs.SPACE), _gemm_applies("NHWC"),
                                  _gemm_legal("NHWC"), _gemm_default, _gemm_effective("NHWC"), _gemm_derived,
@@ -457,6 +524,7 @@ SPACES: dict[str, KernelSpace] = {
                                _gemm_draw, GEMM_DERIVED, _gemm_configs),
     "implicit_gemm_t": _kt_space(),
     "direct_halo": _halo_space(),
+    "cpu_direct": _cpu_space(),
 }
 
 

@@ -7,7 +7,9 @@ One record a line, appendable (``qtune`` appends one line per measured candidate
 
 ``strategy`` names the kernel whose knobs the record holds (``schedules.STRATEGIES``), and the knobs are parsed with
 that strategy's knobs type (``knobs_type``: ``GemmKnobs`` for implicit_gemm and direct_hwnc, ``KtKnobs`` for
-implicit_gemm_t, ``HaloKnobs`` for direct_halo); a record without one is an implicit_gemm record. ``status`` (absent:
+implicit_gemm_t, ``HaloKnobs`` for direct_halo, ``CpuKnobs`` for cpu_direct -- the CPU kernels' register tile, whose
+records name the CPU inner kernel as ``arch`` and the CPU model as ``device``); a record without one is an
+implicit_gemm record. ``status`` (absent:
 "ok") is one of ``RECORD_STATUSES``: a candidate that failed (mismatch against the reference, build or run error) is
 recorded so that a tuner does not try it again, and is never selected. ``ms`` ranks the OK records of one shape: the
 fastest is the one selected.
@@ -53,7 +55,8 @@ LOG_SUFFIX = ".jsonl"
 RECORD_STRATEGY = "implicit_gemm"
 # the kernel strategies records hold knobs for, and the module / class of each one's knobs (``knobs_type``)
 RECORD_STRATEGIES = {"implicit_gemm": ("spec", "GemmKnobs"), "direct_hwnc": ("spec", "GemmKnobs"),
-                     "implicit_gemm_t": ("igemm_t", "KtKnobs"), "direct_halo": ("stem", "HaloKnobs")}
+                     "implicit_gemm_t": ("igemm_t", "KtKnobs"), "direct_halo": ("stem", "HaloKnobs"),
+                     "cpu_direct": ("cpu_conv", "CpuKnobs")}  # (cpu_direct: "arch" is the CPU inner kernel)
 # Record "status" values (the same as qcompile.tune.common's Measured.status); only "ok" records are ever selected
 RECORD_STATUSES = ("ok", "mismatch", "build_error", "run_error")
 SOURCES = ("user", "device", "arch", "nearest", "default")

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     for d, label, style in ((a.dir, "qtune", "o-"), (a.plain, "qtune --no-configs (another run)", "s--")):
         e2e = json.load(open(os.path.join(d, "e2e.json")))
         hand = next(ips(r) for r in e2e["rows"] if r["build"] == "hand-tuned")
-        # (each run's points relative to the hand-tuned build of its own session, scaled to this run's)
+        # (each run's points as a percentage of the hand-tuned build measured in its own session)
         pts = [(r["gpu_minutes"], ips(r) / hand) for r in e2e["rows"] if r["gpu_minutes"] is not None]
         ax1.plot([p[0] for p in pts], [100 * p[1] for p in pts], style, label=label)
     e2e = json.load(open(os.path.join(a.dir, "e2e.json")))

@@ -58,6 +58,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import e2e_table  # noqa: E402  (the table block writer every benchmark script uses)
 from bench_layers import _commit  # noqa: E402  (the source tree's commit, -dirty with uncommitted changes)
+from qcompile.tune.measure import write_json  # noqa: E402  (atomic: a temporary file renamed)
 
 BUILD_DIR = ROOT / "build" / "roofline"
 FORMAT = "qcompile-roofline/1"
@@ -409,7 +410,7 @@ def collect_one(a, model: str, tag: str, net: str, log) -> dict:
         log(f"{tag}: reusing {so} ({len(info['launches'])} kernel launches per forward pass)")
     else:
         info, _ = build(model, a.batch, a.arch, so, a.tuning_log, a.gpu, log=log)
-        record.write_text(json.dumps(info, indent=1) + "\n")
+        write_json(str(record), info)
         log(f"{tag}: built in {info['build_s']} s, {len(info['launches'])} kernel launches per forward pass")
     t0 = time.time()
     kernels = profile(a, so, str(bdir / f"{tag}_b{a.batch}"), len(info["launches"]), log)
@@ -449,7 +450,7 @@ def cmd_collect(a, argv) -> None:
     for path, tag, net in models:
         doc["entries"].append(collect_one(a, path, tag, net, log))
         doc["device"] = doc["entries"][-1]["device"]
-        (out / "roofline.json").write_text(json.dumps(doc, indent=1) + "\n")  # (after each model: a cut run keeps it)
+        write_json(str(out / "roofline.json"), doc)  # (after each model: a cut run keeps it)
     log(f"wrote {out / 'roofline.json'}")
     log(tables([(doc, str(out / "roofline.json"))], a.peak_tops, a.peak_gbs))
 

@@ -148,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--build-dir", default="/tmp/rpc_throughput_batch")
     ap.add_argument("-o", "--output", required=True)
     a = ap.parse_args(argv)
+    from qcompile.tune.measure import write_json
+
     t = time.time()
     built = build_batch(a.model, a.arch, a.batch, a.per_task, a.seed, a.jobs, a.build_dir)
     print(f"built {len(built)} candidates in {time.time() - t:.0f} s", flush=True)
@@ -162,8 +164,7 @@ def main(argv=None) -> int:
         print(f"{n} server(s): {r['candidates']} candidates in {r['seconds']} s = {r['per_minute']}/min "
               f"{r['status']}", flush=True)
         out["runs"].append(r)
-        with open(a.output, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(a.output, out)
     base = out["runs"][0]["per_minute"]
     for r in out["runs"]:
         r["speedup"] = round(r["per_minute"] / base, 2)
@@ -172,8 +173,7 @@ def main(argv=None) -> int:
     out["same_candidates_ok"] = len({frozenset(m) for m in same}) == 1
     for r in out["runs"]:
         r.pop("ms")
-    with open(a.output, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(a.output, out)
     print(json.dumps({r["servers"]: r["speedup"] for r in out["runs"]}))
     return 0
 

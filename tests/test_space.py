@@ -134,7 +134,10 @@ def _check_total(sp, name, arch, kn, sms=None):
     return why
 
 
-@pytest.mark.parametrize("strategy", list(SPACES))
+GPU_SPACES = [s for s in SPACES if s != "cpu_direct"]  # (the CPU kernels' space: tests/test_cpu_space.py)
+
+
+@pytest.mark.parametrize("strategy", GPU_SPACES)
 def test_legal_is_total(strategy):
     """Every point of the space's dims (GemmKnobs: a seeded uniform draw; KtKnobs, HaloKnobs: all of them) on every
     shape and arch gets None or a reason, each within CALL_S; both answers occur, on points of every source."""
@@ -156,7 +159,8 @@ def test_legal_is_total(strategy):
 def test_legal_total_with_device_sms():
     """The device's SM count (``sms``) enters legality (persistent grids, split-K, automatic pixel tiles): still total
     for SM counts the arch table does not list."""
-    for strategy, sp in SPACES.items():
+    for strategy in GPU_SPACES:
+        sp = SPACES[strategy]
         rng = random.Random(f"sms-{strategy}")
         for name, arch, kn in _points(rng, sp, 300, 300, 30):
             _check_total(sp, name, arch, kn, sms=rng.choice((1, 7, 16, 46, 114, 170)))

@@ -4,15 +4,17 @@ Each candidate becomes one shared library holding every kernel of its planned la
 kernel, a split-K pair or a stream-K kernel) and a manifest entry that says how to call it, as plain JSON::
 
     BUILD_DIR/batch_NNNN/<id>.so          the TVM module (CUDA: the fatbin embedded; nvcc SASS for the arch, + PTX
-                                          with --nvcc-mode both; llvm: the CPU fallback kernel)
+                                          with --nvcc-mode both; llvm: a CPU kernel -- ``cpu_direct``, the inner
+                                          kernel the candidate's arch names, for its x86 level -- or the fallback)
     BUILD_DIR/batch_NNNN/manifest.json    {"format": "qcompile-tune-batch/1", "candidates": [entry, ...]}
 
 An entry: ``id``, ``so``, ``target``, ``arch``, ``key`` (the task), ``spec`` (ConvSpec's fields), ``strategy``,
 ``label``, ``knobs`` (a dict, or null), ``knobs_type`` and ``effective_knobs`` (what the kernels were built with:
 small shapes shrink tiles), the calling convention -- ``funcs`` (launch order),
 ``split_k`` and ``workspace`` (the int32 workspace shape of a split-K pair), ``streamk`` ([tile counters, workspace
-words]), ``w_expand`` and ``w_kperm`` (the weight format: schedules/planned.py) -- and ``build_s``, the host seconds
-spent on it (planning, TIR lowering, nvcc, export). ``qcompile.tune.measure`` needs nothing else.
+words]), ``w_expand`` and ``w_kperm`` (the weight format: schedules/planned.py), for a CPU kernel ``w_cpu`` (its
+weight packing and bias fold: ``qcompile.tune.measure.cpu_weights``) -- and ``build_s``, the host seconds spent on
+it (planning, TIR lowering, nvcc, export). ``qcompile.tune.measure`` needs nothing else.
 
 Candidates build in parallel host processes (``--jobs``, default: every core), each one whole; identical candidates
 in a batch build once. A candidate the kernels refuse (its knobs illegal for the shape: the reason from the
@@ -109,14 +111,64 @@ _KNOB_TYPES = {"direct_halo": "HaloKnobs", "implicit_gemm_t": "KtKnobs", "implic
                "direct_hwnc": "GemmKnobs"}
 
 
+# the x86 build target of each x86 CPU inner kernel (the lowest level that enables its instruction)
+CPU_KERNEL_TARGETS = {
+    "cpu_direct_avx2": {"kind": "llvm", "mcpu": "x86-64-v3"},
+    "cpu_direct_avxvnni": {"kind": "llvm", "mcpu": "x86-64-v3", "mattr": ["+avxvnni"]},
+    "cpu_direct_vnni": {"kind": "llvm", "mcpu": "x86-64-v4", "mattr": ["+avx512vnni"]},
+}
+
+
+def cpu_kernel_target(kernel: str):
+    """The llvm target a ``cpu_direct`` candidate of ``kernel`` builds for: this host's build target where it runs
+    that kernel (``dispatch_cpu.cpu_kernels_target``, what ``qcompile --target llvm`` uses), else the kernel's x86
+    level (``CPU_KERNEL_TARGETS``: built, for a host that runs it). ValueError for a kernel with neither."""
+    import tvm
+
+    from qcompile.relay_passes.dispatch_cpu import cpu_kernels_target
+    from qcompile.schedules.cpu_conv import target_kernel
+
+    host = cpu_kernels_target(tvm.target.Target({"kind": "llvm"}))
+    if host is not None and target_kernel(host) == kernel:
+        return host
+    if kernel in CPU_KERNEL_TARGETS and tvm.target.codegen.llvm_get_system_triple().startswith("x86_64"):
+        return tvm.target.Target(CPU_KERNEL_TARGETS[kernel])
+    raise ValueError(f"not applicable: no build target for the CPU kernel {kernel} on this host")
+
+
+def _plan_cpu(cand: Candidate):
+    """(funcs, calling-convention fields) of a ``cpu_direct`` candidate: the inner kernel ``cand.arch`` with the
+    candidate's tile, refused (the space's reason) before any TIR where the space refuses it."""
+    from qcompile.schedules import cpu_conv, cpu_conv_vnni
+    from qcompile.schedules.space import SPACES
+
+    why = SPACES["cpu_direct"].legal(cand.spec, cand.arch, cand.knobs)
+    if why is not None:
+        raise ValueError(f"not applicable: {why}")
+    tile = cpu_conv.effective_tile(cand.spec, cand.arch, cand.knobs)
+    if cand.arch == cpu_conv.STRATEGY:
+        func, w_cpu = cpu_conv.make_cpu_conv(cand.spec, "NHWC", tile), dict(pack="pairs", lanes=cpu_conv.LANES)
+    else:
+        isa = cpu_conv_vnni.ISAS[cand.arch]
+        func = cpu_conv_vnni.make_cpu_conv_vnni(cand.spec, "NHWC", cpu_conv_vnni.VnniTile(cand.arch, tile.qt, tile.kt))
+        flip = cpu_conv_vnni.flips_input(cand.spec, cand.arch)
+        signed = cpu_conv.ConvSpec.storage(cand.spec.x_dtype) == "int8"
+        w_cpu = dict(pack="quads", lanes=isa.lanes, bias_fold=(-128 if signed else 128) if flip else 0)
+    return [func], dict(split_k=1, streamk=None, w_expand=False, w_kperm=0, label=cand.arch, w_cpu=w_cpu,
+                        effective_knobs=knobs_dict(tile))
+
+
 def plan_candidate(cand: Candidate, target: str = "cuda"):
-    """(funcs, calling-convention fields) of a candidate: ``plan_conv`` for cuda (refusing a silent substitute),
-    the fallback kernel for llvm."""
+    """(funcs, calling-convention fields) of a candidate: ``plan_conv`` for cuda (refusing a silent substitute); for
+    llvm, a CPU kernel (``cpu_direct``) or the fallback kernel."""
     import warnings
 
     if target == "llvm":
+        if cand.strategy == "cpu_direct":
+            return _plan_cpu(cand)
         if cand.strategy != "fallback":
-            raise ValueError(f"target llvm builds the fallback kernel only, not {cand.strategy}")
+            raise ValueError(f"target llvm builds the CPU kernels (cpu_direct) and the fallback kernel, not "
+                             f"{cand.strategy}")
         from qcompile.schedules.fallback import make_fallback
 
         return [make_fallback(cand.spec, "llvm")], dict(split_k=1, streamk=None, w_expand=False, w_kperm=0,
@@ -161,6 +213,8 @@ def build_one(cand: Candidate, cid: str, out_dir: str, target: str = "cuda", mod
             ensure_stub_libcuda()
             with nvcc_options(cand.arch, mode):
                 lib = tvm.compile(mod, target=cuda_target(cand.arch))
+        elif cand.strategy == "cpu_direct":
+            lib = tvm.compile(mod, target=cpu_kernel_target(cand.arch))
         else:
             lib = tvm.compile(mod, target="llvm")
         lib.export_library(so)
@@ -179,6 +233,8 @@ def build_one(cand: Candidate, cid: str, out_dir: str, target: str = "cuda", mod
                      effective_knobs=conv.get("effective_knobs"), funcs=names,
                      split_k=conv["split_k"], workspace=conv.get("workspace"), streamk=conv["streamk"],
                      w_expand=conv["w_expand"], w_kperm=conv["w_kperm"], build_s=round(time.time() - t0, 3))
+        if conv.get("w_cpu"):
+            entry["w_cpu"] = conv["w_cpu"]
         return entry, None, time.time() - t0
     except Exception as e:  # noqa: BLE001  (a refused or failed candidate is a result, not a crash)
         return None, _one_line(e) if not isinstance(e, ValueError) else str(e).splitlines()[0][:300], time.time() - t0

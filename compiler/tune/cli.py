@@ -1,8 +1,16 @@
-"""The ``qtune`` command: tune a model's tensor-core kernels for a GPU and write the measurements to a tuning log.
+"""The ``qtune`` command: tune a model's tensor-core kernels for a GPU, or its CPU kernels for this machine's CPU, and
+write the measurements to a tuning log.
 
     qtune MODEL --target cuda --arch sm_XX [--batch N ...] [--layout NHWC|HWNC] [--bits ...]
           [--trials N | --minutes M] [--runner local|rpc|offline ...] [--jobs J] [--export DIR | --import RESULTS]
           [--tuning-log PATH ...] -o LOG
+    qtune MODEL --target llvm [--batch N ...] [--trials N | --minutes M] [--jobs J] [--tuning-log PATH ...] -o LOG
+
+``--target llvm`` tunes the register tiles of the CPU kernels (strategy ``cpu_direct``) that ``qcompile --target
+llvm`` runs on this host: the tasks are the llvm build's NHWC layers, the candidates are built for this host's build
+target and measured by the local runner on this CPU; the records name the CPU inner kernel as ``arch``
+(``cpu_direct_vnni``, ``cpu_direct_avxvnni``, ``cpu_direct_avx2``: ``--arch`` may name it, nothing else) and the CPU
+model (``/proc/cpuinfo``) as ``device``.
 
 The tasks come from the model as ``qcompile`` compiles it (``tasks.extract_tasks``), the search and the schedule across
 tasks from ``scheduler.Tuner``, the builds and the measurements from the builder and runner the options choose
@@ -22,6 +30,9 @@ from qcompile.registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, format_of
 PROG = "qtune"
 DEBUG_ENV = "QCOMPILE_DEBUG"
 TUNE_LAYOUTS = ("NHWC", "HWNC")  # (the layouts with tensor-core convolutions)
+TUNE_TARGETS = ("cuda", "llvm")
+CPU_KERNELS = ("cpu_direct_avx2", "cpu_direct_vnni", "cpu_direct_avxvnni", "cpu_direct_sdot")  # (--arch on llvm)
+CPU_LAYOUTS = ("NHWC",)  # (the layout whose CPU-kernel layers take tuned tiles: llvm's default)
 
 
 def _factories():
@@ -41,19 +52,24 @@ def _factories():
 def _parser(factories=None) -> argparse.ArgumentParser:
     ap = OneLineArgumentParser(
         prog=PROG,
-        description="Autotune a quantized CNN's tensor-core kernels for a GPU; the measurements go to a tuning log "
-                    "that qcompile --tuning-log reads.",
+        description="Autotune a quantized CNN's tensor-core kernels for a GPU (--target cuda) or its CPU kernels "
+                    "for this machine's CPU (--target llvm); the measurements go to a tuning log that qcompile "
+                    "--tuning-log reads.",
         epilog=f"Exit status: 0 success, 2 a problem with the model, a file or the options (one 'qtune: error:' "
                f"line), 1 an internal error (set {DEBUG_ENV}=1 for its stack trace). See docs/TUNING.md.",
     )
     ap.add_argument("model", help="model file, as qcompile takes it: .onnx, .pt2, or a HAWQ checkpoint (with --net)")
     ap.add_argument("-o", "--output", required=True, metavar="LOG",
                     help="tuning log to append to (.jsonl); rerunning with the same LOG resumes")
-    ap.add_argument("--target", default="cuda", help="cuda (the only target with tunable kernels)")
-    ap.add_argument("--arch", choices=list(CUDA_ARCHS), default="sm_90", help="GPU architecture (default sm_90)")
+    ap.add_argument("--target", default="cuda",
+                    help="cuda (tensor-core kernels, default) or llvm (the CPU kernels, measured on this machine)")
+    ap.add_argument("--arch", choices=list(CUDA_ARCHS) + list(CPU_KERNELS),
+                    help="cuda: the GPU architecture (default sm_90); llvm: the CPU kernel this machine runs (the "
+                         "default, and the only value taken)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1], metavar="N",
                     help="batch sizes to tune for (default 1); each is its own set of tasks")
-    ap.add_argument("--layout", choices=list(TUNE_LAYOUTS), default="NHWC", help="activation layout (default NHWC)")
+    ap.add_argument("--layout", choices=list(TUNE_LAYOUTS), default="NHWC",
+                    help="activation layout (default NHWC; llvm: NHWC only)")
     ap.add_argument("--bits", choices=list(BIT_SCHEMES), help="as qcompile --bits")
     ap.add_argument("--calibrate", metavar="DATA.npy", help="as qcompile --calibrate (float models)")
     ap.add_argument("--net", choices=["resnet18", "resnet50", "resnet_tiny"], help="network of a HAWQ checkpoint")
@@ -92,8 +108,16 @@ def _check_args(a) -> None:
     except ValueError:
         known = ", ".join(s for f in FORMATS.values() for s in f.suffixes)
         raise QCompileError(f"cannot tell the format of '{a.model}' from its suffix (known: {known})") from None
-    if a.target != "cuda":
-        raise QCompileError(f"--target {a.target}: qtune tunes the tensor-core kernels of --target cuda only")
+    if a.target not in TUNE_TARGETS:
+        raise QCompileError(f"--target {a.target}: qtune tunes --target cuda (tensor-core kernels) or llvm (the CPU "
+                            f"kernels, on this machine)")
+    if a.target == "cuda":
+        a.arch = a.arch or "sm_90"
+        if a.arch not in CUDA_ARCHS:
+            raise QCompileError(f"--arch {a.arch} names a CPU kernel: it goes with --target llvm (GPU archs: "
+                                f"{', '.join(CUDA_ARCHS)})")
+    else:
+        _check_cpu_args(a)
     for flag, v in (("--trials", a.trials), ("--per-round", a.per_round), ("--tasks-per-round", a.tasks_per_round),
                     ("--input-size", a.input_size)):
         if v is not None and v < 1:
@@ -111,10 +135,58 @@ def _check_args(a) -> None:
                 raise QCompileError(f"{flag} applies to HAWQ checkpoints only; '{a.model}' is {fmt.upper()}")
     if a.calibrate:
         check_input_file(a.calibrate, "calibration file")
-    check_tuning_logs(a.tuning_log, None, "cuda")
+    check_tuning_logs(a.tuning_log, None, a.target)
     check_output_path(a.output, "-o", [("input model", a.model), ("calibration data", a.calibrate)]
                       + [("--tuning-log", p) for p in a.tuning_log], suffixes=(".jsonl",),
                       why="(a JSON-lines tuning log)")
+
+
+def _check_cpu_args(a) -> None:
+    """``--target llvm``: the layout, the runner (this machine's CPU: local only) and ``--arch`` (the CPU kernel this
+    host runs, or nothing) -- checked before any work; ``a.arch`` becomes the kernel, the runner measures on the CPU."""
+    from qcompile.schedules.cpu_conv import cpu_model_name
+
+    from .tasks import cpu_arch
+
+    if a.layout not in CPU_LAYOUTS:
+        raise QCompileError(f"--layout {a.layout}: --target llvm tunes the CPU kernels of NHWC builds (qcompile's "
+                            f"llvm default)")
+    runner = getattr(a, "runner", None)
+    if runner not in (None, "local") or getattr(a, "export", None) or getattr(a, "import_results", None):
+        raise QCompileError("--target llvm measures on this machine's CPU: --runner local only (no --export / "
+                            "--import / rpc)")
+    kernel = cpu_arch()
+    if kernel is None:
+        raise QCompileError("--target llvm: this machine runs no qcompile CPU kernel (they need an x86-64 CPU with "
+                            "AVX2, or QCOMPILE_CPU_KERNELS is off): nothing to tune")
+    if a.arch is not None and a.arch != kernel:
+        raise QCompileError(f"--arch {a.arch}: with --target llvm, --arch names the CPU kernel, and this machine's CPU "
+                            f"({cpu_model_name()}) runs {kernel}; qtune measures on this CPU (omit --arch)")
+    a.arch = kernel
+    a.measure_device = "cpu"
+
+
+class _CpuRunner:
+    """The local runner on the CPU, as the tuner sees it: its device is the CPU model (``/proc/cpuinfo``) with the
+    CPU kernel ``kernel`` as its arch, so the records are keyed by both."""
+
+    def __init__(self, runner, kernel: str):
+        self.runner, self.kernel = runner, kernel
+
+    def device(self):
+        from qcompile.schedules.cpu_conv import cpu_model_name
+
+        from .common import DeviceInfo
+
+        d = self.runner.device()
+        return DeviceInfo(cpu_model_name(), self.kernel, d.sms, None)
+
+    def measure(self, built):
+        name = self.device().name
+        out = self.runner.measure(built)
+        for m in out:  # (the runner names the CPU as measure.py does; the records take the tuner's name)
+            m.device = name
+        return out
 
 
 def qtune_main(argv=None) -> int:
@@ -139,6 +211,8 @@ def _run(a, log, factories) -> int:
         _xgboost()  # (before any work: a clear message where XGBoost is missing)
         model = CostModel(seed=a.seed)
     runner = runners_mod.make_runner(a)  # (the runner's own option errors first: before the model is compiled)
+    if a.target == "llvm":
+        runner = _CpuRunner(runner, a.arch)
     builder = build_mod.make_builder(a)
     t0 = time.time()
     log("loading the compiler (TVM) ...")
@@ -151,9 +225,10 @@ def _run(a, log, factories) -> int:
     log(f"extracting the tuning tasks of {a.model} for {a.arch} ({a.layout}, batch {' '.join(map(str, a.batch))}) ...")
     t1 = time.time()
     tasks = extract_tasks(a.model, a.arch, a.batch, a.layout, a.bits, a.net, a.input_size, a.calibrate,
-                          tuple(a.tuning_log), None, lambda s: None)
+                          tuple(a.tuning_log), None, lambda s: None, target=a.target)
     if not tasks:
-        raise QCompileError(f"'{a.model}' has no tensor-core layer to tune for {a.arch} in {a.layout}")
+        what = "CPU-kernel" if a.target == "llvm" else "tensor-core"
+        raise QCompileError(f"'{a.model}' has no {what} layer to tune for {a.arch} in {a.layout}")
     log(f"      done in {time.time() - t1:.1f} s — {len(tasks)} tasks, "
         f"{sum(t.weight for t in tasks)} layers")
     from .scheduler import Tuner, format_summary

@@ -11,7 +11,7 @@ BATCH is a batch folder holding ``manifest.json`` (``qcompile.tune.build`` write
 manifest entry names its shared library (``so``, relative to the manifest's folder), its conv (``spec``: ConvSpec's
 fields) and the calling convention of its kernels (``funcs`` in launch order, ``split_k`` with its ``workspace``
 shape, ``streamk`` = [tile counters, workspace words], the weight format ``w_expand`` / ``w_kperm``; see
-schedules/planned.py).
+schedules/planned.py; a CPU kernel's ``w_cpu``: :func:`cpu_weights`).
 
 For each shape, with a seed recorded in the results: fresh random logical inputs (never all zeros) and per-channel
 requantize parameters that keep the outputs varied; the reference output from this file's NumPy copy of the project
@@ -204,6 +204,24 @@ def weights(spec: Spec, w_log, w_expand: bool = False, w_kperm: int = 0) -> np.n
     return permute_k8(wq, w_kperm) if w_kperm else np.ascontiguousarray(wq)
 
 
+def cpu_weights(w_log, bias, w_cpu: dict) -> tuple:
+    """(weights, bias) of a CPU kernel (``w_cpu`` of its manifest entry; schedules/cpu_conv.py, cpu_conv_vnni.py):
+    ``pack`` "pairs" -- int16 [ceil(K/lanes), R, S, ceil(C/2), 2 lanes], ``w[lanes kb + j, r, s, 2 c2 + i]`` at
+    ``[kb, r, s, c2, 2 j + i]`` (``cpu_conv.pack_weights``) -- or "quads" -- int8 [ceil(K/lanes), R, S, ceil(C/4),
+    4 lanes] (``cpu_conv_vnni.prepack``), with ``bias_fold`` x sum(w[k]) added to the bias, wrapping in int32 (the
+    kernel's input flip); 0 past K and C."""
+    w = np.asarray(w_log, np.int64)
+    K, R, S, C = w.shape
+    lanes, group = int(w_cpu["lanes"]), 2 if w_cpu["pack"] == "pairs" else 4
+    kb, cg = -(-K // lanes), -(-C // group)
+    p = np.zeros((kb * lanes, R, S, cg * group), np.int64)
+    p[:K, :, :, :C] = w
+    p = p.reshape(kb, lanes, R, S, cg, group).transpose(0, 2, 3, 4, 1, 5).reshape(kb, R, S, cg, group * lanes)
+    b = np.asarray(bias, np.int64) + int(w_cpu.get("bias_fold", 0)) * w.reshape(K, -1).sum(axis=1)
+    b = ((b + (1 << 31)) % (1 << 32) - (1 << 31)).astype(np.int32)
+    return np.ascontiguousarray(p.astype(np.int16 if group == 2 else np.int8)), b
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the NumPy integer reference (ConvSpec's math; schedules/reference.py)
 # ---------------------------------------------------------------------------------------------------------------
@@ -375,24 +393,32 @@ class Problem:
         a = self.arrays
         return [a["r"], a["rq2"]] if "r" in a else []
 
-    def save(self, folder: str) -> None:
+    def save(self, folder: str) -> bool:
         """Write the arrays (.npy) and the distinct count to a new ``folder`` (atomically: a temporary sibling
-        renamed)."""
+        renamed). Best effort: a cache that cannot be written (disk full, permissions) leaves nothing behind and
+        returns False -- the problem in memory is as good."""
+        import shutil
         import tempfile
 
-        parent = os.path.dirname(os.path.abspath(folder))
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-")
-        for k, v in self.arrays.items():
-            np.save(os.path.join(tmp, k + ".npy"), v)
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(dict(distinct=self.distinct), f)
+        tmp = None
+        try:
+            parent = os.path.dirname(os.path.abspath(folder))
+            os.makedirs(parent, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-")
+            for k, v in self.arrays.items():
+                np.save(os.path.join(tmp, k + ".npy"), v)
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump(dict(distinct=self.distinct), f)
+        except OSError as e:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+            print(f"measure: warning: the problem cache {folder} was not written ({e})", file=sys.stderr, flush=True)
+            return False
         try:
             os.rename(tmp, folder)
         except OSError:  # (another process saved it first)
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
+        return True
 
     @classmethod
     def load(cls, spec: Spec, folder: str) -> "Problem | None":
@@ -414,6 +440,9 @@ def distinct_values(ref: np.ndarray, dtype: str) -> int:
     if _BITS[dtype] == 8:
         return int(np.count_nonzero(np.bincount(u, minlength=256)))
     return int(np.unique(np.ascontiguousarray(ref).ravel()[: 1 << 20]).size)
+
+
+PROBLEM_VERSION = 1  # (part of a kept problem's cache key: bump it when the inputs' drawing or the reference changes)
 
 
 class Problems:
@@ -440,7 +469,7 @@ class Problems:
         spec = Spec(entry["spec"])
         folder = None
         if self.cache_dir:
-            h = hashlib.sha1(f"{spec_key(entry)}|{seed}".encode()).hexdigest()[:20]
+            h = hashlib.sha1(f"{PROBLEM_VERSION}|{spec_key(entry)}|{seed}".encode()).hexdigest()[:20]
             folder = os.path.join(self.cache_dir, h)
             got = Problem.load(spec, folder) if os.path.isdir(folder) else None
             if got is not None:
@@ -492,7 +521,12 @@ def problem(entry: dict, seed: int, poison_seed: int | None = None, problems: Pr
     spec = prob.spec
     xs, b, M, S = prob.stored
     wfmt = (bool(entry.get("w_expand", False)), int(entry.get("w_kperm", 0)))
-    head = [xs, weights(spec, prob.arrays["w"].astype(np.int64), *wfmt), b, M, S]
+    if entry.get("w_cpu"):  # (a CPU kernel: its own packing, and a bias with the input flip folded in)
+        wfmt = ("cpu", json.dumps(entry["w_cpu"], sort_keys=True))
+        w, b = cpu_weights(prob.arrays["w"], b, entry["w_cpu"])
+        head = [xs, w, b, M, S]
+    else:
+        head = [xs, weights(spec, prob.arrays["w"].astype(np.int64), *wfmt), b, M, S]
     return dict(spec=spec, head=head, res=prob.resargs, ref=prob.arrays["ref"], distinct=prob.distinct,
                 wfmt=wfmt, out_shape=spec.shapes()[2], out_dtype=_STORAGE[spec.out_dtype],
                 rng=np.random.default_rng(seed if poison_seed is None else poison_seed))
@@ -524,7 +558,9 @@ class Layer:
             return sh[name]
 
         x, w, b, M, S = prob["head"]
-        self.head = [buf("x", lambda: x), buf(("w",) + tuple(prob.get("wfmt", ())), lambda: w), buf("b", lambda: b),
+        wfmt = tuple(prob.get("wfmt", ()))
+        bkey = ("b",) + wfmt if wfmt[:1] == ("cpu",) else "b"  # (a CPU kernel's bias carries its input flip)
+        self.head = [buf("x", lambda: x), buf(("w",) + wfmt, lambda: w), buf(bkey, lambda: b),
                      buf("M", lambda: M), buf("S", lambda: S)]
         self.res = [buf(f"res{i}", lambda a=a: a) for i, a in enumerate(prob["res"])]
         self._poisons = []  # (buffer, shape, dtype)
@@ -717,8 +753,9 @@ def shape_seed(base: int, entry: dict) -> int:
 def worker(args) -> int:
     """Measure the candidates of ``args.ids`` (all without) in this process, one JSON line per event to
     ``args.progress``: {"start": id} before a candidate, then its result record. The candidates of one shape run in a
-    row on device buffers they share; the next shape's problem is drawn in the background meanwhile. Returns 3 after
-    a run_error (the device context may be lost: the supervisor starts a new worker for the rest)."""
+    row on device buffers they share; the next shape's problem is drawn in the background meanwhile (on a GPU; on
+    the CPU the timed kernels would share the cores with it: there each problem is drawn when its turn comes).
+    Returns 3 after a run_error (the device context may be lost: the supervisor starts a new worker for the rest)."""
     import tvm
 
     man, root = read_manifest(args.batch)
@@ -743,7 +780,8 @@ def worker(args) -> int:
             if key != shared_key:  # (a new shape: free the last one's buffers; draw the next one's problem meanwhile)
                 shared, shared_key = {}, key
                 i = order.index(key)
-                if i + 1 < len(order):
+                # (on a CPU the kernels being timed and a reference drawn meanwhile share the cores: no prefetch)
+                if i + 1 < len(order) and args.device == "cuda":
                     try:
                         problems.get(entry, seed)
                     except Exception:  # noqa: BLE001  (measure_entry reports it)

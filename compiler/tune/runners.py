@@ -98,17 +98,22 @@ def problem_seed(folder: str) -> int:
     there (the folder made) by the first run that uses it."""
     path = os.path.join(folder, "seed")
     try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except FileNotFoundError:
-        pass
+        try:
+            with open(path) as f:
+                return int(f.read().strip())
+        except FileNotFoundError:
+            pass
+        os.makedirs(folder, exist_ok=True)
+        seed = int.from_bytes(os.urandom(4), "little")
+        with open(path, "x") as f:  # (exclusive: of two runs starting on one cache, the second reads the first's)
+            f.write(f"{seed}\n")
+        return seed
+    except FileExistsError:
+        return problem_seed(folder)
     except ValueError:
         raise QCompileError(f"--problem-cache {folder}: {path} is not a seed (an integer); remove the folder") from None
-    os.makedirs(folder, exist_ok=True)
-    seed = int.from_bytes(os.urandom(4), "little")
-    with open(path, "w") as f:
-        f.write(f"{seed}\n")
-    return seed
+    except OSError as e:
+        raise QCompileError(f"--problem-cache {folder}: {e.strerror or e}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,6 +130,8 @@ def candidate_from(info: dict) -> Candidate:
             from qcompile.schedules.igemm_t import KtKnobs as T
         elif info.get("knobs_type") == "HaloKnobs":
             from qcompile.schedules.stem import HaloKnobs as T
+        elif info.get("knobs_type") == "CpuKnobs":
+            from qcompile.schedules.cpu_conv import CpuKnobs as T
         else:
             from qcompile.schedules.spec import GemmKnobs as T
         knobs = T(**info["knobs"])
@@ -294,7 +301,10 @@ class RPCRunner(Runner):
                 if M.spec_key(e) not in seen:
                     seen.add(M.spec_key(e))
                     firsts.append(e)
-            for e in firsts[:self.problems.keep // 2]:  # (the first shapes' problems drawn in the background)
+            ahead = max(1, self.problems.keep // 2 - n)  # (shapes drawn ahead of the ones being measured)
+            self.problems.keep = max(self.problems.keep, 2 * (n + ahead))  # (in use and ahead are never evicted)
+            index = {M.spec_key(e): i for i, e in enumerate(firsts)}
+            for e in firsts[:n + ahead]:  # (the first shapes' problems drawn in the background)
                 self.problems.prefetch(e, M.shape_seed(self.seed, e))
             lock = threading.Lock()
 
@@ -305,6 +315,10 @@ class RPCRunner(Runner):
                         e = q.get_nowait()
                     except queue.Empty:
                         return
+                    i = index[M.spec_key(e)]
+                    if e is firsts[i] and i + n + ahead < len(firsts):  # (a shape begins: draw one more ahead)
+                        nxt = firsts[i + n + ahead]
+                        self.problems.prefetch(nxt, M.shape_seed(self.seed, nxt))
                     r = self._measure_one(tracker, e, e["so"])
                     with lock:
                         recs[e["id"]] = r

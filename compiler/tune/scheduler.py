@@ -12,8 +12,8 @@ batch again -- proposals are a function of the log and the seed -- and goes on.
 2. **Baseline.** Each task's default knobs (``KernelSpace.default``, what an untuned layer gets), and the knobs the
    packaged logs gave it where they differ, are measured first -- every task's in one batch, so the builder and the
    runner's GPUs work in parallel. The measured default times replace the roofline estimates in the tasks' shares.
-3. **First rounds.** Every task of at least ``FIRST_SHARE`` of its model's time whose start points are not all
-   measured (in this run or the log it resumes) gets one round before the gradient decides, the largest first: its start points (``KernelSpace.configs``, the forms that won most often elsewhere)
+3. **First rounds.** Every task of at least ``FIRST_SHARE`` of its model's time that has nothing measured beyond its
+   baseline (in this run or the log it resumes) gets one round before the gradient decides, the largest first: its start points (``KernelSpace.configs``, the forms that won most often elsewhere)
    and, to fill the round, the cost model's picks (``search.propose``). ``configs=False`` (qtune ``--no-configs``)
    leaves both out: the gradient alone picks, from the first round on, and proposals come from the pool only.
 4. **Rounds.** Each round picks ONE task (``tasks_per_round`` tasks: the largest gradients, measured together -- for
@@ -46,7 +46,7 @@ from typing import Callable, Optional
 from qcompile.errors import QCompileError
 
 from .common import BUILD_ERROR, OK, Candidate, Measured
-from .search import TaskState, baseline, propose, starts
+from .search import TaskState, baseline, propose, searched, starts
 from .tasks import set_shares
 
 WINDOW = 2
@@ -215,7 +215,7 @@ class Tuner:
     def first_round(self, st: TaskState) -> bool:
         """Whether ``st`` is owed its first round (module docstring, step 3)."""
         return (self.configs and st.rounds == 0 and st.task.share >= FIRST_SHARE and st.tunable
-                and not st.exhausted and bool(starts(st)))
+                and not st.exhausted and not searched(st) and bool(starts(st)))
 
     def _priority(self, st: TaskState) -> tuple:
         return (True, st.task.share) if self.first_round(st) else (False, self.gradient(st))
@@ -263,8 +263,9 @@ class Tuner:
                 if self.model is not None:
                     self.model.fit()
         untunable = sorted({st.task.strategy for st in self.states if not st.tunable})
+        units = "cores" if self.device.arch.startswith("cpu") else "SMs"
         self.log(f"tuning {sum(st.tunable for st in self.states)} tasks on {self.device.name} ({self.device.arch}, "
-                 f"{self.device.sms} SMs); {found} measurements resumed from {self.log_path}"
+                 f"{self.device.sms} {units}); {found} measurements resumed from {self.log_path}"
                  + (f"; no search space yet for {', '.join(untunable)} (not tuned)" if untunable else ""))
         summary = Summary()
         try:
@@ -371,7 +372,7 @@ def format_summary(summary: Summary) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     for b, g in sorted(summary.model_gain.items()):
-        lines.append(f"batch {b}: estimated whole-model gain {g:.2f}x (tensor-core kernels: "
+        lines.append(f"batch {b}: estimated whole-model gain {g:.2f}x (the tuned kernels: "
                      f"sum of share x best / default = {1 / g:.3f})")
     return "\n".join(lines)
 

@@ -164,6 +164,16 @@ def baseline(state: TaskState) -> list:
     return out
 
 
+def searched(state: TaskState) -> bool:
+    """Whether anything beyond the baseline (the default and the planned knobs) is measured for the task, in this run
+    or the log it resumes."""
+    base = {state.default_id}
+    planned = state.task.planned_knobs
+    if state.tunable and planned is not None and isinstance(planned, state.space.knobs_type):
+        base.add(state.knobs_id(planned))
+    return any(kid not in base for kid in state.measured)
+
+
 def starts(state: TaskState, model=None) -> list:
     """The task's start points (``KernelSpace.configs``) not measured yet, the cost model's favourites first where
     it has data for the strategy (else the table's order)."""
@@ -224,9 +234,9 @@ def propose(state: TaskState, n: int, model=None, seed: int = 0, eps: float = 0.
         if kid not in ids and kid not in cids:
             cids.add(kid)
             cands.append(kn)
-    if not cands:
-        state.exhausted = True
-        return []
+    if not cands:  # (nothing new in the pool: the start points taken above, if any, are the round)
+        state.exhausted = not out
+        return out
     state.exhausted = False
     order = list(rng.permutation(len(cands)))
     cands = [cands[i] for i in order]

@@ -6,7 +6,9 @@ pipeline (``pipeline.qcompile_pipeline``) as far as the kernel dispatch -- integ
 ``DispatchTensorCore``, no packing, no backend, no nvcc. The dispatcher leaves, per tensor-core layer, the kernel it
 planned (``PipelineRecord.planned``: the ConvSpec after the stem's space-to-depth rewrite, the strategy
 ``select_strategy`` took, the knobs the logs gave). Layers with the same ``tuning_key(spec)`` and strategy are one
-task: one record serves them all, and the task's weight is how many layers use it.
+task: one record serves them all, and the task's weight is how many layers use it. With ``target="llvm"`` the
+pipeline runs as far as the CPU kernels' dispatch (``DispatchCPU``) for this host's build target instead: each NHWC
+layer on a CPU kernel is a ``cpu_direct`` task whose ``arch`` is the inner kernel (:func:`cpu_arch`).
 
 Each task carries a time estimate before anything is measured: a roofline of the arch's nominal peaks
 (``ARCH_PEAKS``: integer tensor-core throughput, DRAM bandwidth of the reference part) plus a launch cost,
@@ -31,6 +33,11 @@ ARCH_PEAKS = {
     "sm_90": (1979.0, 1979.0, 3350.0),  # H100 SXM
 }
 LAUNCH_MS = 0.003  # a kernel's fixed cost (launch, fill and drain), CUDA graph replay
+# The CPU inner kernels (``cpu_direct``; the arch is the kernel): nominal int8 GOPS of one core at 3 GHz (the
+# instruction's multiply-adds per cycle, two ports) and the host's memory bandwidth (GB/s, shared by the cores)
+CPU_PEAKS = {"cpu_direct_vnni": (768.0, 20.0), "cpu_direct_avxvnni": (384.0, 20.0), "cpu_direct_avx2": (192.0, 20.0),
+             "cpu_direct_sdot": (192.0, 20.0)}
+CPU_CALL_MS = 0.005  # a CPU kernel call's fixed cost (the thread pool's fork and join)
 
 
 @dataclass
@@ -71,13 +78,20 @@ class Task:
 
 
 def estimate_ms(spec: ConvSpec, arch: str) -> float:
-    """Roofline time of one conv on ``arch`` (``ARCH_PEAKS``; another sm_9x takes sm_90's)."""
-    i8, i4, bw = ARCH_PEAKS.get(arch, ARCH_PEAKS["sm_90" if arch.startswith("sm_9") else "sm_80"])
-    peak = i4 if spec.x_bits == 4 and spec.w_bits == 4 else i8
+    """Roofline time of one conv on ``arch`` (``ARCH_PEAKS``; another sm_9x takes sm_90's; a CPU kernel:
+    ``CPU_PEAKS`` times this host's cores)."""
     x = spec.N * spec.H * spec.W * spec.C * spec.x_bits / 8
     w = spec.K * spec.R * spec.S * spec.C * spec.w_bits / 8
     out = spec.N * spec.P * spec.Q * spec.K * spec.out_bits / 8
     res = out if spec.has_residual else 0
+    if arch in CPU_PEAKS:
+        import os
+
+        gops, bw = CPU_PEAKS[arch]
+        peak = gops * (os.cpu_count() or 1)
+        return max(2 * spec.macs() / (peak * 1e6), (x + w + out + res) / (bw * 1e6)) + CPU_CALL_MS
+    i8, i4, bw = ARCH_PEAKS.get(arch, ARCH_PEAKS["sm_90" if arch.startswith("sm_9") else "sm_80"])
+    peak = i4 if spec.x_bits == 4 and spec.w_bits == 4 else i8
     return max(2 * spec.macs() / (peak * 1e9), (x + w + out + res) / (bw * 1e6)) + LAUNCH_MS
 
 
@@ -101,8 +115,9 @@ def set_shares(tasks: list, measured: bool = True) -> None:
 
 
 def tasks_from_planned(planned: list, arch: str) -> list:
-    """Tasks from a ``PipelineRecord.planned`` list of (layer name, PlannedKernel), in first-use order; layers on the
-    generic kernel (``fallback``: no knobs) are no task."""
+    """Tasks from a ``PipelineRecord.planned`` list of (layer name, PlannedKernel or, on llvm,
+    ``dispatch_cpu.CpuPlanned``), in first-use order; layers on the generic kernel (``fallback``: no knobs) are no
+    task. ``arch``: the sm_XX, or the CPU inner kernel."""
     from qcompile.schedules.tuning import tuning_key
 
     from qcompile.schedules.tuning import RECORD_STRATEGIES
@@ -120,39 +135,64 @@ def tasks_from_planned(planned: list, arch: str) -> list:
     return tasks
 
 
-def tasks_from_module(mod_qdq, arch: str, layout: str = "NHWC", tuning_logs=(), gpu: Optional[str] = None) -> list:
-    """The tasks of a QDQ-form module (phase 1's output): the pipeline up to the tensor-core dispatch."""
+def tasks_from_module(mod_qdq, arch: str, layout: str = "NHWC", tuning_logs=(), gpu: Optional[str] = None,
+                      target: str = "cuda") -> list:
+    """The tasks of a QDQ-form module (phase 1's output): the pipeline up to the tensor-core dispatch (``target``
+    cuda), or up to the CPU kernels' dispatch (llvm: ``arch`` is the CPU inner kernel the host's build target runs,
+    :func:`cpu_arch`)."""
     import tvm
 
     from qcompile.errors import run_pass
     from qcompile.pipeline import PipelineRecord, qcompile_pipeline
 
     record = PipelineRecord()
-    pipeline = qcompile_pipeline({"kind": "cuda", "arch": arch}, layout, pack_int4=False, backend=False,
+    tgt = {"kind": "cuda", "arch": arch} if target == "cuda" else cpu_build_target()
+    pipeline = qcompile_pipeline(tgt, layout, pack_int4=False, backend=False,
                                  record=record, tuning_logs=tuple(tuning_logs or ()), gpu=gpu)
     with tvm.transform.PassContext(opt_level=3):
         run_pass(pipeline, mod_qdq)
     return tasks_from_planned(record.planned, arch)
 
 
+def cpu_build_target():
+    """The codegen target of ``qcompile --target llvm`` on this host where the CPU kernels run (what
+    ``pipeline.build`` picks: ``dispatch_cpu.cpu_kernels_target``), else None."""
+    import tvm
+
+    from qcompile.relay_passes.dispatch_cpu import cpu_kernels_target
+
+    return cpu_kernels_target(tvm.target.Target({"kind": "llvm"}))
+
+
+def cpu_arch() -> Optional[str]:
+    """The CPU inner kernel ``qcompile --target llvm`` runs on this host (``cpu_direct_vnni``, ``cpu_direct_avxvnni``,
+    ``cpu_direct_avx2``; the arch of its tasks and records), or None (no CPU kernel here, or
+    ``QCOMPILE_CPU_KERNELS=0``)."""
+    from qcompile.schedules.cpu_conv import target_kernel
+
+    tgt = cpu_build_target()
+    return None if tgt is None else target_kernel(tgt)
+
+
 def extract_tasks(model: str, arch: str, batches=(1,), layout: str = "NHWC", bits: Optional[str] = None,
                   net: Optional[str] = None, input_size: Optional[int] = None, calibrate: Optional[str] = None,
-                  tuning_logs=(), gpu: Optional[str] = None, log: Callable = print) -> list:
+                  tuning_logs=(), gpu: Optional[str] = None, log: Callable = print, target: str = "cuda") -> list:
     """The distinct tuning tasks of ``model`` (a file qcompile takes) for each batch size, in order: batch by batch,
-    first-use order within one. A task seen at two batch sizes is two tasks (the batch is part of the key)."""
+    first-use order within one. A task seen at two batch sizes is two tasks (the batch is part of the key).
+    ``target`` llvm: the CPU kernels' layers (``arch``: :func:`cpu_arch`)."""
     from qcompile.driver import CompileOptions, import_model, model_bits
     from qcompile.errors import QCompileError
 
     tasks: list = []
     for batch in batches:
-        opts = CompileOptions(bits=bits, layout=layout, target="cuda", arch=arch, batch=batch, calibrate=calibrate,
-                              net=net, input_size=input_size)
+        opts = CompileOptions(bits=bits, layout=layout, target=target, arch=arch if target == "cuda" else None,
+                              batch=batch, calibrate=calibrate, net=net, input_size=input_size)
         mod_qdq, info = import_model(model, opts, log)
         found = model_bits(mod_qdq)
         if bits is not None and bits != found and info.get("format") != "float":
             raise QCompileError(f"--bits {bits} conflicts with the model, which is quantized as '{found}' "
                                 f"(omit --bits for an already-quantized model)")
-        got = tasks_from_module(mod_qdq, arch, layout, tuning_logs, gpu)
+        got = tasks_from_module(mod_qdq, arch, layout, tuning_logs, gpu, target)
         for t in got:
             t.extra["model_batch"] = batch
         tasks += got

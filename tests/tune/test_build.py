@@ -22,7 +22,8 @@ def test_llvm_candidates_build_with_their_manifest(tmp_path):
     other = Candidate("x", SPEC, "sm_90", "implicit_gemm", GemmKnobs())
     out = b.build([c, other, c])
     assert out[0].error is None and out[2].path == out[0].path and os.path.isfile(out[0].path)
-    assert out[1].path is None and out[1].error == "target llvm builds the fallback kernel only, not implicit_gemm"
+    assert out[1].path is None and out[1].error == ("target llvm builds the CPU kernels (cpu_direct) and the fallback "
+                                                    "kernel, not implicit_gemm")
     e = out[0].entry
     assert (e["target"], e["strategy"], e["funcs"], e["split_k"], e["streamk"], e["knobs"]) == \
         ("llvm", "fallback", [e["id"] + "_0"], 1, None, None)

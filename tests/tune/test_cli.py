@@ -52,7 +52,8 @@ def _err(capsys):
 
 @pytest.mark.parametrize("args,frag", [
     (["{missing}", "-o", "{log}"], "does not exist"),
-    (["{model}", "-o", "{log}", "--target", "llvm"], "--target cuda only"),
+    (["{model}", "-o", "{log}", "--target", "rocm"], "qtune tunes --target cuda (tensor-core kernels) or llvm"),
+    (["{model}", "-o", "{log}", "--arch", "cpu_direct_vnni"], "names a CPU kernel: it goes with --target llvm"),
     (["{model}", "-o", "{log}", "--trials", "0"], "--trials must be a positive integer"),
     (["{model}", "-o", "{log}", "--minutes", "-1"], "--minutes must be a positive number"),
     (["{model}", "-o", "{log}", "--trials", "5", "--minutes", "2"], "not allowed with argument"),

@@ -86,6 +86,17 @@ def test_problem_cache_round_trip(tmp_path):
     assert len(list(tmp_path.iterdir())) == 2 and not np.array_equal(c.arrays["x"], a.arrays["x"])
 
 
+def test_problem_cache_that_cannot_be_written_is_skipped(tmp_path, capsys):
+    """A cache folder that cannot be made (here: a file in the way) costs a warning, not the candidate: the problem
+    drawn in memory is returned, nothing is left behind."""
+    e = dict(spec=__import__("dataclasses").asdict(SPECS[1]))
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file, not a folder")
+    p = M.Problems(str(blocker / "sub")).get(e, 7)
+    assert p.distinct > 3 and "was not written" in capsys.readouterr().err
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["cache"]
+
+
 @pytest.mark.parametrize("w_bits,w_expand,kperm", [(4, False, 0), (4, True, 0), (4, True, 32), (4, True, 64),
                                                    (8, False, 0), (8, False, 32), (8, False, 64)])
 def test_weight_formats_equal_the_planned_kernels(w_bits, w_expand, kperm):

@@ -40,7 +40,7 @@ def _check(measured, built):
     assert [m.candidate for m in measured] == [b.candidate for b in built]
     assert [m.status for m in measured] == [OK, OK, BUILD_ERROR]
     assert all(m.ms > 0 and m.device.startswith("cpu") for m in measured[:2])
-    assert "fallback kernel only" in measured[2].detail
+    assert "not implicit_gemm" in measured[2].detail
 
 
 def test_local_runner_on_the_cpu(built):
@@ -184,3 +184,7 @@ def test_problem_cache_keeps_its_seed_and_problems_across_runners(built, tmp_pat
     (cache / "seed").write_text("x")
     with pytest.raises(QCompileError, match="not a seed"):
         RN.make_runner(args)
+    afile = tmp_path / "a_file"
+    afile.write_text("")
+    with pytest.raises(QCompileError, match="--problem-cache"):
+        RN.problem_seed(str(afile))

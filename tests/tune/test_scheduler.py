@@ -159,7 +159,17 @@ def test_every_task_gets_its_start_points_before_the_gradient(tmp_path, monkeypa
     again.resume()
     again._shares()
     assert not any(again.first_round(st) for st in again.states)
+    short = tmp_path / "short.jsonl"  # (a round shorter than the start points: resuming does not owe it again)
+    Tuner(tasks, FakeBuilder(), FakeRunner(), short, spaces=spaces, log=lambda s: None, batch=2).run(trials=4 + 3 * 2)
+    resumed = Tuner(tasks, FakeBuilder(), FakeRunner(), short, spaces=spaces, log=lambda s: None, batch=2)
+    resumed.device = resumed.runner.device()
+    resumed.resume()
+    resumed._shares()
+    assert not any(resumed.first_round(st) for st in resumed.states if st.task is not tiny)
     plain = Tuner(tasks, FakeBuilder(), FakeRunner(), tmp_path / "p.jsonl", spaces=spaces, log=lambda s: None,
                   batch=4, configs=False)
     plain.run(trials=4 + 3 * 4)
-    assert [r["key"] for r in _lines(tmp_path / "p.jsonl")[4:]] != rounds
+    plain_rounds = _lines(tmp_path / "p.jsonl")[4:]
+    assert [r["key"] for r in plain_rounds[:4]] == [big.key] * 4  # (the gradient: the largest task, again and again)
+    assert not {json.dumps(r["knobs"], sort_keys=True) for r in plain_rounds} & {
+        json.dumps(dict(tu.states[0].space.to_dict(k)), sort_keys=True) for k in CONFIGS}

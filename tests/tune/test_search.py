@@ -76,3 +76,16 @@ def test_start_points_follow_the_baseline_legal_and_distinct():
     assert tiny.space.configs(tiny.spec, tiny.arch) == [CONFIGS[1], CONFIGS[3]]  # (BM 64 and 32: one kernel)
     plain = _with_baseline(TaskState(make_task(), fake_space(configs=True)))
     assert propose(plain, 8, seed=1, configs=False) == propose(_with_baseline(_state()), 8, seed=1)
+
+
+def test_start_points_survive_an_empty_pool():
+    """A task whose pool has nothing new still gets its start points (not dropped as exhausted)."""
+    import dataclasses
+
+    one = dataclasses.replace(fake_space(configs=True), dims={"BM": (128,), "BN": (128,), "BK": (64,), "stages": (3,)})
+    st = _with_baseline(TaskState(make_task(), one))  # (every sample is the measured default: the pool is empty)
+    got = propose(st, 8, seed=1)
+    assert got == list(CONFIGS[1:]) and not st.exhausted
+    for kn in got:
+        st.add(kn, "ok", 2.0)
+    assert propose(st, 8, seed=1) == [] and st.exhausted
