@@ -118,7 +118,8 @@ def bench(sides: dict, x: np.ndarray, warmup: int, runs: int, rounds: int) -> di
 def table(res: dict, rows_of=lambda r: True) -> str:
     """The results as a Markdown table (the rows ``rows_of`` keeps) and a line saying how they were measured."""
     rows = ["| model | batch | layout | qcompile, CPU kernels (ms) | qcompile, generic conv (ms) | onnxruntime (ms) "
-            "| vs onnxruntime | vs generic | `.so` (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+            "| PyTorch fp32 (ms) | vs onnxruntime | vs generic | `.so` (MiB) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in filter(rows_of, res["results"]):
         t = r["timings"]
         q, g = t["qcompile"]["median_ms"], t.get("generic", {}).get("median_ms")
@@ -126,9 +127,12 @@ def table(res: dict, rows_of=lambda r: True) -> str:
         gs = f"{g:.0f}" if g is not None else "not run"
         os_ = f"{o:.1f} (min {t['onnxruntime']['min_ms']:.1f})" if o is not None else "cannot run it"
         size = f"{r['so_mib']:.1f}" if "so_mib" in r else "-"
+        pt = t.get("pytorch_fp32")
+        pts = f"{pt['median_ms']:.1f}" if pt else "-"
         rows.append(f"| {r['net']} INT{r['bits']} | {r.get('batch', 1)} | {r.get('layout', 'NCHW')} "
                     f"| {q:.1f} (min {t['qcompile']['min_ms']:.1f}) "
-                    f"| {gs} | {os_} | {f'{o / q:.2f}x' if o else '-'} | {f'{g / q:.1f}x' if g else '-'} | {size} |")
+                    f"| {gs} | {os_} | {pts} | {f'{o / q:.2f}x' if o else '-'} | {f'{g / q:.1f}x' if g else '-'} "
+                    f"| {size} |")
     rows.append("")
     rows.append(f"Medians (and minima) of single calls in ms per batch, {res['threads']} threads each side; inner "
                 f"kernel `{res.get('kernel', 'cpu_direct_avx2')}`; "
@@ -138,7 +142,12 @@ def table(res: dict, rows_of=lambda r: True) -> str:
 
 
 def write_tables(res: dict, files) -> None:
-    """``cpu`` (every row) and ``cpu_readme`` (ResNet-50 at batch 1) into those of ``files`` that have the block."""
+    """``cpu`` (every row) and ``cpu_readme`` (ResNet-50 at batch 1) into those of ``files`` that have the block.
+    Refuses results whose outputs were not exact (against the NumPy reference, or batch-1 builds image by image)."""
+    bad = [f"{r['net']} {r['bits']} b{r.get('batch', 1)} {r.get('layout', '')}" for r in res["results"]
+           if r.get("exact_vs_reference") is False or r.get("exact_vs_batch1") is False]
+    if bad:
+        raise SystemExit(f"bench_cpu: not writing the tables: outputs not exact for {', '.join(bad)}")
     for name, keep in (("cpu", lambda r: True),
                        ("cpu_readme", lambda r: r["net"] == "resnet50" and r.get("batch", 1) == 1)):
         has = [f for f in files if f"<!-- table:{name} -->" in pathlib.Path(f).read_text()]
@@ -162,6 +171,22 @@ def onnxruntime_side(onnx: str, threads: int, label: str):
     return lambda v: sess.run(None, {iname: v})[0]
 
 
+def torch_side(net: str, threads: int):
+    """The float network in PyTorch fp32 on the CPU (models/'s torchvision-shaped net, eval, inference mode, the same
+    threads), as a function of the input."""
+    import torch
+
+    from qcompile.models.resnet import build_model
+
+    torch.set_num_threads(threads)
+    model = build_model(net).eval()
+
+    def run(v):
+        with torch.inference_mode():
+            return model(torch.from_numpy(v))
+    return run
+
+
 def bench_row(a, net: str, bits: str, batch: int, layout: str, folder: str, rng) -> dict:
     """Build, check and time one (model, bits, batch): see the module docstring. Batch 1 is checked against the
     NumPy integer reference; a larger batch, image by image, against the batch-1 build (already checked)."""
@@ -175,15 +200,19 @@ def bench_row(a, net: str, bits: str, batch: int, layout: str, folder: str, rng)
     x = rng.standard_normal(m.meta["input_shape"]).astype("float32")
     row = {"net": net, "bits": bits, "batch": batch, "layout": layout}
     so1 = os.path.join(folder, f"{net}_{bits}_b1_{layout}.so")
-    if batch > 1 and os.path.exists(so1):
+    if batch > 1 and so1 in a.checked:  # (a batch-1 build of this run, checked against the reference)
         m1, y = Module(so1), m(x)
         row["exact_vs_batch1"] = all(np.array_equal(y[i:i + 1], m1(x[i:i + 1])) for i in range(batch))
     else:
         row["exact_vs_reference"] = check_exact(onnx, m, x)
+        if batch == 1 and row["exact_vs_reference"]:
+            a.checked.add(so)
     sides = {"qcompile": m}
     ort_run = onnxruntime_side(onnx, a.threads, f"{net} {bits} b{batch}")
     if ort_run is not None:
         sides["onnxruntime"] = ort_run
+    if not a.no_torch and layout == a.layout.split(",")[0]:  # (PyTorch's time does not depend on our layout)
+        sides["pytorch_fp32"] = torch_side(net, a.threads)
     t = bench(sides, x, a.warmup, a.runs, a.rounds)
     row.update(build_s=round(build_s, 1), so_mib=round(os.path.getsize(so) / 2**20, 1), timings=t)
     if not a.no_generic and batch == 1:  # (the generic build takes seconds per image)
@@ -205,6 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--no-generic", action="store_true", help="skip the generic-conv build (slow: seconds per call)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch fp32 baseline")
     ap.add_argument("--generic-runs", type=int, default=1, help="timed calls of the generic build per round")
     ap.add_argument("--models", default=None, help="folder for the ONNX models and .so files (default: a temp dir)")
     ap.add_argument("--json", default=None)
@@ -212,6 +242,7 @@ def main(argv=None) -> int:
                     "<!-- table:cpu_readme -->) in those of these files that have them")
     ap.add_argument("--table", metavar="RESULTS", help="only write the table of this results file")
     a = ap.parse_args(argv)
+    a.checked = set()  # (batch-1 builds of this run found exact: larger batches are checked against them)
     if a.table:
         write_tables(json.loads(pathlib.Path(a.table).read_text()), a.write or [])
         return 0
