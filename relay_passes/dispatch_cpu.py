@@ -124,7 +124,7 @@ def _spec(g: _Group, r: Optional[_Residual], var, kernel: str):
     xs = [int(s) for s in g.x.ty.shape]
     w = _logical_weights(g)
     K, R, S_, C = w.shape
-    if g.groups != 1:
+    if getattr(g, "groups", 1) != 1:
         return None, f"grouped conv ({g.groups} groups)"
     if g.dense:
         io, (N, Cx), H, W = "NHWC", xs, 1, 1
