@@ -92,14 +92,13 @@ def time_calls(call, sync, number: int, repeat: int, calls: int) -> dict:
             "host_p50_ms": sorted(host)[len(host) // 2] * 1e3}
 
 
-def _torch_fp16(net: str, shape, number: int, repeat: int, calls: int) -> dict:
+def time_torch_fp16(model, shape, number: int, repeat: int, calls: int) -> dict:
+    """``model`` (a float ``nn.Module``) in PyTorch fp16 on a random input of ``shape``: eval, channels_last, cuDNN in
+    benchmark mode, three warm-up calls, then one CUDA graph replay per timed call (``time_calls``)."""
     import torch
-    import torchvision
 
-    if not hasattr(torchvision.models, net):
-        raise QCompileError(f"--torch {net}: torchvision has no model of that name")
     torch.backends.cudnn.benchmark = True
-    model = getattr(torchvision.models, net)().eval().cuda().half().to(memory_format=torch.channels_last)
+    model = model.eval().cuda().half().to(memory_format=torch.channels_last)
     x = torch.randn(*shape, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
     with torch.inference_mode():
         for _ in range(3):
@@ -109,6 +108,14 @@ def _torch_fp16(net: str, shape, number: int, repeat: int, calls: int) -> dict:
         with torch.cuda.graph(g):
             model(x)
         return time_calls(g.replay, torch.cuda.synchronize, number, repeat, calls)
+
+
+def _torch_fp16(net: str, shape, number: int, repeat: int, calls: int) -> dict:
+    import torchvision
+
+    if not hasattr(torchvision.models, net):
+        raise QCompileError(f"--torch {net}: torchvision has no model of that name")
+    return time_torch_fp16(getattr(torchvision.models, net)(), shape, number, repeat, calls)
 
 
 def _warm(seconds: float, call, sync):

@@ -40,6 +40,81 @@ from .spec import ConvSpec, arch_info
 MIN_BLOCKS_PER_SM = 2  # automatic config: shrink the per-thread tile until the grid has this many blocks per SM
 
 
+def dp4a_constraints(name: str, spec: ConvSpec) -> str | None:
+    """What both CUDA-core dp4a kernels (``depthwise``, ``grouped``) need of any shape: NHWC, 8-bit storage."""
+    if spec.layout != "NHWC":
+        return f"{name} takes NHWC, not {spec.layout}"
+    if ConvSpec.storage(spec.x_dtype) not in ("int8", "uint8") or spec.x_bits != 8:
+        return f"{name} reads 8-bit storage (x_dtype {spec.x_dtype}: pass 4-bit values as their storage type)"
+    return None
+
+
+def dp4a_tile_legal(name: str, spec: ConvSpec, qt: int, threads: int, packable: bool, tile: str) -> str | None:
+    """The tile rules both dp4a kernels share: columns per thread, threads per block, packed 4-bit operands
+    (``packable``: whether a thread holds whole output bytes; ``tile`` names the knob that decides it)."""
+    if not 1 <= qt <= 8:
+        return f"{name}: qt {qt} must be 1..8"
+    if threads % 32 or not 32 <= threads <= 1024:
+        return f"{name}: {threads} threads per block (a multiple of 32, at most 1024)"
+    if spec.out_bits == 4 and not packable:
+        return f"{name}: a packed 4-bit output needs {tile}"
+    if spec.has_residual and spec.res_bits == 4 and spec.K % 2:
+        return f"{name}: a packed 4-bit residual needs an even channel count"
+    return None
+
+
+def shrink_tile(threads_of, want: int, ch: int, ch_auto: bool, ch_min: int, qt: int, qt_auto: bool) -> tuple:
+    """(channels, columns) per thread, halved -- channels first, down to ``ch_min``, then columns -- while
+    ``threads_of(ch, qt)`` stays below ``want``; knobs the caller fixed (not ``*_auto``) are kept."""
+    while threads_of(ch, qt) < want:
+        if ch_auto and ch > ch_min:
+            ch //= 2
+        elif qt_auto and qt > 1:
+            qt //= 2
+        else:
+            break
+    return ch, qt
+
+
+@dataclass(frozen=True)
+class Dp4aOperands:
+    """The operand facts both dp4a kernels derive from a spec and the channels per dp4a word (``cpw``)."""
+    x_st: str  # input storage dtype
+    o_st: str  # output storage dtype
+    signed: bool  # int8 input (dp4a.s32.s32), else uint8 (dp4a.u32.s32)
+    wt: str  # input words in dp4a's a-type
+    padw: int  # the padding value's word (cpw bytes of it), in wt's range
+
+    @property
+    def dp4a(self):
+        return T.ptx.dp4a.s32.s32 if self.signed else T.ptx.dp4a.u32.s32
+
+
+def dp4a_operands(spec: ConvSpec, cpw: int) -> Dp4aOperands:
+    x_st = ConvSpec.storage(spec.x_dtype)
+    signed = x_st == "int8"
+    padb = spec.pad_value & 0xFF
+    padw = padb * 0x01010101 if cpw == 4 else padb
+    padw = padw - (1 << 32) if signed and padw >= 1 << 31 else padw
+    return Dp4aOperands(x_st, ConvSpec.storage(spec.out_dtype), signed, "int32" if signed else "uint32", padw)
+
+
+def epilogue_fns(spec: ConvSpec, o_st: str):
+    """``(y_of, packed)`` of both dp4a kernels: the shared epilogue of one accumulator (``fallback.epilogue_value``
+    with the residual stage), and a column's output element e -- a value, or two 4-bit values packed low nibble first."""
+    has_res = spec.has_residual
+
+    def y_of(acc, n, p, q, k, bias, Mq, Sq, res, rq2):
+        rv = residual_value(spec, res, (n, p, q), k) if has_res else None
+        return epilogue_value(spec, acc, k, bias, Mq, Sq, rv, rq2 if has_res else None)
+
+    def packed(yv, e):
+        if spec.out_bits == 4:
+            return T.Cast(o_st, T.bitwise_or(T.bitwise_and(yv[2 * e], 15), T.shift_left(T.bitwise_and(yv[2 * e + 1], 15), 4)))
+        return T.Cast(o_st, yv[e])
+    return y_of, packed
+
+
 @dataclass(frozen=True)
 class DwConfig:
     vec: int = 0  # channels (bytes) per thread: 16, 8, 4 or 1; 0 = automatic
@@ -49,13 +124,9 @@ class DwConfig:
 
 def depthwise_constraints(spec: ConvSpec, groups: int) -> str | None:
     """Why the depthwise kernel cannot take ``spec`` with ``groups`` (None: it can, with some config)."""
-    if spec.layout != "NHWC":
-        return f"depthwise takes NHWC, not {spec.layout}"
     if not (groups == spec.C == spec.K):
         return f"depthwise needs groups == C == K (groups {groups}, C {spec.C}, K {spec.K})"
-    if ConvSpec.storage(spec.x_dtype) not in ("int8", "uint8") or spec.x_bits != 8:
-        return f"depthwise reads 8-bit storage (x_dtype {spec.x_dtype}: pass 4-bit values as their storage type)"
-    return None
+    return dp4a_constraints("depthwise", spec)
 
 
 def depthwise_legal(spec: ConvSpec, groups: int, cfg: DwConfig) -> str | None:
@@ -65,15 +136,7 @@ def depthwise_legal(spec: ConvSpec, groups: int, cfg: DwConfig) -> str | None:
         return why
     if cfg.vec not in (1, 4, 8, 16) or spec.C % cfg.vec:
         return f"depthwise: vec {cfg.vec} must be 16, 8, 4 or 1 and divide C = {spec.C}"
-    if not 1 <= cfg.qt <= 8:
-        return f"depthwise: qt {cfg.qt} must be 1..8"
-    if cfg.threads % 32 or not 32 <= cfg.threads <= 1024:
-        return f"depthwise: {cfg.threads} threads per block (a multiple of 32, at most 1024)"
-    if spec.out_bits == 4 and not output_packable(spec, cfg):
-        return "depthwise: a packed 4-bit output needs vec >= 4"
-    if spec.has_residual and spec.res_bits == 4 and spec.K % 2:
-        return "depthwise: a packed 4-bit residual needs an even channel count"
-    return None
+    return dp4a_tile_legal("depthwise", spec, cfg.qt, cfg.threads, output_packable(spec, cfg), "vec >= 4")
 
 
 def output_packable(spec: ConvSpec, cfg: DwConfig) -> bool:
@@ -90,15 +153,9 @@ def resolve_config(spec: ConvSpec, cfg: DwConfig = DwConfig(), sms: int | None =
     thread, halved (channels first, then columns) while the grid would have fewer than ``MIN_BLOCKS_PER_SM`` blocks
     per SM (batch 1's small layers)."""
     want = MIN_BLOCKS_PER_SM * (sms or arch_info(arch).sms) * cfg.threads
-    vec = cfg.vec or next(v for v in (8, 4, 1) if spec.C % v == 0)
-    qt = cfg.qt or min(4, spec.Q)
-    while _threads(spec, vec, qt) < want:
-        if not cfg.vec and vec > 4:
-            vec //= 2
-        elif not cfg.qt and qt > 1:
-            qt //= 2
-        else:
-            break
+    vec, qt = shrink_tile(lambda v, q: _threads(spec, v, q), want,
+                          cfg.vec or next(v for v in (8, 4, 1) if spec.C % v == 0), not cfg.vec, 4,
+                          cfg.qt or min(4, spec.Q), not cfg.qt)
     return DwConfig(vec=vec, qt=qt, threads=cfg.threads)
 
 
@@ -127,13 +184,8 @@ def make_depthwise(spec: ConvSpec, groups: int, cfg: DwConfig | None = None, arc
     QB = -(-Q // QT)
     SEG = (QT - 1) * sw + (S - 1) * dw + 1  # input pixels of one kernel row that a thread's columns read
     total = N * P * QB * CV
-    x_st, o_st = ConvSpec.storage(spec.x_dtype), ConvSpec.storage(spec.out_dtype)
-    signed = x_st == "int8"
-    wt = "int32" if signed else "uint32"  # input words, in dp4a's a-type
-    dp4a = T.ptx.dp4a.s32.s32 if signed else T.ptx.dp4a.u32.s32
-    padb = spec.pad_value & 0xFF
-    padw = padb * 0x01010101 if CPW == 4 else padb
-    padw = padw - (1 << 32) if signed and padw >= 1 << 31 else padw
+    ops = dp4a_operands(spec, CPW)
+    x_st, o_st, wt, dp4a, padw = ops.x_st, ops.o_st, ops.wt, ops.dp4a, ops.padw
     OB = spec.out_bits
     OE = VC // 2 if OB == 4 else VC  # output elements (of the storage type) per column and thread
     OCH = min(OE, 16 // np.dtype(o_st).itemsize)  # elements per vector store (at most 16 bytes)
@@ -141,15 +193,7 @@ def make_depthwise(spec: ConvSpec, groups: int, cfg: DwConfig | None = None, arc
     has_res = spec.has_residual
     res_shape = spec.res_shape() if has_res else (1,)
     res_st = ConvSpec.storage(spec.res_dtype) if has_res else "int8"
-
-    def y_of(acc, n, p, q, k, bias, Mq, Sq, res, rq2):
-        rv = residual_value(spec, res, (n, p, q), k) if has_res else None
-        return epilogue_value(spec, acc, k, bias, Mq, Sq, rv, rq2 if has_res else None)
-
-    def packed(yv, e):  # output element e of a column: a value, or two 4-bit values
-        if OB == 4:
-            return T.Cast(o_st, T.bitwise_or(T.bitwise_and(yv[2 * e], 15), T.shift_left(T.bitwise_and(yv[2 * e + 1], 15), 4)))
-        return T.Cast(o_st, yv[e])
+    y_of, packed = epilogue_fns(spec, o_st)
 
     def x_word(x, xw, n, ih, iw, cv, v):
         if CPW == 4:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from tvm.script import tirx as T
 
-from .fallback import epilogue_value, residual_value
+from .depthwise import dp4a_constraints, dp4a_operands, dp4a_tile_legal, epilogue_fns, shrink_tile
 from .planned import PlannedKernel
 from .spec import ConvSpec, arch_info
 
@@ -52,13 +52,9 @@ class GroupedConfig:
 
 def grouped_constraints(spec: ConvSpec, groups: int) -> str | None:
     """Why the grouped kernel cannot take ``spec`` with ``groups`` (None: it can, with some config)."""
-    if spec.layout != "NHWC":
-        return f"grouped takes NHWC, not {spec.layout}"
     if groups < 1 or spec.C % groups or spec.K % groups:
         return f"grouped: groups {groups} must divide C {spec.C} and K {spec.K}"
-    if ConvSpec.storage(spec.x_dtype) not in ("int8", "uint8") or spec.x_bits != 8:
-        return f"grouped reads 8-bit storage (x_dtype {spec.x_dtype}: pass 4-bit values as their storage type)"
-    return None
+    return dp4a_constraints("grouped", spec)
 
 
 def output_packable(spec: ConvSpec, cfg: GroupedConfig) -> bool:
@@ -73,15 +69,7 @@ def grouped_legal(spec: ConvSpec, groups: int, cfg: GroupedConfig) -> str | None
         return why
     if cfg.kt not in (1, 2, 4, 8) or (spec.K // groups) % cfg.kt:
         return f"grouped: kt {cfg.kt} must be 8, 4, 2 or 1 and divide K / groups = {spec.K // groups}"
-    if not 1 <= cfg.qt <= 8:
-        return f"grouped: qt {cfg.qt} must be 1..8"
-    if cfg.threads % 32 or not 32 <= cfg.threads <= 1024:
-        return f"grouped: {cfg.threads} threads per block (a multiple of 32, at most 1024)"
-    if spec.out_bits == 4 and not output_packable(spec, cfg):
-        return "grouped: a packed 4-bit output needs an even kt"
-    if spec.has_residual and spec.res_bits == 4 and spec.K % 2:
-        return "grouped: a packed 4-bit residual needs an even channel count"
-    return None
+    return dp4a_tile_legal("grouped", spec, cfg.qt, cfg.threads, output_packable(spec, cfg), "an even kt")
 
 
 def _threads(spec: ConvSpec, kt: int, qt: int) -> int:
@@ -95,15 +83,9 @@ def resolve_config(spec: ConvSpec, groups: int, cfg: GroupedConfig = GroupedConf
     per SM."""
     want = MIN_BLOCKS_PER_SM * (sms or arch_info(arch).sms) * cfg.threads
     kg = spec.K // groups
-    kt = cfg.kt or next(v for v in (8, 4, 2, 1) if kg % v == 0)
-    qt = cfg.qt or min(4, spec.Q)
-    while _threads(spec, kt, qt) < want:
-        if not cfg.kt and kt > 2:
-            kt //= 2
-        elif not cfg.qt and qt > 1:
-            qt //= 2
-        else:
-            break
+    kt, qt = shrink_tile(lambda k, q: _threads(spec, k, q), want,
+                         cfg.kt or next(v for v in (8, 4, 2, 1) if kg % v == 0), not cfg.kt, 2,
+                         cfg.qt or min(4, spec.Q), not cfg.qt)
     return GroupedConfig(kt=kt, qt=qt, threads=cfg.threads)
 
 
@@ -139,13 +121,8 @@ def make_grouped(spec: ConvSpec, groups: int, cfg: GroupedConfig | None = None, 
     QB = -(-Q // QT)
     SEG = (QT - 1) * sw + (S - 1) * dw + 1
     total = N * P * QB * KB
-    x_st, o_st = ConvSpec.storage(spec.x_dtype), ConvSpec.storage(spec.out_dtype)
-    signed = x_st == "int8"
-    wt = "int32" if signed else "uint32"
-    dp4a = T.ptx.dp4a.s32.s32 if signed else T.ptx.dp4a.u32.s32
-    padb = spec.pad_value & 0xFF
-    padw = padb * 0x01010101 if CPW == 4 else padb
-    padw = padw - (1 << 32) if signed and padw >= 1 << 31 else padw
+    ops = dp4a_operands(spec, CPW)
+    x_st, o_st, wt, dp4a, padw = ops.x_st, ops.o_st, ops.wt, ops.dp4a, ops.padw
     OB = spec.out_bits
     OE = KT // 2 if OB == 4 else KT
     OCH = min(OE, 16 // np.dtype(o_st).itemsize)
@@ -153,15 +130,7 @@ def make_grouped(spec: ConvSpec, groups: int, cfg: GroupedConfig | None = None, 
     has_res = spec.has_residual
     res_shape = spec.res_shape() if has_res else (1,)
     res_st = ConvSpec.storage(spec.res_dtype) if has_res else "int8"
-
-    def y_of(acc, n, p, q, k, bias, Mq, Sq, res, rq2):
-        rv = residual_value(spec, res, (n, p, q), k) if has_res else None
-        return epilogue_value(spec, acc, k, bias, Mq, Sq, rv, rq2 if has_res else None)
-
-    def packed(yv, e):
-        if OB == 4:
-            return T.Cast(o_st, T.bitwise_or(T.bitwise_and(yv[2 * e], 15), T.shift_left(T.bitwise_and(yv[2 * e + 1], 15), 4)))
-        return T.Cast(o_st, yv[e])
+    y_of, packed = epilogue_fns(spec, o_st)
 
     def x_word(x, xw, n, ih, iw, g, cw):
         if CPW == 4:

@@ -140,22 +140,12 @@ def time_ours(so: str, batch: int, number: int, repeat: int, calls: int) -> dict
 
 
 def time_torch(model: str, batch: int, number: int, repeat: int, calls: int) -> dict:
-    """The float network of ``qcompile.models`` in PyTorch fp16 (cuDNN, cudnn.benchmark, channels_last, one CUDA
-    graph replay per call)."""
+    """The float network of ``qcompile.models`` in PyTorch fp16 (``qcompile.bench.time_torch_fp16``: cuDNN,
+    channels_last, one CUDA graph replay per call)."""
+    from qcompile.bench import time_torch_fp16
     from qcompile.models.resnet import build_model
 
-    torch.backends.cudnn.benchmark = True
-    net = build_model(model, seed=0).eval().cuda().half().to(memory_format=torch.channels_last)
-    x = torch.randn(batch, 3, SIZE, SIZE, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
-    with torch.inference_mode():
-        for _ in range(3):
-            net(x)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            net(x)
-        r = time_calls(g.replay, torch.cuda.synchronize, number, repeat, calls)
-    del g, net, x
+    r = time_torch_fp16(build_model(model, seed=0), (batch, 3, SIZE, SIZE), number, repeat, calls)
     torch.cuda.empty_cache()
     return r
 
