@@ -24,8 +24,8 @@ def _held_out(key: str) -> bool:
 
 
 def _rows():
-    """The OK implicit-GEMM records, as qcompile reads them: the few whose knobs the space now refuses for their shape
-    (4-bit ping-pong forms since refused by the builder) are stale and left out."""
+    """The OK implicit-GEMM records, as qcompile reads them: the few whose knobs the space refuses for their shape
+    (4-bit ping-pong forms the builder refuses) are stale and left out."""
     out, stale = [], 0
     for ln in DATA.read_text().splitlines():
         d = json.loads(ln)
