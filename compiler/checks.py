@@ -117,8 +117,12 @@ WEIGHTS_SUFFIX = ".weights.npz"
 
 
 def weights_path(so_path: str) -> str:
-    """The weights file of a ``--weights-beside`` module: ``NAME.weights.npz`` beside ``NAME.so``."""
-    return (so_path[:-3] if so_path.endswith(".so") else so_path) + WEIGHTS_SUFFIX
+    """The weights file of a ``--weights-beside`` module: ``NAME.weights.npz`` beside ``NAME.so`` (or a cross
+    build's ``NAME.tar``)."""
+    for suffix in (".so", ".tar"):
+        if so_path.endswith(suffix):
+            return so_path[:-len(suffix)] + WEIGHTS_SUFFIX
+    return so_path + WEIGHTS_SUFFIX
 
 
 # ------------------------------------------------------------------------------------------------

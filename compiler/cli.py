@@ -13,7 +13,7 @@ import sys
 import time
 
 from .errors import OneLineArgumentParser, QCompileError, run_cli
-from .registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, LAYOUTS, TARGETS, format_of
+from .registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, LAYOUTS, TARGETS, cross_output, format_of, parse_target
 from .runtime import INPUT_DTYPES, INPUT_LAYOUTS
 
 PROG = "qcompile"
@@ -28,12 +28,18 @@ def _parser() -> argparse.ArgumentParser:
                f"line), 1 an internal error (set {DEBUG_ENV}=1 for its stack trace).",
     )
     ap.add_argument("model", help="model file: .onnx, .pt2, or a HAWQ checkpoint (.pth/.pt, with --net)")
-    ap.add_argument("-o", "--output", required=True, help="output .so (weights are embedded in it)")
+    ap.add_argument("-o", "--output", required=True,
+                    help="output .so (weights are embedded in it); for a cross build (--target llvm -mtriple=...) "
+                         "also NAME.tar: its object files, to link on the target machine")
     ap.add_argument("--bits", choices=list(BIT_SCHEMES),
                     help="for a float model: post-training quantization scheme (needs --calibrate); "
                          "for a quantized model: optional, must agree with the model")
     ap.add_argument("--layout", choices=list(LAYOUTS), help="activation layout (default NHWC: the layout of the CPU and tensor-core kernels)")
-    ap.add_argument("--target", choices=list(TARGETS), default="llvm")
+    ap.add_argument("--target", default="llvm", metavar="TARGET",
+                    help=f"{' or '.join(TARGETS)} (default llvm: this CPU's best int8 kernel); llvm takes LLVM's options "
+                         f"as TVM writes them: 'llvm -mcpu=skylake-avx512', 'llvm -mcpu=native' (this CPU by name), "
+                         f"'llvm -mtriple=aarch64-linux-gnu -mattr=+dotprod' (a cross build: -o NAME.tar writes its "
+                         f"object files, or a cross linker on the PATH links the .so)")
     ap.add_argument("--arch", choices=list(CUDA_ARCHS), help="GPU architecture for --target cuda (default sm_90)")
     ap.add_argument("--batch", type=int, help="fix a dynamic batch dimension (default 1)")
     ap.add_argument("--input-dtype", choices=list(INPUT_DTYPES), default="float32",
@@ -77,7 +83,8 @@ def _check_args(a) -> None:
     except ValueError:
         known = ", ".join(s for f in FORMATS.values() for s in f.suffixes)
         raise QCompileError(f"cannot tell the format of '{a.model}' from its suffix (known: {known})") from None
-    if a.target != "cuda":
+    target = parse_target(a.target)
+    if target.kind != "cuda":
         if a.arch:
             raise QCompileError(f"--arch {a.arch} applies to --target cuda only (this build is for {a.target})")
         if a.emit_cuda:
@@ -97,15 +104,17 @@ def _check_args(a) -> None:
             raise QCompileError(f"--calibrate applies to float ONNX models only; '{a.model}' is a quantized "
                                 f"{fmt.upper()} model")
         check_input_file(a.calibrate, "calibration file")
-    check_tuning_logs(a.tuning_log, a.gpu, a.target)
+    check_tuning_logs(a.tuning_log, a.gpu, target.kind)
     inputs = [("input model", a.model), ("calibration data", a.calibrate)]
-    check_output_path(a.output, "-o", inputs, suffixes=(".so",))
+    link = cross_output(target, a.output)  # (a .tar for a cross build only; a cross build's .so: a cross linker)
+    check_output_path(a.output, "-o", inputs, suffixes=(".so", ".tar") if target.cross else (".so",))
     if a.weights_beside:
         check_output_path(weights_path(a.output), "the weights file (--weights-beside)", inputs)
     for flag, d in (("--emit-cuda", a.emit_cuda), ("--dump-ir", a.dump_ir)):
         if d:
             check_output_dir(d, flag)
-    check_toolchain(a.target)
+    if link is None:  # (a .tar is not linked here; a cross build's .so is linked with its cross linker)
+        check_toolchain(target.kind)
 
 
 def _import_driver_without_torch() -> None:

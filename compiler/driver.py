@@ -14,7 +14,7 @@ from tvm import relax
 from .checks import (WEIGHTS_SUFFIX, atomic_outputs, check_input_file, check_output_path, check_toolchain,
                      check_tuning_logs, weights_path)
 from .errors import QCompileError
-from .registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, LAYOUTS, TARGETS, format_of
+from .registry import BIT_SCHEMES, CUDA_ARCHS, FORMATS, LAYOUTS, TARGETS, cross_output, format_of, parse_target
 
 __all__ = ["CompileOptions", "CompileResult", "LayerInfo", "WEIGHTS_SUFFIX", "compile_model", "emit_cuda",
            "format_summary", "import_model", "model_bits", "weights_path"]
@@ -24,7 +24,7 @@ __all__ = ["CompileOptions", "CompileResult", "LayerInfo", "WEIGHTS_SUFFIX", "co
 class CompileOptions:
     bits: Optional[str] = None          # "8" | "4" | "mixed"; None: as the model says
     layout: Optional[str] = None        # NCHW | NHWC | HWNC; None: the target's default
-    target: str = "llvm"
+    target: str = "llvm"                # llvm | cuda; llvm with LLVM options: "llvm -mcpu=NAME", "llvm -mtriple=..."
     arch: Optional[str] = None          # sm_XX for cuda
     batch: Optional[int] = None
     calibrate: Optional[str] = None     # .npy of float NCHW images, for float models
@@ -78,26 +78,39 @@ class CompileResult:
     weights: list = field(default_factory=list)  # values of main's weight parameters (weights_beside)
     planned: list = field(default_factory=list)  # (conv/dense binding name, PlannedKernel) per tensor-core layer
     progress: Optional[_Progress] = None  # compile_model's progress lines: export() is their last step
+    target: object = None  # the --target string parsed (registry.TargetString): how export() links the module
 
     def outputs(self, path: str) -> list:
         """The files :meth:`export` writes for ``path``: the ``.so``, and its weights file with ``weights_beside``."""
         return [path] + ([weights_path(path)] if self.meta.get("weights") == "beside" else [])
 
     def export(self, path: str):
-        """Write the module to ``path`` (a ``.so``, linked with the C++ compiler) and, with ``weights_beside``, its
-        ``NAME.weights.npz``. Each file is written under a temporary name in its folder and renamed when all are
-        complete, so a failure leaves nothing half-written (and an existing module untouched)."""
+        """Write the module to ``path`` (a ``.so``, linked with the C++ compiler or a cross build's cross linker; a
+        cross build's ``.tar``, its object files) and, with ``weights_beside``, its ``NAME.weights.npz``. Each file
+        is written under a temporary name in its folder and renamed when all are complete, so a failure leaves nothing
+        half-written (and an existing module untouched)."""
         outs = self.outputs(path)
         for p in outs:
             check_output_path(p, "output")
-        cxx = check_toolchain("llvm")["cxx"]
+        link = cross_output(self.target, path) if self.target is not None else None
+        cxx = link  # (a cross build's .so: its cross linker; a .tar: not linked, no compiler)
+        if link is None:  # (a .so for this machine: the host's C++ compiler)
+            cxx = check_toolchain("llvm")["cxx"]
+        elif link == "tar":
+            cxx = None
         prog, self.progress = self.progress, None
         if prog is not None:  # (one step, the last of compile_model's)
-            prog.step(f"writing {path} (code generation and linking with {os.path.basename(cxx)})")
+            how = "object files, not linked" if link == "tar" else f"linking with {os.path.basename(cxx)}"
+            prog.step(f"writing {path} (code generation and {how})")
         try:
             with atomic_outputs(*outs) as tmps:
                 try:
-                    self.executable.export_library(tmps[0])
+                    if link not in (None, "tar"):  # a cross build's .so, linked with the cross linker
+                        from tvm.support.cc import cross_compiler
+
+                        self.executable.export_library(tmps[0], fcompile=cross_compiler(link))
+                    else:  # (.so: the host's C++ compiler; .tar: the object files)
+                        self.executable.export_library(tmps[0])
                 except RuntimeError as e:
                     text = str(e)
                     if "Compilation error" not in text:
@@ -221,28 +234,29 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
     from .pipeline import PipelineRecord, build, qcompile_pipeline
 
     opts = opts or CompileOptions()
-    if opts.target not in TARGETS:
-        raise QCompileError(f"unknown target '{opts.target}' (choose from {', '.join(TARGETS)})")
+    tspec = parse_target(opts.target)  # (QCompileError: an unknown kind or option)
+    kind = tspec.kind
     if opts.bits is not None and opts.bits not in BIT_SCHEMES:
         raise QCompileError(f"unsupported bit width '{opts.bits}' (choose from {', '.join(BIT_SCHEMES)})")
-    layout = opts.layout or TARGETS[opts.target].default_layout
+    layout = opts.layout or TARGETS[kind].default_layout
     if layout not in LAYOUTS:
         raise QCompileError(f"unknown layout '{layout}' (choose from {', '.join(LAYOUTS)})")
-    if opts.target == "cuda":
+    if kind == "cuda":
         opts.arch = opts.arch or "sm_90"
         if opts.arch not in CUDA_ARCHS:
             raise QCompileError(f"unknown CUDA arch '{opts.arch}' (choose from {', '.join(CUDA_ARCHS)})")
     elif opts.arch:
         raise QCompileError(f"--arch {opts.arch} applies to --target cuda only (this build is for {opts.target})")
     opts.tuning_logs = tuple(opts.tuning_logs or ())
-    check_tuning_logs(opts.tuning_logs, opts.gpu, opts.target)
+    check_tuning_logs(opts.tuning_logs, opts.gpu, kind)
     if opts.batch is not None and opts.batch < 1:
         raise QCompileError(f"--batch must be a positive integer, got {opts.batch}")
     _check_input_options(opts)
     if opts.input_size is not None and opts.input_size < 1:
         raise QCompileError(f"--input-size must be a positive integer, got {opts.input_size}")
-    if opts.target == "cuda":
+    if kind == "cuda":
         check_toolchain("cuda")  # (nvcc compiles the kernels during the build)
+    llvm_target, target_shown = _llvm_target(tspec, log) if kind == "llvm" else (None, kind)
 
     prog = _Progress(log, 4)
     prog.step(f"importing {path}")
@@ -263,12 +277,13 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
         "output_shape": None,
         "layout": layout,
         "bits": found,
-        "target": opts.target,
+        "target": kind,
         "arch": opts.arch,
         "source": os.path.basename(path),
         "format": info["format"],
         "weights": "beside" if opts.weights_beside else "embedded",
         "num_weights": 0,
+        "llvm_target": target_shown if kind == "llvm" else None,  # (the CPU build target, as TVM users write it)
     }
     record = PipelineRecord()
     layers: list = []
@@ -281,26 +296,27 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
                 log(f"      input {info['input_name']}: {iq['dtype']} {iq['layout']}, already quantized (the model's "
                     f"quantize '{iq['node']}' folded away): scale {iq['scale']!r}, zero point {iq['zero_point']}, "
                     f"range [{iq['qmin']}, {iq['qmax']}]")
-            if opts.target == "cuda" and layout == "NCHW":
+            if kind == "cuda" and layout == "NCHW":
                 log("note: NCHW has no tensor-core convolution; use --layout NHWC or HWNC (convs stay on generic "
                     "kernels)")
         elif name == "3_dispatched":
             _log_kernel_notes(record, opts.arch, log)
         elif name == "4_deploy":  # (the last phase before TVM's backend)
             for l in layers:  # (llvm: qcompile's CPU kernel where dispatched, else TVM's generic lowering, "llvm")
-                l.kernel = record.kernels.get(l.name, "generic" if opts.target == "cuda" else "llvm")
+                l.kernel = record.kernels.get(l.name, "generic" if kind == "cuda" else "llvm")
                 l.knobs = record.knobs.get(l.name, "")
             prog.done(f"{len(layers)} conv/dense layers")
-            prog.step(f"building for {opts.target}{(' ' + opts.arch) if opts.arch else ''}")
+            prog.step(f"building for {target_shown}{(' ' + opts.arch) if opts.arch else ''}")
 
-    target = {"kind": "llvm"} if opts.target == "llvm" else {"kind": "cuda", "arch": opts.arch}
+    target = ({"kind": "llvm"} if llvm_target is None else llvm_target) if kind == "llvm" else {
+        "kind": "cuda", "arch": opts.arch}
     pipeline = qcompile_pipeline(target, layout, pack_int4=opts.pack_int4, expand_w4=not opts.packed_int4_weights,
                                  weights_beside=opts.weights_beside, meta=meta, dump_dir=opts.dump_ir, record=record,
                                  on_phase=on_phase, tuning_logs=opts.tuning_logs, gpu=opts.gpu,
                                  input_dtype=opts.input_dtype, input_layout=opts.input_layout)
     prog.step(f"lowering to integer compute ({layout})")
     nvcc_note = ""
-    if opts.target == "cuda":
+    if kind == "cuda":
         from qcompile.schedules.build import (build_stats, ensure_stub_libcuda, fast_tvmscript_macros, nvcc_jobs,
                                               nvcc_options)
 
@@ -314,7 +330,31 @@ def compile_model(path: str, opts: Optional[CompileOptions] = None, log: Callabl
         ex = build(mod_qdq, target, pipeline=pipeline)
     prog.done(nvcc_note)
     log(format_summary(layers))
-    return CompileResult(ex, record.integer_mod, meta, layers, record.weights, record.planned, progress=prog)
+    return CompileResult(ex, record.integer_mod, meta, layers, record.weights, record.planned, progress=prog,
+                         target=tspec)
+
+
+def _llvm_target(t, log) -> tuple:
+    """(build target, or None for plain llvm: ``pipeline.build`` picks the host's best kernel target; the target
+    the build uses, as TVM users write it) of an llvm ``--target`` string, checked against LLVM
+    (``schedules.cpu_conv.resolve_target``); logs what ``-mcpu=native`` became and the vector features a named x86
+    CPU enables that this host lacks (its module is for such CPUs)."""
+    from qcompile.relay_passes.dispatch_cpu import cpu_kernels_target
+    from qcompile.schedules.cpu_conv import missing_host_features, resolve_target, target_text
+
+    try:
+        tgt, note = resolve_target(t)
+    except ValueError as e:
+        raise QCompileError(f"--target '{t.text}': {e}") from None
+    plain = tvm.target.Target({"kind": "llvm"})
+    shown = target_text(tgt if tgt is not None else cpu_kernels_target(plain) or plain)
+    if note:
+        log(f"      {note}")
+    missing = missing_host_features(tgt) if tgt is not None and not t.cross else []
+    if missing:
+        log(f"note: {shown} enables {', '.join(missing)}, which this CPU does not run: the module is for CPUs that "
+            f"do (here it may stop on an illegal instruction)")
+    return tgt, shown
 
 
 def _check_input_options(opts: CompileOptions) -> None:
@@ -344,12 +384,12 @@ def _nvcc_note(before, after, jobs: int) -> str:
 
 
 def _log_kernel_notes(record, arch: str, log):
-    """The notes after the tensor-core dispatch: implicit-GEMM layers (the kernels tuning records serve) without a
+    """The notes after the tensor-core dispatch: tunable layers (the kernels tuning records serve) without a
     record for their shape, layers on the generic kernel."""
     src = record.knob_sources
     own = src.count("device") + src.count("arch")
     if src and own < len(src):  # (compiled models take a record's knobs wherever a log has the shape)
-        log(f"note: {len(src) - own} of {len(src)} implicit-GEMM layers have no tuning record for their "
+        log(f"note: {len(src) - own} of {len(src)} tunable layers have no tuning record for their "
             f"shape on {arch} ({src.count('nearest')} take the layer's record at the nearest batch size, "
             f"{src.count('default')} the {arch} defaults); qtune measures records for your GPU (docs/TUNING.md)")
     fb = [n for n, s in record.kernels.items() if s == "fallback"]

@@ -39,9 +39,14 @@ from .dispatch_tensor_core import _Group, _Residual, find_fusions
 ENV = "QCOMPILE_CPU_KERNELS"
 
 
+def env_enabled(name: str) -> bool:
+    """False where the environment variable ``name`` turns a feature off (0, false, no, off); True if unset."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def cpu_kernels_enabled() -> bool:
-    """False where ``QCOMPILE_CPU_KERNELS`` turns the CPU kernels off (0, false, no, off)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    """False where ``QCOMPILE_CPU_KERNELS`` turns the CPU kernels off (:func:`env_enabled`)."""
+    return env_enabled(ENV)
 
 
 def cpu_kernels_target(target) -> Optional[tvm.target.Target]:
@@ -61,13 +66,25 @@ def cpu_kernels_target(target) -> Optional[tvm.target.Target]:
 
 
 KERNELS = ("cpu_direct_avx2", "cpu_direct_vnni", "cpu_direct_avxvnni", "cpu_direct_sdot")
+# per-layer variants of an inner kernel: (variant, its inner kernel); cpu_direct_vnni_s4 (4-bit weights two per byte,
+# ``schedules/cpu_conv_vnni_s4.py``) runs the 4-bit layers of a cpu_direct_vnni module whose weights are reused over
+# few output pixels (``cpu_conv_vnni_s4.worth``) and that no tuning record gives a tile (``layer_kernel``);
+# ``QCOMPILE_CPU_S4=0`` turns it off
+VARIANTS = {"cpu_direct_vnni_s4": "cpu_direct_vnni"}
+ENV_S4 = "QCOMPILE_CPU_S4"
+
+
+def s4_enabled() -> bool:
+    """False where ``QCOMPILE_CPU_S4`` turns the packed 4-bit weight variant off (:func:`env_enabled`)."""
+    return env_enabled(ENV_S4)
 
 
 def has_cpu_kernels(mod: tvm.IRModule) -> bool:
     """Whether ``mod`` already holds a CPU kernel (``DispatchCPU`` ran on it): it needs the codegen target that
     ``DispatchCPU`` chose its kernel for (``schedules.cpu_conv.cpu_target`` on the same host gives it)."""
     return any(isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None
-               and str(f.attrs.get("qcompile.strategy", "")) in KERNELS for f in mod.functions.values())
+               and str(f.attrs.get("qcompile.strategy", "")) in KERNELS + tuple(VARIANTS)
+               for f in mod.functions.values())
 
 
 def dispatch_kernel() -> Optional[str]:
@@ -168,7 +185,21 @@ def _spec(g: _Group, r: Optional[_Residual], var, kernel: str):
     why = applies(spec)
     if why is not None:
         return None, why
-    return (spec, io, w), None
+    return (spec, io, w, bound), None
+
+
+def layer_kernel(spec, kernel: str, bound: np.ndarray, source: str = "default") -> str:
+    """The kernel of one layer whose tile came from ``source`` (``tuned_tile``): ``kernel``, or its variant for 4-bit
+    weights packed two per byte (``cpu_direct_vnni_s4``) where no tuning record gives the layer a tile (``source`` is
+    "default": a record's tile is measured on ``kernel`` and keeps it), the weights are 4-bit, few output pixels reuse
+    them (``S4.worth``: the layer reads its weights from memory rather than computes), its accumulators (16 x the
+    sums, ``bound`` per output channel) fit int32 (``S4.fits``) and ``QCOMPILE_CPU_S4`` does not turn it off."""
+    from qcompile.schedules import cpu_conv_vnni_s4 as S4
+
+    if (kernel == S4.ISA and source == "default" and s4_enabled() and S4.applies_s4(spec) is None
+            and S4.worth(spec) and S4.fits(bound)):
+        return S4.STRATEGY
+    return kernel
 
 
 @mutator
@@ -190,22 +221,28 @@ class _CPUDispatcher(PyExprMutator):
             return super().visit_var_binding_(binding)
         self._emit(binding.var, g, r, *self.plans[binding.var])
 
-    def _tile(self, name: str, spec, io: str):
-        """The layer's tile (CpuKnobs; automatic for NCHW) and its source, recorded."""
+    def _choose(self, name: str, spec, io: str, bound):
+        """(kernel, tile) of one layer, the tile's source recorded: an NHWC layer's tile from the tuning records of the
+        inner kernel (``tuned_tile``; the layer is planned: a tuner's task), an NCHW layer's automatic (the tuner
+        measures NHWC); the kernel from :func:`layer_kernel` (the variant takes its own tile)."""
         from qcompile.schedules.cpu_conv import CpuKnobs
 
-        if io != "NHWC":
-            kn, source = CpuKnobs(), "default"
-        else:
+        if io == "NHWC":
             kn, source = tuned_tile(spec, self.kernel, self.tuning_logs, self.device)
             self.planned.append((name, CpuPlanned(spec, self.kernel, kn, source)))
+        else:
+            kn, source = CpuKnobs(), "default"
         self.sources.append((name, source))
-        return kn
+        kernel = layer_kernel(spec, self.kernel, bound, source)
+        return kernel, (kn if kernel == self.kernel else CpuKnobs())
 
-    def _kernel(self, spec, io, w, bias, tile):
-        """(PrimFunc, packed weights, bias) of the module's inner kernel for one layer."""
-        from qcompile.schedules import cpu_conv, cpu_conv_vnni
+    def _kernel(self, spec, io, w, bias, tile, kernel: str):
+        """(PrimFunc, packed weights, bias) of one layer on ``kernel`` (the module's inner kernel or its variant)."""
+        from qcompile.schedules import cpu_conv, cpu_conv_vnni, cpu_conv_vnni_s4
 
+        if kernel == cpu_conv_vnni_s4.STRATEGY:
+            w4, b = cpu_conv_vnni_s4.prepack_s4(spec, w, bias)
+            return cpu_conv_vnni_s4.make_cpu_conv_vnni_s4(spec, io), relax.const(w4, "int8"), b
         if self.kernel == cpu_conv.STRATEGY:
             return cpu_conv.make_cpu_conv(spec, io, tile), relax.const(cpu_conv.pack_weights(w), "int16"), bias
         t = cpu_conv.effective_tile(spec, self.kernel, tile)
@@ -213,15 +250,15 @@ class _CPUDispatcher(PyExprMutator):
         return (cpu_conv_vnni.make_cpu_conv_vnni(spec, io, cpu_conv_vnni.VnniTile(self.kernel, t.qt, t.kt)),
                 relax.const(w8, "int8"), b)
 
-    def _emit(self, var, g: _Group, r: Optional[_Residual], spec, io, w):
-        tile = self._tile(g.out.name, spec, io)
-        func, wc, bias = self._kernel(spec, io, w, g.bias, tile)
-        key = (spec, io, tile)
+    def _emit(self, var, g: _Group, r: Optional[_Residual], spec, io, w, bound):
+        kernel, tile = self._choose(g.out.name, spec, io, bound)
+        func, wc, bias = self._kernel(spec, io, w, g.bias, tile, kernel)
+        key = (kernel, spec, io, tile)
         if key not in self.kernels:
             name = f"qconv_cpu_{len(self.kernels)}"
             func = func.with_attr("op_pattern", 8).with_attr("global_symbol", name)
             self.kernels[key] = self.builder_.add_func(func, name)
-        self.chosen.append((g.out.name, self.kernel))
+        self.chosen.append((g.out.name, kernel))
         x = self.visit_expr(g.x)
         if g.dense:
             x = self.builder_.emit(relax.op.reshape(x, (spec.N, 1, 1, spec.C)), var.name + "_x4d")

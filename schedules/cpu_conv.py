@@ -33,7 +33,9 @@ where the host has them instead of this one.
 from __future__ import annotations
 
 import functools
+import os
 import platform
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -197,6 +199,122 @@ def cpu_target(target: tvm.target.Target) -> tvm.target.Target:
     if vnni is not None:
         cfg["mattr"] = ["+avx512vnni" if vnni == "avx512" else "+avxvnni"]
     return tvm.target.Target(cfg)
+
+
+def missing_host_features(target: tvm.target.Target) -> list:
+    """The vector features (AVX*, FMA, AMX) an x86 ``target`` enables that this host's ``/proc/cpuinfo`` lacks (its
+    code may stop on an illegal instruction here); empty on a host without /proc flags or for another architecture."""
+    flags = {f.replace("_", "").replace("-", "") for f in host_flags()}
+    triple = str(target.attrs.get("mtriple", "")) or str(tvm.target.codegen.llvm_get_system_triple())
+    if not flags or not _is_x86(triple):
+        return []
+    feats = tvm.target.codegen.llvm_get_cpu_features(target)
+    return sorted(f for f in feats if f.startswith(("avx", "fma", "amx")) and f.replace("-", "") not in flags)
+
+
+def _close(name: str, known) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(near)}?" if near else ""
+
+
+def native_cpu() -> tuple:
+    """What ``-mcpu=native`` builds for on this host: (mcpu, mattr, note). LLVM's name of the host CPU
+    (``llvm_get_system_cpu``) where LLVM knows it and the host runs every vector feature LLVM gives it
+    (:func:`missing_host_features`: a hypervisor may hide some); else the host's best kernel level
+    (:func:`cpu_target` of plain llvm: x86-64-v4 + AVX-512 VNNI, x86-64-v3 + AVX-VNNI, x86-64-v3)."""
+    codegen = tvm.target.codegen
+    triple = str(codegen.llvm_get_system_triple())
+    name = str(codegen.llvm_get_system_cpu())
+    if name and name != "generic" and codegen.llvm_is_valid_cpu(name, triple):
+        missing = missing_host_features(tvm.target.Target({"kind": "llvm", "mcpu": name}))
+        if not missing:
+            return name, (), f"-mcpu=native: this CPU, {name} to LLVM"
+        why = f"LLVM's {name} enables {', '.join(missing)}, which this host does not run"
+    else:
+        why = f"LLVM does not name this CPU ({name or 'no name'})"
+    best = cpu_target(tvm.target.Target({"kind": "llvm"}))
+    if "mcpu" not in best.attrs:
+        return "generic", (), f"-mcpu=native: {why}; the generic CPU of {triple}"
+    mattr = tuple(str(a) for a in best.attrs.get("mattr", ()))
+    return str(best.attrs["mcpu"]), mattr, f"-mcpu=native: {why}; the host's best kernel level, {best.attrs['mcpu']}"
+
+
+def target_text(target: tvm.target.Target) -> str:
+    """An llvm target as TVM users write it: ``llvm -mtriple=... -mcpu=... -mattr=+a,+b`` (no ``-mtriple`` for this
+    host's own triple, which TVM fills in)."""
+    parts = [target.kind.name]
+    triple = str(target.attrs.get("mtriple", ""))
+    if triple and triple != str(tvm.target.codegen.llvm_get_system_triple()):
+        parts.append(f"-mtriple={triple}")
+    if "mcpu" in target.attrs:
+        parts.append(f"-mcpu={target.attrs['mcpu']}")
+    if target.attrs.get("mattr"):
+        parts.append("-mattr=" + ",".join(str(a) for a in target.attrs["mattr"]))
+    return " ".join(parts)
+
+
+def resolve_target(t) -> tuple:
+    """The build target of a ``--target`` string (``qcompile.registry.TargetString``, kind llvm) checked against LLVM:
+    (``tvm.target.Target``, or None for plain ``llvm`` -- ``qcompile.pipeline.build`` picks the host's best kernel
+    target --, a note for the log). ValueError with the reason for an architecture LLVM does not build for, an
+    ``-mcpu`` it does not know for the triple (``native`` on a cross triple included) or an ``-mattr`` feature its
+    subtarget for the triple does not have.
+
+    1. the triple: its architecture among LLVM's targets (an unknown one would crash LLVM);
+    2. ``-mcpu=native``: :func:`native_cpu`; any other name: ``llvm_is_valid_cpu`` for the triple;
+    3. ``-mattr``: each feature known to one of the triple's CPUs (``llvm_get_cpu_features``), else to LLVM's
+       subtarget for the triple (:func:`_llvm_knows_feature`)."""
+    from qcompile.registry import host_arch, triple_arch
+
+    if t.plain:
+        return None, ""
+    codegen = tvm.target.codegen
+    triple = t.mtriple or str(codegen.llvm_get_system_triple())
+    arch = triple_arch(triple)
+    if arch not in {triple_arch(a) for a in codegen.llvm_get_targets()}:
+        raise ValueError(f"unknown architecture '{triple.split('-', 1)[0]}' in -mtriple (LLVM here builds for "
+                         f"{', '.join(sorted(set(codegen.llvm_get_targets())))})")
+    cfg = t.to_dict()
+    note = ""
+    base = tvm.target.Target({"kind": "llvm", "mtriple": triple})
+    cpus = [str(c) for c in codegen.llvm_get_cpu_archlist(base)]
+    if t.mcpu == "native":
+        if t.cross:
+            raise ValueError(f"-mcpu=native names this {host_arch()} machine's CPU; a build for {arch} names its "
+                             f"CPU (e.g. -mcpu={cpus[0] if cpus else 'NAME'})")
+        cfg["mcpu"], mattr, note = native_cpu()
+        cfg["mattr"] = list(mattr) + list(t.mattr)
+        cfg = {k: v for k, v in cfg.items() if v}
+    elif t.mcpu and not codegen.llvm_is_valid_cpu(t.mcpu, triple):
+        raise ValueError(f"unknown -mcpu '{t.mcpu}' for {arch} (LLVM {codegen.llvm_version_major()} knows "
+                         f"{len(cpus)} {arch} CPUs{_close(t.mcpu, cpus) or ', e.g. ' + ', '.join(cpus[:4])})")
+    if t.mattr:
+        known = set()
+        for cpu in cpus:
+            known |= set(codegen.llvm_get_cpu_features(tvm.target.Target({**base.export(), "mcpu": cpu})))
+        for f in t.mattr:
+            if f[1:] not in known and not _llvm_knows_feature(triple, f[1:]):
+                raise ValueError(f"unknown -mattr feature '{f[1:]}' for {arch}{_close(f[1:], known)}")
+    return tvm.target.Target(cfg), note
+
+
+def _llvm_knows_feature(triple: str, name: str) -> bool:
+    """Whether LLVM's subtarget for ``triple`` has the feature ``name`` (also one that no named CPU enables, e.g.
+    ``retpoline`` on x86): enabled alone (``-mattr=+NAME``) and read back from ``llvm_get_cpu_features``, which lists
+    the enabled entries of the subtarget's full feature table. LLVM ignores an unknown name with a warning on stderr,
+    which this check keeps off the terminal (the caller reports the name)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)  # (an aarch64 Target asks LLVM for its features when it is made)
+            tgt = tvm.target.Target({"kind": "llvm", "mtriple": triple, "mattr": [f"+{name}"]})
+            return name in tvm.target.codegen.llvm_get_cpu_features(tgt)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def target_has_avx2(target: tvm.target.Target) -> bool:

@@ -48,6 +48,7 @@ Constraints:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 import tvm
@@ -110,13 +111,14 @@ class VnniTile:
 DEFAULT_TILE = VnniTile()
 
 
-def choose_tile(spec: ConvSpec, isa: str = "cpu_direct_vnni") -> VnniTile:
+def choose_tile(spec: ConvSpec, isa: str = "cpu_direct_vnni", weight_regs: int = 1) -> VnniTile:
     """The tile for ``spec``: among the tiles whose accumulators, ``kt`` weight vectors and a broadcast fit the
     registers, the fastest by a simple count -- tiles in a row times channel blocks (a row's last tile and the last
     channel block overlap the ones before them), each step of a tile costing ``max(qt kt, qt + kt, 12)``: its
     dot-product instructions, or its loads (a broadcast a pixel, a vector a channel block), or the 12 independent
     accumulators the instruction's latency needs; ties go to more accumulators. ResNet: 14 x 2 for rows of 56, 28
-    and 14, 7 x 2 for rows of 7."""
+    and 14, 7 x 2 for rows of 7. ``weight_regs``: registers a channel vector's weights take (2 where they are
+    unpacked from a packed vector, ``cpu_conv_vnni_s4``, which also keeps its mask in one more)."""
     lanes, regs = ISAS[isa].lanes, ISAS[isa].regs
     kb = -(-spec.K // lanes)
 
@@ -125,7 +127,7 @@ def choose_tile(spec: ConvSpec, isa: str = "cpu_direct_vnni") -> VnniTile:
         return -(-spec.Q // qt) * -(-kb // kt) * max(qt * kt, qt + kt, 12), -qt * kt
 
     tiles = [(qt, kt) for kt in range(1, min(kb, 8) + 1) for qt in range(1, min(spec.Q, 28) + 1)
-             if qt * kt + kt + 1 <= regs]
+             if qt * kt + weight_regs * kt + weight_regs <= regs]
     qt, kt = min(tiles, key=cost)
     return VnniTile(isa, qt, kt)
 
@@ -175,9 +177,33 @@ def _fill_xp(spec: ConvSpec, nchw: bool, flip: bool):
     return value
 
 
-def make_cpu_conv_vnni(spec: ConvSpec, io_layout: str = "NHWC", tile: VnniTile | None = None) -> tvm.tirx.PrimFunc:
+def _read_w8(w, kb, r, s, cg, h, vop, lanes):
+    """The int8 weights' operand: the stored vector ``w[kb, r, s, cg]`` (one 4-channel group a vector)."""
+    return T.reinterpret(vop, w[kb, r, s, cg, T.ramp(0, 1, 4 * lanes)])
+
+
+@dataclass(frozen=True)
+class WeightForm:
+    """How the kernel stores and reads its weights: ``groups`` 4-channel groups per stored vector (1: the int8 form
+    of :func:`prepack`; 2: two groups as 4-bit nibbles, ``cpu_conv_vnni_s4``); ``read(w, kb, r, s, cg, h, vop,
+    lanes)``: the instruction's weight operand of group ``groups cg + h``; the accumulators hold the sums times
+    ``2**acc_shift`` (shifted back, arithmetic, before the epilogue); ``strategy``: the kernel's name (None: the
+    ISA's)."""
+
+    groups: int = 1
+    read: Callable = _read_w8
+    acc_shift: int = 0
+    strategy: Optional[str] = None
+
+
+INT8_WEIGHTS = WeightForm()
+
+
+def make_cpu_conv_vnni(spec: ConvSpec, io_layout: str = "NHWC", tile: VnniTile | None = None,
+                       form: WeightForm = INT8_WEIGHTS) -> tvm.tirx.PrimFunc:
     """The kernel for ``spec`` (its NHWC geometry; x, res and out in ``io_layout``, NHWC or NCHW); its weights and
-    bias come from :func:`prepack` with ``tile.isa``. ``tile``: :func:`choose_tile` (zmm VNNI) by default."""
+    bias come from :func:`prepack` with ``tile.isa`` (``form``: another weight form's packing, e.g.
+    ``cpu_conv_vnni_s4.prepack_s4``). ``tile``: :func:`choose_tile` (zmm VNNI) by default."""
     tile = tile or choose_tile(spec)
     why = applies(spec)
     if why is not None:
@@ -191,7 +217,9 @@ def make_cpu_conv_vnni(spec: ConvSpec, io_layout: str = "NHWC", tile: VnniTile |
     sh, sw = spec.strides
     dh, dw = spec.dilations
     pt, pl, pb, pr = spec.pads
-    Hp, Wp, C4 = H + pt + pb, W + pl + pr, -(-C // 4)
+    G = form.groups
+    Hp, Wp, CG = H + pt + pb, W + pl + pr, -(-C // (4 * G))  # (CG stored vectors of G 4-channel groups)
+    C4 = CG * G
     KB = -(-K // L)
     qt, kt = min(tile.qt, Q), min(tile.kt, KB)
     n_qt, n_kt = -(-Q // qt), -(-KB // kt)
@@ -210,7 +238,7 @@ def make_cpu_conv_vnni(spec: ConvSpec, io_layout: str = "NHWC", tile: VnniTile |
     # blocks of one row, so that the row stays in cache
     kb_outer = K * R * S_ * C > N * H * W * C
     # an NHWC input without padding and with whole channel groups is read in place (no step 1)
-    direct = not nchw and not any(spec.pads) and C % 4 == 0
+    direct = not nchw and not any(spec.pads) and C % (4 * G) == 0
     xp_shape = (1, 1, 1, 4) if direct else (N, Hp, Wp, C4 * 4)
 
     def pixel(x, xp, n, h, w_, c4):  # the 4 input bytes of channel group c4 at padded position (h, w_), as an int32
@@ -237,10 +265,12 @@ def make_cpu_conv_vnni(spec: ConvSpec, io_layout: str = "NHWC", tile: VnniTile |
 
     def epi(acc_v, k, bias, M, S, res, rq2, n, p, q):
         rv = res[out_index(n, p, q, k)].astype("int32") if resid else None
+        if form.acc_shift:
+            acc_v = tirx.shift_right(acc_v, tirx.const(form.acc_shift, "int32"))
         return epilogue_value(spec, acc_v, k, bias, M, S, rv, rq2 if resid else None).astype(o_st)
 
     @T.prim_func(private=True)
-    def kernel(x: T.Buffer(x_shape, x_st), w8: T.Buffer((KB, R, S_, C4, 4 * L), "int8"),
+    def kernel(x: T.Buffer(x_shape, x_st), w8: T.Buffer((KB, R, S_, CG, 4 * L), "int8"),
                bias: T.Buffer((K,), "int32"), M: T.Buffer((K,), "int32"), S: T.Buffer((K,), "int32"),
                res: T.Buffer(res_shape, r_st), rq2: T.Buffer((5, K), "int32"), out: T.Buffer(o_shape, o_st)):
         T.func_attr({"tirx.noalias": True})
@@ -268,16 +298,17 @@ def make_cpu_conv_vnni(spec: ConvSpec, io_layout: str = "NHWC", tile: VnniTile |
                 acc = T.alloc_buffer((qt * kt * L,), "int32", scope="local")
                 for i in T.unroll(qt * kt):
                     acc[T.ramp(i * L, 1, L)] = T.broadcast(T.int32(0), L)
-                for r, s, c4 in T.grid(R, S_, C4):
+                for r, s, cg in T.grid(R, S_, CG):
                     # pixel-major: one broadcast in a register at a time, the kt weight vectors loaded once (the
-                    # compiler merges the repeated loads) and kept in registers
-                    for i in T.unroll(qt):
-                        xv = T.meta_var(T.reinterpret(vop, T.broadcast(
-                            pixel(x, xp, n, p * sh + r * dh, (q0 + i) * sw + s * dw, c4), L)))
-                        for j in T.unroll(kt):
-                            wv = T.meta_var(T.reinterpret(vop, w8[kb0 + j, r, s, c4, T.ramp(0, 1, 4 * L)]))
-                            acc[T.ramp((i * kt + j) * L, 1, L)] = T.call_llvm_pure_intrin(
-                                vi32, intrin, acc[T.ramp((i * kt + j) * L, 1, L)], xv, wv)
+                    # compiler merges the repeated loads) and kept in registers; h: the stored vector's groups
+                    for h in T.unroll(G):
+                        for i in T.unroll(qt):
+                            xv = T.meta_var(T.reinterpret(vop, T.broadcast(
+                                pixel(x, xp, n, p * sh + r * dh, (q0 + i) * sw + s * dw, cg * G + h), L)))
+                            for j in T.unroll(kt):
+                                wv = T.meta_var(form.read(w8, kb0 + j, r, s, cg, h, vop, L))
+                                acc[T.ramp((i * kt + j) * L, 1, L)] = T.call_llvm_pure_intrin(
+                                    vi32, intrin, acc[T.ramp((i * kt + j) * L, 1, L)], xv, wv)
                 for i, j in T.grid(qt, kt):
                     if whole_k:
                         for l in T.vectorized(L):
@@ -299,4 +330,4 @@ def make_cpu_conv_vnni(spec: ConvSpec, io_layout: str = "NHWC", tile: VnniTile |
     f = kernel
     if not resid:  # drop the residual parameters
         f = tvm.tirx.PrimFunc([f.params[i] for i in (0, 1, 2, 3, 4, 7)], f.body, f.ret_type, f.attrs)
-    return f.with_attr("qcompile.strategy", isa.kernel)
+    return f.with_attr("qcompile.strategy", form.strategy or isa.kernel)

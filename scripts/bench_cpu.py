@@ -16,6 +16,11 @@ against the NumPy integer reference of the same graph before anything is timed. 
 side's timed calls once per round), so that a noisy neighbour on a shared machine hits every side alike; the median is
 over all calls. ``tables``: ``cpu`` (docs/BENCHMARKS.md, every row) and ``cpu_readme`` (README.md: ResNet-50, INT8
 and INT4, batch 1), each between its ``<!-- table:NAME -->`` markers in the files given to ``--write``.
+``--s4-baseline`` builds each model with 4-bit weights a second time with ``QCOMPILE_CPU_S4=0`` (its 4-bit weights
+one per byte on ``cpu_direct_vnni``, no packed-weight variant), checks its output equals the default build's and
+times the two in turns: the ``cpu_s4`` table. ``--per-layer N`` times each conv / dense kernel call of the
+qcompile builds over N forward passes (the VM's instrument hook): per-layer minima and medians, summed per output
+size.
 """
 from __future__ import annotations
 
@@ -68,8 +73,8 @@ def make_model(net: str, bits: str, batch: int, folder: str) -> str:
     return out
 
 
-def compile_so(onnx: str, so: str, generic: bool, threads: int, layout: str) -> float:
-    env = dict(os.environ, TVM_NUM_THREADS=str(threads))
+def compile_so(onnx: str, so: str, generic: bool, threads: int, layout: str, extra_env: dict | None = None) -> float:
+    env = dict(os.environ, TVM_NUM_THREADS=str(threads), **(extra_env or {}))
     if generic:
         env["QCOMPILE_CPU_KERNELS"] = "0"
     t0 = time.time()
@@ -115,6 +120,56 @@ def bench(sides: dict, x: np.ndarray, warmup: int, runs: int, rounds: int) -> di
             for k, t in times.items()}
 
 
+def per_layer(sides: dict, x: np.ndarray, calls: int) -> dict:
+    """Per conv / dense kernel call of each ``qcompile.runtime.Module`` side (the VM's instrument hook, the sides in
+    turns, ``calls`` forward passes each): ``{side: [[output shape, min us, median us], ...]}`` in call order."""
+    times = {k: [] for k in sides}
+    for _ in range(calls):
+        for k, m in sides.items():
+            seen, t0 = [], [0.0]
+
+            def hook(func, name, before, ret, *args, seen=seen, t0=t0):
+                if before:
+                    t0[0] = time.perf_counter()
+                elif str(name).startswith("qconv"):
+                    seen.append((tuple(int(d) for d in args[-1].shape), time.perf_counter() - t0[0]))
+                return 0
+            m._exec["set_instrument"](hook)
+            m(x)
+            m._exec["set_instrument"](None)
+            times[k].append(seen)
+    out = {}
+    for k, runs in times.items():
+        shapes = [s for s, _ in runs[0]]
+        t = np.array([[v for _, v in r] for r in runs]) * 1e6
+        out[k] = [[list(sh), float(t[:, i].min()), float(np.median(t[:, i]))] for i, sh in enumerate(shapes)]
+    return out
+
+
+def per_layer_table(res: dict) -> str:
+    """The ``--per-layer`` rows: per output size (the ResNet stages), the sum of the layers' minima and medians."""
+    lines = []
+    for r in res["results"]:
+        pl = r.get("per_layer")
+        if not pl:
+            continue
+        sides = list(pl)
+        lines += [f"{r['net']} INT{r['bits']} batch {r.get('batch', 1)} {r.get('layout', '')}: sum of per-layer "
+                  f"minima / medians (us), {r['per_layer_calls']} calls each",
+                  "| output (H x W) | layers | " + " | ".join(sides) + " |", "|---|---|" + "---|" * len(sides)]
+        groups: dict = {}
+        for i, (shape, _, _) in enumerate(pl[sides[0]]):
+            hw = f"{shape[1]}x{shape[2]}" if r.get("layout") == "NHWC" and len(shape) == 4 else \
+                (f"{shape[2]}x{shape[3]}" if len(shape) == 4 else "dense")
+            groups.setdefault(hw, []).append(i)
+        for hw, idx in list(groups.items()) + [("all", list(range(len(pl[sides[0]]))))]:
+            cells = " | ".join(f"{sum(pl[k][i][1] for i in idx):.0f} / {sum(pl[k][i][2] for i in idx):.0f}"
+                               for k in sides)
+            lines.append(f"| {hw} | {len(idx)} | {cells} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def table(res: dict, rows_of=lambda r: True) -> str:
     """The results as a Markdown table (the rows ``rows_of`` keeps) and a line saying how they were measured."""
     rows = ["| model | batch | layout | qcompile, CPU kernels (ms) | qcompile, generic conv (ms) | onnxruntime (ms) "
@@ -141,11 +196,33 @@ def table(res: dict, rows_of=lambda r: True) -> str:
     return "\n".join(rows)
 
 
+def s4_table(res: dict) -> str:
+    """The rows timed with ``--s4-baseline``: the default build (4-bit weights two per byte where the packed-weight
+    variant runs) against the same model with its 4-bit weights one per byte, in turns."""
+    rows = ["| model | batch | layout | 4-bit weights packed, default (ms) | one per byte, `QCOMPILE_CPU_S4=0` (ms) "
+            "| packed vs one per byte | `.so` (MiB): packed / one per byte |",
+            "|---|---|---|---|---|---|---|"]
+    for r in res["results"]:
+        t = r["timings"]
+        if "w4_one_per_byte" not in t:
+            continue
+        q, u = t["qcompile"], t["w4_one_per_byte"]
+        rows.append(f"| {r['net']} INT{r['bits']} | {r.get('batch', 1)} | {r.get('layout', 'NCHW')} "
+                    f"| {q['median_ms']:.2f} (min {q['min_ms']:.2f}) | {u['median_ms']:.2f} (min {u['min_ms']:.2f}) "
+                    f"| {u['median_ms'] / q['median_ms']:.2f}x | {r['so_mib']:.1f} / {r['w4_one_per_byte_so_mib']:.1f} |")
+    rows.append("")
+    rows.append(f"Medians (and minima) of single calls in ms per batch, {res['threads']} threads, the two builds in "
+                f"turns; {res['device']}, {res['date']}; `{res['command']}`; results file `{res.get('json', '')}`.")
+    per = per_layer_table(res)
+    return "\n".join(rows) + ("\n\n" + per.rstrip() if per else "")
+
+
 def write_tables(res: dict, files) -> None:
     """``cpu`` (every row) and ``cpu_readme`` (ResNet-50 at batch 1) into those of ``files`` that have the block.
     Refuses results whose outputs were not exact (against the NumPy reference, or batch-1 builds image by image)."""
     bad = [f"{r['net']} {r['bits']} b{r.get('batch', 1)} {r.get('layout', '')}" for r in res["results"]
-           if r.get("exact_vs_reference") is False or r.get("exact_vs_batch1") is False]
+           if r.get("exact_vs_reference") is False or r.get("exact_vs_batch1") is False
+           or r.get("w4_one_per_byte_exact_equal") is False]
     if bad:
         raise SystemExit(f"bench_cpu: not writing the tables: outputs not exact for {', '.join(bad)}")
     for name, keep in (("cpu", lambda r: True),
@@ -153,6 +230,9 @@ def write_tables(res: dict, files) -> None:
         has = [f for f in files if f"<!-- table:{name} -->" in pathlib.Path(f).read_text()]
         if has:
             write_block(name, table(res, keep), has)
+    has = [f for f in files if "<!-- table:cpu_s4 -->" in pathlib.Path(f).read_text()]
+    if has and any("w4_one_per_byte" in r["timings"] for r in res["results"]):
+        write_block("cpu_s4", s4_table(res), has)
 
 
 def onnxruntime_side(onnx: str, threads: int, label: str):
@@ -213,8 +293,18 @@ def bench_row(a, net: str, bits: str, batch: int, layout: str, folder: str, rng)
         sides["onnxruntime"] = ort_run
     if not a.no_torch and layout == a.layout.split(",")[0]:  # (PyTorch's time does not depend on our layout)
         sides["pytorch_fp32"] = torch_side(net, a.threads)
+    if a.s4_baseline and bits != "8":  # (the same model with its 4-bit weights one per byte: no packed variant)
+        so_u = stem + "_w4bytes.so"
+        compile_so(onnx, so_u, False, a.threads, layout, {"QCOMPILE_CPU_S4": "0"})
+        mu = Module(so_u)
+        row["w4_one_per_byte_exact_equal"] = bool(np.array_equal(mu(x), m(x)))
+        row["w4_one_per_byte_so_mib"] = round(os.path.getsize(so_u) / 2**20, 1)
+        sides["w4_one_per_byte"] = mu
     t = bench(sides, x, a.warmup, a.runs, a.rounds)
     row.update(build_s=round(build_s, 1), so_mib=round(os.path.getsize(so) / 2**20, 1), timings=t)
+    if a.per_layer:
+        mods = {k: f for k, f in sides.items() if isinstance(f, Module)}
+        row.update(per_layer=per_layer(mods, x, a.per_layer), per_layer_calls=a.per_layer)
     if not a.no_generic and batch == 1:  # (the generic build takes seconds per image)
         row["build_generic_s"] = round(compile_so(onnx, so_g, True, a.threads, layout), 1)
         mg = Module(so_g)
@@ -236,6 +326,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-generic", action="store_true", help="skip the generic-conv build (slow: seconds per call)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch fp32 baseline")
     ap.add_argument("--generic-runs", type=int, default=1, help="timed calls of the generic build per round")
+    ap.add_argument("--per-layer", type=int, default=0, metavar="N",
+                    help="also time each conv / dense kernel of the qcompile builds over N forward passes (the VM's "
+                         "instrument hook, the builds in turns): per-layer minima and medians, summed per output "
+                         "size")
+    ap.add_argument("--s4-baseline", action="store_true",
+                    help="models with 4-bit weights: also build them with QCOMPILE_CPU_S4=0 (4-bit weights one per "
+                         "byte, cpu_direct_vnni everywhere) and time that build beside the default one, in turns "
+                         "(the s4 table)")
     ap.add_argument("--models", default=None, help="folder for the ONNX models and .so files (default: a temp dir)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--write", nargs="+", metavar="FILE", help="replace the tables' blocks (<!-- table:cpu -->, "
@@ -262,6 +360,10 @@ def main(argv=None) -> int:
         res["results"].append(row)
         print(json.dumps(row), flush=True)
     print(table(res))
+    if a.s4_baseline:
+        print(s4_table(res))
+    if a.per_layer:
+        print(per_layer_table(res))
     if a.json:
         pathlib.Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(a.json).write_text(json.dumps(res, indent=1) + "\n")

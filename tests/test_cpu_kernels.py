@@ -10,6 +10,8 @@ random inputs (ResNet-50 shapes and odd ones: channel counts not a multiple of 4
 values, NCHW and NHWC).
 Graph level: ``DispatchCPU`` on small QDQ models, built and compared with ``qcompile.reference.Reference``.
 """
+import os
+
 import numpy as np
 import pytest
 import tvm
@@ -193,6 +195,169 @@ def test_kernel_refuses_packed_operands():
         CV.make_cpu_conv_vnni(ConvSpec(N=1, H=4, W=4, C=8, K=8, R=1, S=1, x_dtype="uint4"))
 
 
+# ------------------------------------------------------------------------------------------------
+# cpu_direct_vnni_s4: 4-bit weights two per byte, unpacked in registers
+# ------------------------------------------------------------------------------------------------
+needs_vnni512 = pytest.mark.skipif(not HOST_RUNS["cpu_direct_vnni"], reason="this host does not run AVX-512 VNNI")
+
+
+def _s4_specs():
+    """Every kernel shape with 4-bit weights (the NumPy problem draws them in -8..7)."""
+    import dataclasses
+
+    return {n: dataclasses.replace(s, w_bits=4) for n, s in SPECS.items()}
+
+
+@needs_vnni512
+@pytest.mark.parametrize("io", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_s4_kernel_exact(name, io):
+    """The packed 4-bit weight variant bit for bit against ``conv_reference`` on every shape (odd C: a zero group
+    completes the last byte; int8 inputs: the flip; residuals; int32 output), in NCHW and NHWC."""
+    from qcompile.schedules import cpu_conv_vnni_s4 as S4
+
+    spec = _s4_specs()[name]
+    x, w, bias, M, S, res = _random(spec, seed=len(name) + 7)
+    ref = RF.conv_reference(spec, x, w, bias, M, S, res)
+    f = S4.make_cpu_conv_vnni_s4(spec, io)
+    assert str(f.attrs["qcompile.strategy"]) == "cpu_direct_vnni_s4"
+    w4, b = S4.prepack_s4(spec, w, bias)
+    lib = tvm.compile(tvm.IRModule({"k": f.with_attr("global_symbol", "k")}), target=KERNEL_TARGET["cpu_direct_vnni"])
+    lay = (lambda a: np.ascontiguousarray(np.transpose(a, (0, 3, 1, 2)))) if io == "NCHW" else (lambda a: a)
+    args = [lay(x).astype(ConvSpec.storage(spec.x_dtype)), w4, b, M, S]
+    if res is not None:
+        args += [lay(res[0]).astype(ConvSpec.storage(spec.res_dtype)), np.ascontiguousarray(res[1], np.int32)]
+    oshape = lay(np.zeros((spec.N, spec.P, spec.Q, spec.K), np.int8)).shape
+    out = tvm.runtime.tensor(np.full(oshape, np.iinfo(ConvSpec.storage(spec.out_dtype)).max,
+                                     ConvSpec.storage(spec.out_dtype)))
+    lib["k"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], out)
+    y = out.numpy().astype(np.int64)
+    y = np.ascontiguousarray(np.transpose(y, (0, 2, 3, 1))) if io == "NCHW" else y
+    assert ref.std() > 0 and np.array_equal(y, ref)
+
+
+def test_s4_prepack_and_tile():
+    """Two 4-channel groups a byte, the even group in the high nibble, zeros past C (an odd group count gets a zero
+    group); the bias as cpu_conv_vnni.prepack folds it; half the bytes of the int8 form; 8-bit values refused; tiles
+    within 32 zmm registers with two per weight vector and the mask."""
+    from qcompile.schedules import cpu_conv_vnni_s4 as S4
+
+    rng = np.random.default_rng(2)
+    for C in (5, 12, 16):
+        spec = ConvSpec(N=1, H=4, W=4, C=C, K=19, R=2, S=3, x_dtype="int8", w_bits=4)
+        w = rng.integers(-8, 8, (19, 2, 3, C))
+        bias = rng.integers(-1000, 1000, 19).astype(np.int32)
+        w8, b8 = CV.prepack(spec, w, bias, "cpu_direct_vnni")
+        w4, b4 = S4.prepack_s4(spec, w, bias)
+        c8 = -(-C // 8)
+        assert w4.shape == (2, 2, 3, c8, 64) and w4.dtype == np.int8 and np.array_equal(b4, b8)
+        u = w4.view(np.uint8).astype(np.int64)
+        hi, lo = (u >> 4) - 16 * (u >> 7), (u & 15) - 16 * ((u >> 3) & 1)  # the nibbles, sign-extended
+        for k, r, s_, c in [(0, 0, 0, 0), (18, 1, 2, C - 1), (9, 0, 1, C // 2), (16, 1, 0, 1)]:
+            nib = hi if (c // 4) % 2 == 0 else lo
+            assert nib[k // 16, r, s_, c // 8, 4 * (k % 16) + c % 4] == w[k, r, s_, c]
+        for c in range(C, 8 * c8):  # (zeros past C)
+            assert not (hi if (c // 4) % 2 == 0 else lo)[:, :, :, c // 8, c % 4::4].any()
+        assert w4.nbytes * 2 == w8.nbytes + (w8.nbytes // w8.shape[3] if w8.shape[3] % 2 else 0)
+    with pytest.raises(ValueError, match="not 4-bit"):
+        S4.prepack_s4(ConvSpec(N=1, H=4, W=4, C=4, K=4, R=1, S=1, w_bits=4), np.full((4, 1, 1, 4), 9), np.zeros(4))
+    with pytest.raises(ValueError, match="8-bit weights"):
+        S4.make_cpu_conv_vnni_s4(ConvSpec(N=1, H=4, W=4, C=4, K=4, R=1, S=1))
+    for spec in _s4_specs().values():
+        t = S4.choose_tile_s4(spec)
+        assert t.qt <= spec.Q and t.qt * t.kt + 2 * t.kt + 2 <= 32
+    assert S4.fits(np.array([2**27 - 1])) and not S4.fits(np.array([2**27]))
+
+
+def test_s4_assembly():
+    """The variant's build holds zmm ``vpdpbusd`` and the nibble unpack (a 4-bit left shift of the weight vector); it
+    reads half the weight bytes (any x86-64 host: compiled, not run)."""
+    import re
+
+    from qcompile.schedules import cpu_conv_vnni_s4 as S4
+
+    spec = _s4_specs()["r50_3x3"]
+    f = S4.make_cpu_conv_vnni_s4(spec, "NHWC").with_attr("global_symbol", "k")
+    tgt = tvm.target.Target({"kind": "llvm", "mcpu": "x86-64-v4", "mattr": ["+avx512vnni"],
+                             "mtriple": "x86_64-linux-gnu"})
+    asm = tvm.compile(tvm.IRModule({"k": f}), target=tgt).mod.inspect_source("asm")
+    assert re.search(ASM["cpu_direct_vnni"], asm, re.M) and re.search(r"^\s*vpslld\s+\$4,.*%zmm", asm, re.M)
+
+
+@needs_vnni512
+def test_s4_dispatch_rule(monkeypatch):
+    """In a VNNI module the 4-bit layers with few output pixels (``cpu_conv_vnni_s4.worth``) run the variant, the
+    others (and 8-bit layers) cpu_direct_vnni; QCOMPILE_CPU_S4=0 keeps them all on cpu_direct_vnni; exact both ways."""
+    from qcompile.schedules import cpu_conv_vnni_s4 as S4
+
+    mod, shape = tiny_resnet_qdq(seed=15, w_bits=4, a_bits=4, shape=(1, 3, 40, 40), c=8)
+    x = np.random.default_rng(16).standard_normal(shape).astype("float32")
+    mi = lower_to_integer(mod, "NHWC", pack_int4=False)
+    monkeypatch.setattr(S4, "REUSE_MAX", 1000)  # (the stem's 40x40 output above it, the rest below)
+    specs = {}
+    for env, want in (("0", False), ("1", True)):
+        monkeypatch.setenv("QCOMPILE_CPU_S4", env)
+        p = DispatchCPU("cpu_direct_vnni")
+        md = run_pass(p, mi)
+        specs = specs or {n: c.spec for n, c in p.planned}  # (every layer's, from the run without the variant)
+        for n, k in p.chosen:
+            s4 = want and n in specs and specs[n].w_bits == 4 and S4.worth(specs[n])
+            assert k == ("cpu_direct_vnni_s4" if s4 else "cpu_direct_vnni"), (n, env)
+        assert any(k == "cpu_direct_vnni_s4" for _, k in p.chosen) == want
+        assert "cpu_direct_vnni" in dict(p.chosen).values() and len(specs) == len(p.chosen)
+        y = relax.VirtualMachine(build(md, KERNEL_TARGET["cpu_direct_vnni"]), tvm.cpu())["main"](
+            tvm.runtime.tensor(x)).numpy()
+        assert np.array_equal(y, Reference(mi)(x)) and y.std() > 0
+
+
+def test_s4_keeps_tuned_tiles(monkeypatch, tmp_path):
+    """A 4-bit layer that a tuning record of cpu_direct_vnni gives a tile keeps cpu_direct_vnni with that tile (and
+    stays planned: a tuner's task); one without a record runs the variant where ``S4.fits`` holds, else
+    cpu_direct_vnni with the automatic tile (``layer_kernel`` and the pass agree)."""
+    import json
+
+    from qcompile.relay_passes.dispatch_cpu import layer_kernel
+    from qcompile.schedules import cpu_conv_vnni_s4 as S4
+    from qcompile.schedules.tuning import format_record, make_record, tuning_key
+
+    spec = ConvSpec(N=1, H=7, W=7, C=64, K=64, R=3, S=3, padding=1, w_bits=4, **U8)
+    small, big = np.full(64, 2**20), np.full(64, 2**28)  # (16 x 2**28 leaves int32)
+    assert S4.worth(spec) and S4.fits(small) and not S4.fits(big)
+    assert layer_kernel(spec, "cpu_direct_vnni", small) == "cpu_direct_vnni_s4"
+    for source in ("device", "arch", "nearest"):
+        assert layer_kernel(spec, "cpu_direct_vnni", small, source) == "cpu_direct_vnni"
+    assert layer_kernel(spec, "cpu_direct_vnni", big) == "cpu_direct_vnni"
+    assert layer_kernel(spec.replace(w_bits=8), "cpu_direct_vnni", small) == "cpu_direct_vnni"
+    assert layer_kernel(spec, "cpu_direct_avxvnni", small) == "cpu_direct_avxvnni"
+
+    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path / "none"))  # (no default log: only the named one)
+    monkeypatch.setenv("QCOMPILE_CPU_S4", "1")
+    monkeypatch.setattr(S4, "REUSE_MAX", 1000)
+    mod, _ = tiny_resnet_qdq(seed=15, w_bits=4, a_bits=4, shape=(1, 3, 40, 40), c=8)
+    mi = lower_to_integer(mod, "NHWC", pack_int4=False)
+    p = DispatchCPU("cpu_direct_vnni", device="Test CPU")
+    run_pass(p, mi)
+    s4 = [n for n, k in p.chosen if k == "cpu_direct_vnni_s4"]
+    assert s4 and set(dict(p.planned)) == {n for n, _ in p.chosen}  # (the variant's layers are planned too)
+    assert all(src == "default" for _, src in p.sources)
+    tuned = s4[0]
+    tile = CC.CpuKnobs(qt=2, kt=2)
+    log = tmp_path / "cpu.jsonl"
+    log.write_text(format_record(make_record("cpu_direct_vnni", "Test CPU", None,
+                                             tuning_key(dict(p.planned)[tuned].spec), "cpu_direct", tile,
+                                             ms=1.0, default_ms=1.5)) + "\n")
+    assert json.loads(log.read_text())["knobs"] == {"qt": 2, "kt": 2}
+    p2 = DispatchCPU("cpu_direct_vnni", tuning_logs=[str(log)], device="Test CPU")
+    run_pass(p2, mi)
+    chosen, sources, planned = dict(p2.chosen), dict(p2.sources), dict(p2.planned)
+    assert chosen[tuned] == "cpu_direct_vnni" and sources[tuned] == "device" and planned[tuned].knobs == tile
+    assert all(chosen[n] == "cpu_direct_vnni_s4" for n in s4[1:] if sources[n] == "default")
+    monkeypatch.setattr(S4, "fits", lambda bound: False)  # (no layer's accumulators fit: no variant)
+    p3 = DispatchCPU("cpu_direct_vnni", device="Test CPU")
+    run_pass(p3, mi)
+    assert {k for _, k in p3.chosen} == {"cpu_direct_vnni"} and len(p3.planned) == len(p.planned)
+
+
 # the inner loop's instruction per kernel (x86 in AT&T syntax): vpdpbusd on zmm, the VEX form on ymm, vpmaddwd on ymm,
 # sdot on 128-bit NEON
 ASM = {"cpu_direct_vnni": r"^\s*vpdpbusd\s.*%zmm", "cpu_direct_avxvnni": r"^\s*\{vex\}\s*vpdpbusd\s.*%ymm",
@@ -243,8 +408,12 @@ def test_dispatch_exact(bits, layout, kernel):
     mi = lower_to_integer(mod, layout, pack_int4=False)
     p = DispatchCPU(kernel)
     md = run_pass(p, mi)
-    # every conv and the dense on the kernel, the block's residual add fused into conv c2's epilogue
-    assert p.chosen == [(n, kernel) for n in ("q_stem", "q_c1", "q_c2", "q_fc")] and not p.skipped
+    # every conv and the dense on the kernel (the 4-bit layers of a VNNI module on its packed-weight variant: few
+    # output pixels here), the block's residual add fused into conv c2's epilogue
+    assert [n for n, _ in p.chosen] == ["q_stem", "q_c1", "q_c2", "q_fc"] and not p.skipped
+    s4 = kernel == "cpu_direct_vnni" and bits[0] == 4
+    assert {k for _, k in p.chosen} <= {kernel, "cpu_direct_vnni_s4"}
+    assert any(k == "cpu_direct_vnni_s4" for _, k in p.chosen) == s4
     assert p.fused == [("q_c2", "q_res")]
     ops = _ops(md)
     assert "relax.nn.conv2d" not in ops and "relax.matmul" not in ops
@@ -399,3 +568,110 @@ def test_aarch64_dotprod_cross_build():
         assert bool(re.search(ASM["cpu_direct_sdot"], asm, re.M)) == (kernel is not None)
         assert set(rec.kernels.values()) == ({kernel} if kernel else set())
         assert len(rec.kernels) == (4 if kernel else 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# --target as a full LLVM target string, from the command line
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_onnx(tmp_path_factory):
+    """A quantized resnet_tiny exported by ``qmodel`` (INT8, 16x16) and a fresh input."""
+    import subprocess
+    import sys
+
+    d = tmp_path_factory.mktemp("cli_target")
+    path = str(d / "tiny8.onnx")
+    r = subprocess.run([sys.executable, "-m", "qcompile.models.cli", "resnet_tiny", "--bits", "8", "--format", "onnx",
+                        "--input-size", "16", "-o", path], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return d, path, np.random.default_rng(21).standard_normal((1, 3, 16, 16)).astype("float32")
+
+
+def _named_cpus():
+    """(--target, inner kernel) per CPU this host runs: a named VNNI CPU, a named AVX2 CPU, and native."""
+    if not CC.host_has_avx2():
+        return [pytest.param(None, None, marks=pytest.mark.skip(reason="the CPU kernels need x86-64 with AVX2"))]
+    cpus = [("llvm -mcpu=haswell", "cpu_direct_avx2"), ("llvm -mcpu=native", None)]
+    if CC.host_vnni() == "avx512":
+        cpus.insert(0, ("llvm -mcpu=cascadelake", "cpu_direct_vnni"))
+    return [pytest.param(t, k, id=t.split("=")[-1]) for t, k in cpus]
+
+
+@pytest.mark.parametrize("target,kernel", _named_cpus())
+def test_cli_named_cpu_exact(tiny_onnx, tmp_path, capsys, target, kernel):
+    """``qcompile --target "llvm -mcpu=NAME"``: every layer on the inner kernel the CPU's features select (the
+    summary names it per layer), the .so bit-exact against the integer reference of the same model; ``-mcpu=native``
+    resolves to a CPU LLVM knows whose vector features this host runs (:func:`native_cpu`)."""
+    from qcompile.cli import qcompile_main
+    from qcompile.driver import CompileOptions, compile_model
+    from qcompile.runtime import Module
+
+    _, model, x = tiny_onnx
+    if kernel is None:  # native: LLVM's name of this CPU (or the host's best level), its kernel that target's
+        mcpu, mattr, note = CC.native_cpu()
+        assert tvm.target.codegen.llvm_is_valid_cpu(mcpu, tvm.target.codegen.llvm_get_system_triple()) and note
+        native = tvm.target.Target({"kind": "llvm", "mcpu": mcpu, **({"mattr": list(mattr)} if mattr else {})})
+        assert CC.missing_host_features(native) == []
+        kernel = CC.target_kernel(native)
+        assert kernel in KERNELS
+    so = str(tmp_path / "m.so")
+    assert qcompile_main([model, "--target", target, "-o", so]) == 0
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] and ln.split()[1:2] in (["conv2d"], ["dense"])]
+    assert len(rows) == 10 and all(r[8] == kernel for r in rows), out  # (the summary's kernel column)
+    assert "building for llvm -mcpu=" in out
+    res = compile_model(model, CompileOptions(target=target), log=lambda s: None)
+    assert res.meta["llvm_target"].startswith("llvm -mcpu=") and {l.kernel for l in res.layers} == {kernel}
+    y = Module(so)(x)
+    ref = Reference(res.integer_mod)(x)
+    assert np.array_equal(y, ref) and ref.std() > 0
+
+
+def _text_words(obj: bytes) -> np.ndarray:
+    """The 32-bit words of the executable sections of an ELF64 little-endian relocatable object."""
+    import struct
+
+    shoff, = struct.unpack_from("<Q", obj, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", obj, 0x3A)
+    words = []
+    for i in range(shnum):
+        _, _, flags, _, off, size = struct.unpack_from("<IIQQQQ", obj, shoff + i * shentsize)
+        if flags & 0x4:  # SHF_EXECINSTR
+            words.append(np.frombuffer(obj[off:off + size - size % 4], "<u4"))
+    return np.concatenate(words) if words else np.zeros(0, "<u4")
+
+
+def _has_sdot(obj: bytes) -> bool:
+    """Whether the object's code holds an Arm SDOT: the vector form (0Q00 1110 100m mmmm 1001 01nn nnnd dddd) or the
+    by-element form (0Q00 1111 10LM mmmm 1110 H0nn nnnd dddd)."""
+    w = _text_words(obj)
+    return bool(((w & 0xBFE0FC00) == 0x0E809400).any() or ((w & 0xBFC0F400) == 0x0F80E000).any())
+
+
+def test_cli_aarch64_cross_build(tiny_onnx, tmp_path, capsys, monkeypatch):
+    """``qcompile --target "llvm -mtriple=aarch64-linux-gnu -mattr=+dotprod" -o NAME.tar``: every layer on the sdot
+    kernel (the summary), the tar's objects are aarch64 ELF and their code holds SDOT; without +dotprod the generic
+    path and no SDOT. A .tar is not linked: no host C++ compiler is needed (``$CXX`` names a missing one), and
+    ``--weights-beside`` writes NAME.weights.npz beside NAME.tar. Any host (cross-compiled, nothing run)."""
+    import tarfile
+
+    from qcompile.checks import weights_path
+    from qcompile.cli import qcompile_main
+
+    assert weights_path("d/m.tar") == "d/m.weights.npz" and weights_path("d/m.so") == "d/m.weights.npz"
+    monkeypatch.setenv("CXX", "no-such-cxx-for-qcompile")
+    _, model, _ = tiny_onnx
+    for mattr, kernel in (("+neon,+dotprod", "cpu_direct_sdot"), ("+neon", "llvm")):
+        out = str(tmp_path / f"a64{len(mattr)}.tar")
+        beside = ["--weights-beside"] if kernel == "llvm" else []
+        assert qcompile_main([model, "--target", f"llvm -mtriple=aarch64-linux-gnu -mattr={mattr}", "-o", out]
+                             + beside) == 0
+        assert os.path.isfile(out[:-4] + ".weights.npz") == bool(beside)
+        assert not os.path.exists(out + ".weights.npz")
+        log = capsys.readouterr().out
+        rows = [ln.split() for ln in log.splitlines() if ln.split()[1:2] in (["conv2d"], ["dense"])]
+        assert len(rows) == 10 and {r[8] for r in rows} == {kernel}, log
+        with tarfile.open(out) as tf:
+            objs = [tf.extractfile(m).read() for m in tf.getmembers() if m.name.endswith(".o")]
+        assert objs and all(o[:4] == b"\x7fELF" and int.from_bytes(o[18:20], "little") == 183 for o in objs)  # EM_AARCH64
+        assert any(_has_sdot(o) for o in objs) == (kernel == "cpu_direct_sdot")

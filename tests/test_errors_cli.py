@@ -210,3 +210,66 @@ def test_weights_beside_file_must_match(tiny_q8, tmp_path, capsys):
     ws[k] = ws[k].reshape(-1)[::-1].reshape(ws[k].shape)
     np.savez(wf, **ws)
     _expect_error(capsys, qrun_main, [so, "--input", x], "does not match", wf)
+
+
+_X86 = __import__("platform").machine() in ("x86_64", "AMD64")
+A64 = "llvm -mtriple=aarch64-linux-gnu"
+BAD_TARGETS = [  # (--target, output suffix, fragments of the one error line); x86: only on an x86-64 host
+    ("tpu", ".so", ["--target 'tpu'", "unknown target kind 'tpu'", "llvm, cuda"], False),
+    ("", ".so", ["empty target"], False),
+    ("llvm -foo=1", ".so", ["unknown option '-foo' for llvm", "-mtriple, -mcpu, -mattr"], False),
+    ("llvm mcpu=znver4", ".so", ["'mcpu=znver4' is not an option of the form -name=value"], False),
+    ("llvm -mcpu=a -mcpu=b", ".so", ["-mcpu given twice"], False),
+    ("llvm -mattr=avx2", ".so", ["-mattr feature 'avx2' must be +NAME"], False),
+    ("cuda -arch=sm_80", ".so", ["unknown option '-arch' for cuda", "the GPU architecture is --arch"], False),
+    ("llvm -mtriple=foo-linux-gnu", ".tar", ["unknown architecture 'foo' in -mtriple", "x86_64"], False),
+    (A64 + " -mcpu=cortex-a7x", ".tar", ["unknown -mcpu 'cortex-a7x' for aarch64", "did you mean"], False),
+    (A64 + " -mcpu=native", ".tar", ["-mcpu=native names this", "a build for aarch64 names its CPU"], False),
+    (A64 + " -mattr=+dotprd", ".tar", ["unknown -mattr feature 'dotprd' for aarch64", "dotprod"], False),
+    ("llvm -mcpu=skylake-avx51", ".so", ["unknown -mcpu 'skylake-avx51' for x86_64", "skylake-avx512"], True),
+    ("llvm -mattr=+avx512vni", ".so", ["unknown -mattr feature 'avx512vni'", "avx512vnni"], True),
+    ("llvm -mattr=+strict-align", ".so", ["unknown -mattr feature 'strict-align' for x86_64"], True),  # (Arm's)
+    ("llvm -mcpu=znver4", ".tar", ["a .tar (object files to link elsewhere) is the output of a cross build"], True),
+]
+
+
+@pytest.mark.parametrize("target,suffix,fragments,x86", BAD_TARGETS, ids=[t[0] or "empty" for t in BAD_TARGETS])
+def test_bad_target_string(tiny_q8, tmp_path, capsys, target, suffix, fragments, x86):
+    """A bad --target string: one error line naming the string and why (kind, option, -mcpu, -mattr, triple,
+    output), exit status 2, nothing written."""
+    if x86 and not _X86:
+        pytest.skip("x86 CPU and feature names")
+    _, model, _ = tiny_q8
+    out = tmp_path / f"m{suffix}"
+    err = _expect_error(capsys, qcompile_main, [model, "--target", target, "-o", str(out)], *fragments)
+    assert len(err.strip().splitlines()) == 1 and not out.exists(), err
+
+
+def test_mattr_features_no_cpu_enables(capfd):
+    """``-mattr`` takes any feature of LLVM's subtarget for the triple, also one that no named CPU enables
+    (``retpoline`` on x86, ``strict-align`` on aarch64), and refuses a name LLVM does not know for the triple, with no
+    LLVM warning on stderr."""
+    from qcompile.registry import parse_target
+    from qcompile.schedules.cpu_conv import resolve_target
+
+    good = [A64 + " -mattr=+strict-align,+dotprod"] + (["llvm -mattr=+avx2,+retpoline"] if _X86 else [])
+    for text in good:
+        tgt, _ = resolve_target(parse_target(text))
+        assert [str(f) for f in tgt.attrs["mattr"]] == text.split("-mattr=")[1].split(","), text
+    with pytest.raises(ValueError, match="unknown -mattr feature 'retpolin' for aarch64"):
+        resolve_target(parse_target(A64 + " -mattr=+retpolin"))
+    assert "not a recognized feature" not in capfd.readouterr().err
+
+
+def test_cross_so_without_cross_linker(tiny_q8, tmp_path, capsys):
+    """A cross build's .so needs a linker for its architecture: without one on the PATH, the error (before TVM loads)
+    says how to get one or to write the object files with -o NAME.tar."""
+    from qcompile.registry import cross_linker
+
+    if cross_linker("aarch64-linux-gnu") is not None:
+        pytest.skip("an aarch64 cross linker is on the PATH")
+    _, model, _ = tiny_q8
+    err = _expect_error(capsys, qcompile_main, [model, "--target", A64 + " -mattr=+dotprod", "-o",
+                                                str(tmp_path / "m.so")],
+                        "builds aarch64 code", "no linker for it", "g++-aarch64-linux-gnu", "-o NAME.tar")
+    assert "loading the compiler" not in capsys.readouterr().out and len(err.strip().splitlines()) == 1
