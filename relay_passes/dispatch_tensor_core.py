@@ -310,7 +310,7 @@ class _Dispatcher(PyExprMutator):
         self.var2val = relax.analysis.get_var2val(mod["main"])
         self.packed: dict = {}   # original var -> new var holding its packed 4-bit form
         self.chosen: list = []   # (conv output, strategy)
-        self.sources: list = []  # (conv output, knobs source: device / arch / nearest / default; implicit GEMMs)
+        self.sources: list = []  # (conv output, knobs source: device / arch / nearest / default; implicit GEMMs, grouped)
         self.planned: list = []  # (conv output, schedules.planned.PlannedKernel): what each tensor-core layer runs
         self.state_funcs: set = set()  # kernels whose last input is state (stream-K tile counters): LiftWeights
         self.fused: list = []    # (conv output, residual add output) fused into one kernel
@@ -369,10 +369,10 @@ class _Dispatcher(PyExprMutator):
         self._emit_kernel(binding.var, g, r)
 
     def _emit_grouped(self, var, g: _Group, r: Optional[_Residual]):
-        """A grouped / depthwise conv (NHWC) on its CUDA-core kernel (``schedules.grouped.plan_grouped``); 4-bit
-        activations are read one value per byte, the output written packed where the kernel holds whole bytes."""
+        """A grouped / depthwise conv (NHWC) on its CUDA-core kernel (``schedules.grouped.plan_grouped``), with the
+        thread tile of its tuning record where a log has one (``_grouped_knobs``); 4-bit activations are read one
+        value per byte, the output written packed where the kernel holds whole bytes."""
         from qcompile.schedules import ConvSpec
-        from qcompile.schedules.grouped import plan_grouped
 
         N, H, W, C = (int(s) for s in g.x.ty.shape)
         K, R, S_ = g.w.shape[0], g.w.shape[1], g.w.shape[2]
@@ -389,8 +389,10 @@ class _Dispatcher(PyExprMutator):
         spec = ConvSpec(N=N, H=H, W=W, C=C, K=K, R=R, S=S_, stride=tuple(int(v) for v in a.strides), padding=g.pad,
                         dilation=tuple(int(v) for v in a.dilation), layout="NHWC", x_dtype=str(g.x.ty.dtype),
                         w_bits=g.w_bits, out_dtype=out_dtype, zo=g.zo, lo=g.lo, hi=g.hi, pad_value=g.pad_value,
-                        shift_ge33=bool(33 <= np.min(g.S) and np.max(g.S) <= 62), **res)
-        pk = plan_grouped(spec, g.groups, self.arch)
+                        shift_ge33=bool(33 <= np.min(g.S) and np.max(g.S) <= 62), groups=g.groups, **res)
+        pk = self._grouped_knobs(spec)
+        self.planned.append((g.out.name, pk))
+        self.sources.append((g.out.name, pk.source))
         if pk.spec.out_dtype != out_dtype:  # (a 4-bit output the kernel cannot pack: one value per byte)
             out_dtype = pk.spec.out_dtype
         fname = f"qconv_{g.out.name}" + ("_resadd" if r is not None else "")
@@ -409,6 +411,23 @@ class _Dispatcher(PyExprMutator):
             self.packed[var] = out
             out = self.builder_.emit(unpack_int4(out, 3, out_dtype == "int4"), var.name + "_unpack")
         self.set_var_remap(var, out)
+
+    def _grouped_knobs(self, spec):
+        """The GroupedPlanned of a grouped layer (``spec.groups`` > 1): its strategy's (``depthwise`` / ``grouped``)
+        knobs from the tuning logs (``schedules.tuning.knobs_for``: this device's record, the arch's, the nearest
+        batch's, else the kernel's automatic tile, "default"); a record's tile that ``plan_grouped`` refuses for the
+        layer's own epilogue gives way to the automatic tile."""
+        from qcompile.schedules.grouped import grouped_strategy, plan_grouped
+        from qcompile.schedules.tuning import knobs_for
+
+        strategy = grouped_strategy(spec, spec.groups)
+        kn, source = knobs_for(spec, self.arch, self.device, self.tuning_logs, strategy)
+        if source != "default":
+            try:
+                return plan_grouped(spec, spec.groups, self.arch, kn, source=source)
+            except ValueError:
+                pass
+        return plan_grouped(spec, spec.groups, self.arch)
 
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
         from qcompile.schedules import ConvSpec, plan_conv, select_strategy

@@ -139,6 +139,20 @@ def depthwise_legal(spec: ConvSpec, groups: int, cfg: DwConfig) -> str | None:
     return dp4a_tile_legal("depthwise", spec, cfg.qt, cfg.threads, output_packable(spec, cfg), "vec >= 4")
 
 
+def depthwise_point(spec: ConvSpec, groups: int, cfg: DwConfig, arch: str = "sm_90",
+                    sms: int | None = None) -> tuple[DwConfig, str | None]:
+    """(the resolved config, why the kernel cannot take it or None) of a point whose fields may be automatic (0):
+    ``resolve_config`` then ``depthwise_legal``. ``make_depthwise`` and the tuning space
+    (``schedules.space.SPACES["depthwise"]``, with ``groups = spec.groups``) both decide with this one function."""
+    if not isinstance(cfg, DwConfig):
+        return cfg, f"depthwise takes DwConfig, not {type(cfg).__name__}"
+    why = depthwise_constraints(spec, groups)
+    if why:
+        return cfg, why
+    res = resolve_config(spec, cfg, sms, arch)
+    return res, depthwise_legal(spec, groups, res)
+
+
 def output_packable(spec: ConvSpec, cfg: DwConfig) -> bool:
     """Whether each thread holds whole bytes of a packed 4-bit output (an even channel vector)."""
     return cfg.vec >= 4
@@ -169,9 +183,8 @@ def depthwise_weights(w: np.ndarray) -> np.ndarray:
 def make_depthwise(spec: ConvSpec, groups: int, cfg: DwConfig | None = None, arch: str = "sm_90",
                    sms: int | None = None):
     """PrimFunc ``(x [N, H, W, C], w [R, S, C] int8, bias, M, S [C] int32, [res, rq2 [5, C]], out [N, P, Q, C or
-    C / 2])`` of the depthwise conv ``spec`` (C == K == groups); ValueError where ``depthwise_legal`` says no."""
-    cfg = resolve_config(spec, cfg or DwConfig(), sms, arch)
-    why = depthwise_legal(spec, groups, cfg)
+    C / 2])`` of the depthwise conv ``spec`` (C == K == groups); ValueError where ``depthwise_point`` says no."""
+    cfg, why = depthwise_point(spec, groups, cfg or DwConfig(), arch, sms)
     if why:
         raise ValueError(why)
     N, H, W, C, R, S = spec.N, spec.H, spec.W, spec.C, spec.R, spec.S

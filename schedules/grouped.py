@@ -72,6 +72,20 @@ def grouped_legal(spec: ConvSpec, groups: int, cfg: GroupedConfig) -> str | None
     return dp4a_tile_legal("grouped", spec, cfg.qt, cfg.threads, output_packable(spec, cfg), "an even kt")
 
 
+def grouped_point(spec: ConvSpec, groups: int, cfg: GroupedConfig, arch: str = "sm_90",
+                  sms: int | None = None) -> tuple[GroupedConfig, str | None]:
+    """(the resolved config, why the kernel cannot take it or None) of a point whose fields may be automatic (0):
+    ``resolve_config`` then ``grouped_legal``. ``make_grouped`` and the tuning space
+    (``schedules.space.SPACES["grouped"]``, with ``groups = spec.groups``) both decide with this one function."""
+    if not isinstance(cfg, GroupedConfig):
+        return cfg, f"grouped takes GroupedConfig, not {type(cfg).__name__}"
+    why = grouped_constraints(spec, groups)
+    if why:
+        return cfg, why
+    res = resolve_config(spec, groups, cfg, sms, arch)
+    return res, grouped_legal(spec, groups, res)
+
+
 def _threads(spec: ConvSpec, kt: int, qt: int) -> int:
     return spec.N * spec.P * -(-spec.Q // qt) * (spec.K // kt)
 
@@ -104,9 +118,8 @@ def grouped_weights(w: np.ndarray) -> np.ndarray:
 def make_grouped(spec: ConvSpec, groups: int, cfg: GroupedConfig | None = None, arch: str = "sm_90",
                  sms: int | None = None):
     """PrimFunc ``(x [N, H, W, C], w (grouped_weights) int8, bias, M, S [K] int32, [res, rq2 [5, K]], out [N, P, Q,
-    K or K / 2])``; ValueError where ``grouped_legal`` says no."""
-    cfg = resolve_config(spec, groups, cfg or GroupedConfig(), sms, arch)
-    why = grouped_legal(spec, groups, cfg)
+    K or K / 2])``; ValueError where ``grouped_point`` says no."""
+    cfg, why = grouped_point(spec, groups, cfg or GroupedConfig(), arch, sms)
     if why:
         raise ValueError(why)
     N, H, W, C, K, R, S = spec.N, spec.H, spec.W, spec.C, spec.K, spec.R, spec.S
@@ -211,10 +224,19 @@ class GroupedPlanned(PlannedKernel):
         return depthwise_weights(w) if self.strategy == "depthwise" else grouped_weights(w)
 
 
-def plan_grouped(spec: ConvSpec, groups: int, arch: str = "sm_90", cfg=None, sms: int | None = None) -> GroupedPlanned:
+def grouped_strategy(spec: ConvSpec, groups: int) -> str:
+    """The kernel ``plan_grouped`` runs a grouped layer on: ``depthwise`` where groups == C == K, else ``grouped``."""
+    from .depthwise import depthwise_constraints
+
+    return "depthwise" if depthwise_constraints(spec, groups) is None else "grouped"
+
+
+def plan_grouped(spec: ConvSpec, groups: int, arch: str = "sm_90", cfg=None, sms: int | None = None,
+                 source: str = "default") -> GroupedPlanned:
     """The kernel of a grouped conv layer: ``depthwise`` where it applies (groups == C == K), else ``grouped``
-    (``cfg``: a DwConfig / GroupedConfig, None for the automatic one). A 4-bit output the resolved config cannot pack
-    becomes one value per byte (the plan's ``spec.out_dtype`` says which); ValueError where neither kernel applies."""
+    (``cfg``: a DwConfig / GroupedConfig, None for the automatic one; ``source``: where it came from, as the plan
+    and the compile summary say). A 4-bit output the resolved config cannot pack becomes one value per byte (the
+    plan's ``spec.out_dtype`` says which); ValueError where neither kernel applies."""
     from .depthwise import DwConfig, depthwise_constraints, make_depthwise
     from .depthwise import output_packable as dw_packable
     from .depthwise import resolve_config as dw_resolve
@@ -227,9 +249,9 @@ def plan_grouped(spec: ConvSpec, groups: int, arch: str = "sm_90", cfg=None, sms
     if spec.out_bits == 4 and not packable(spec, c):
         spec = spec.replace(out_dtype=ConvSpec.storage(spec.out_dtype))
     f = make(spec, groups, c, arch, sms)
-    return GroupedPlanned(spec, arch, kind, c, "default", (f.with_attr("qcompile.knobs_source", "default"),),
+    return GroupedPlanned(spec, arch, kind, c, source, (f.with_attr("qcompile.knobs_source", source),),
                           groups=groups)
 
 
-__all__ = ["GroupedConfig", "grouped_constraints", "grouped_legal", "make_grouped", "grouped_weights", "plan_grouped",
-           "GroupedPlanned"]
+__all__ = ["GroupedConfig", "grouped_constraints", "grouped_legal", "grouped_point", "grouped_strategy", "make_grouped",
+           "grouped_weights", "plan_grouped", "GroupedPlanned"]

@@ -24,7 +24,12 @@ The CPU kernels' space (``cpu_direct``: the register tile, ``cpu_conv.CpuKnobs``
 (``cpu_direct_vnni``, ``cpu_direct_avxvnni``, ``cpu_direct_avx2``, ``cpu_direct_sdot``) as its ``arch`` and the
 CPU's cores as ``sms``.
 
-``SPACES`` maps strategy names (``schedules.STRATEGIES``, and ``cpu_direct``) to spaces; ``spaces_for(spec, arch)`` lists those that apply
+The grouped convs' CUDA-core kernels have one space each: ``depthwise`` (groups == C == K; ``depthwise.DwConfig``:
+channels ``vec`` x columns ``qt`` per thread, threads per block) and ``grouped`` (the other grouped convs;
+``grouped.GroupedConfig``: channels ``kt`` x columns ``qt``, threads). The shape's ``ConvSpec.groups`` is the group
+count; the other spaces take groups == 1 only.
+
+``SPACES`` maps strategy names (``schedules.STRATEGIES``, ``cpu_direct``, ``depthwise``, ``grouped``) to spaces; ``spaces_for(spec, arch)`` lists those that apply
 to a shape (``applies``). ``sms`` (the device's SM count, where a tuner knows it) overrides the arch table's reference
 part (``arch_info(arch).sms``) in ``legal``, ``sample``, ``effective``, ``default`` and the features, as it does in the
 builders (``plan_conv(..., sms=)``): split-K sizing, automatic tiles and persistent grids depend on it.
@@ -341,6 +346,8 @@ def _gemm_applies(layout):
 
         if spec.layout != layout:
             return f"takes {layout}, not {spec.layout}"
+        if spec.groups != 1:
+            return f"takes groups == 1, not {spec.groups} (grouped convs: depthwise / grouped)"
         return gemm_constraints(spec, arch, layout)
     return applies
 
@@ -411,6 +418,8 @@ def _kt_space() -> KernelSpace:
     from .stem import WGMMA_N_S8
 
     def applies(spec, arch):
+        if spec.groups != 1:
+            return f"takes groups == 1, not {spec.groups}"
         return kt_constraints(spec, arch)
 
     def effective(spec, arch, kn, sms=None):
@@ -437,6 +446,8 @@ def _halo_space() -> KernelSpace:
     from .stem import HaloKnobs, halo_constraints, halo_legal, halo_smem, resolve_knobs
 
     def applies(spec, arch):
+        if spec.groups != 1:
+            return f"takes groups == 1, not {spec.groups}"
         return halo_constraints(spec, arch)
 
     def effective(spec, arch, kn, sms=None):
@@ -472,6 +483,8 @@ def _cpu_space() -> KernelSpace:
             return f"cpu_direct runs on the CPU kernels ({', '.join(CPU_KERNELS)}), not {arch}"
         if spec.layout != "NHWC":
             return f"takes the NHWC geometry, not {spec.layout}"
+        if spec.groups != 1:
+            return f"takes groups == 1, not {spec.groups}"
         return cpu_applies(spec)
 
     def legal(spec, arch, kn, sms=None):
@@ -515,6 +528,104 @@ CPU_CONFIGS = {
 }
 
 
+# ---- the CUDA-core kernels of grouped convs (schedules/depthwise.py, grouped.py): DwConfig, GroupedConfig -------
+DP4A_THREADS = (32, 64, 128, 256, 512, 1024)  # threads per block (the kernels take any multiple of 32 up to 1024)
+DP4A_RESIDENT = 2048  # threads one SM holds at most (every arch here): the unit of the grid's waves
+
+
+def _dp4a_derived(spec: ConvSpec, arch: str, sms: int | None, ch: int, qt: int, threads: int, chans: int,
+                  words: int) -> list[float]:
+    """The derived features both dp4a kernels share: ``ch`` channels of ``chans`` a thread, ``qt`` columns, ``words``
+    dp4a words per (column, channel) and kernel tap."""
+    s = sms or arch_info(arch).sms
+    qb = -(-spec.Q // qt)
+    total = spec.N * spec.P * qb * (chans // ch)
+    blocks = -(-total // threads)
+    waves = total / (s * DP4A_RESIDENT)
+    seg = (qt - 1) * spec.strides[1] + (spec.S - 1) * spec.dilations[1] + 1
+    return [ch, qt, threads, math.log2(total), math.log2(blocks), waves, waves - math.floor(waves),
+            ch * qt, seg / qt, qb * qt / spec.Q - 1, words]
+
+
+DP4A_DERIVED = ("ch_eff", "qt_eff", "threads", "log2_threads_total", "log2_blocks", "waves", "wave_tail",
+                "acc_per_thread", "loads_per_column", "q_waste", "words_per_tap")
+
+
+def _dp4a_applies(name: str, constraints):
+    def applies(spec, arch):
+        if arch in CPU_KERNELS or not arch.startswith("sm_"):
+            return f"{name} runs on the CUDA archs (sm_XX), not {arch}"
+        if spec.groups == 1:
+            return f"{name} takes grouped convs (groups > 1), not groups 1"
+        return constraints(spec)
+    return applies
+
+
+def _dw_space() -> KernelSpace:
+    """``depthwise``: the thread tile (``DwConfig``: vec channels x qt columns, threads per block; 0 automatic) of
+    the depthwise kernel (groups == C == K). Legality is the builder's own ``depthwise.depthwise_point``, the default
+    the kernel's automatic tile (``DwConfig()``, resolved per arch by its SM count), ``effective`` that tile
+    resolved for the shape."""
+    from .depthwise import DwConfig, depthwise_constraints, depthwise_point
+
+    def legal(spec, arch, kn, sms=None):
+        return depthwise_point(spec, spec.groups, kn, arch, sms)[1]
+
+    def effective(spec, arch, kn, sms=None):
+        return depthwise_point(spec, spec.groups, kn, arch, sms)[0]
+
+    def derived(spec, arch, kn, sms=None):
+        k = effective(spec, arch, kn, sms)
+        return _dp4a_derived(spec, arch, sms, k.vec, k.qt, k.threads, spec.C, -(-k.vec // 4))
+
+    def configs(spec, arch):
+        return [DwConfig(**d) for d in DW_CONFIGS]
+
+    dims = {"vec": (0, 1, 4, 8, 16), "qt": tuple(range(9)), "threads": DP4A_THREADS}
+    return KernelSpace("depthwise", DwConfig, dims,
+                       _dp4a_applies("depthwise", lambda spec: depthwise_constraints(spec, spec.groups)), legal,
+                       lambda spec, arch, sms=None: DwConfig(), effective, derived, None, DP4A_DERIVED, configs)
+
+
+def _grouped_space() -> KernelSpace:
+    """``grouped``: the thread tile (``GroupedConfig``: kt channels of a group x qt columns, threads per block; 0
+    automatic) of the grouped kernel, for the grouped convs that are not depthwise. Legality is the builder's own
+    ``grouped.grouped_point``, the default the automatic tile (``GroupedConfig()``), ``effective`` it resolved."""
+    from .depthwise import depthwise_constraints
+    from .grouped import GroupedConfig, grouped_constraints, grouped_point
+
+    def constraints(spec):
+        if depthwise_constraints(spec, spec.groups) is None:
+            return "grouped: groups == C == K runs on the depthwise kernel"
+        return grouped_constraints(spec, spec.groups)
+
+    def legal(spec, arch, kn, sms=None):
+        return grouped_point(spec, spec.groups, kn, arch, sms)[1]
+
+    def effective(spec, arch, kn, sms=None):
+        return grouped_point(spec, spec.groups, kn, arch, sms)[0]
+
+    def derived(spec, arch, kn, sms=None):
+        k = effective(spec, arch, kn, sms)
+        cg = spec.C // spec.groups
+        return _dp4a_derived(spec, arch, sms, k.kt, k.qt, k.threads, spec.K, cg // 4 if cg % 4 == 0 else cg)
+
+    def configs(spec, arch):
+        return [GroupedConfig(**d) for d in GROUPED_CONFIGS]
+
+    dims = {"kt": (0, 1, 2, 4, 8), "qt": tuple(range(9)), "threads": DP4A_THREADS}
+    return KernelSpace("grouped", GroupedConfig, dims, _dp4a_applies("grouped", constraints), legal,
+                       lambda spec, arch, sms=None: GroupedConfig(), effective, derived, None, DP4A_DERIVED, configs)
+
+
+# Start points of the dp4a spaces (``KernelSpace.configs``): the automatic tile first, then a spread of channel
+# vectors / tiles against columns per thread and block sizes (fields not named: the automatic / 256 threads).
+DW_CONFIGS = (dict(), dict(vec=8, qt=4), dict(vec=16, qt=2), dict(vec=4, qt=4), dict(vec=8, qt=2, threads=128),
+              dict(vec=8, qt=8), dict(vec=16, qt=4, threads=128), dict(vec=4, qt=8, threads=512))
+GROUPED_CONFIGS = (dict(), dict(kt=8, qt=4), dict(kt=4, qt=4), dict(kt=8, qt=2, threads=128), dict(kt=4, qt=8),
+                   dict(kt=2, qt=4), dict(kt=8, qt=8, threads=128), dict(kt=4, qt=2, threads=512))
+
+
 SPACES: dict[str, KernelSpace] = {
     "implicit_gemm": KernelSpace("implicit_gemm", GemmKnobs, dict(GemmKnobs.SPACE), _gemm_applies("NHWC"),
                                  _gemm_legal("NHWC"), _gemm_default, _gemm_effective("NHWC"), _gemm_derived,
@@ -525,6 +636,8 @@ SPACES: dict[str, KernelSpace] = {
     "implicit_gemm_t": _kt_space(),
     "direct_halo": _halo_space(),
     "cpu_direct": _cpu_space(),
+    "depthwise": _dw_space(),
+    "grouped": _grouped_space(),
 }
 
 

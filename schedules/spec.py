@@ -56,6 +56,7 @@ class ConvSpec:
     res_i32: bool = False  # the residual stage fits int32 (the graph's own residual requantize is int32)
     shift_ge33: bool = False  # every S[k] >= 33: stage 1 in int32 from the product's high word (mul.hi)
     rq2_uniform: tuple = ()  # (c1, M1, c2, M2, S2) when rq2 is the same for every channel: compiled in
+    groups: int = 1  # conv groups (> 1: the CUDA-core ``depthwise`` / ``grouped`` kernels; w is [K, R, S, C / groups])
 
     # ---- derived -------------------------------------------------------------------------
     @property

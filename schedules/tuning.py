@@ -8,7 +8,8 @@ One record a line, appendable (``qtune`` appends one line per measured candidate
 ``strategy`` names the kernel whose knobs the record holds (``schedules.STRATEGIES``), and the knobs are parsed with
 that strategy's knobs type (``knobs_type``: ``GemmKnobs`` for implicit_gemm and direct_hwnc, ``KtKnobs`` for
 implicit_gemm_t, ``HaloKnobs`` for direct_halo, ``CpuKnobs`` for cpu_direct -- the CPU kernels' register tile, whose
-records name the CPU inner kernel as ``arch`` and the CPU model as ``device``); a record without one is an
+records name the CPU inner kernel as ``arch`` and the CPU model as ``device``; ``DwConfig`` for depthwise,
+``GroupedConfig`` for grouped, whose keys carry the group count, ``|gG``); a record without one is an
 implicit_gemm record. ``status`` (absent:
 "ok") is one of ``RECORD_STATUSES``: a candidate that failed (mismatch against the reference, build or run error) is
 recorded so that a tuner does not try it again, and is never selected. ``ms`` ranks the OK records of one shape: the
@@ -48,7 +49,7 @@ from .spec import ConvSpec, GemmKnobs
 # to the plain key's record where it has none. The rest of the epilogue (out dtype, zero points, clip range,
 # signedness) does not enter the key: every requantised variant of a layer shares it.
 KEY_FIELDS = ("layout", "N", "H", "W", "C", "K", "R", "S", "stride", "padding", "dilation", "x_bits", "w_bits",
-              "has_residual")
+              "groups", "has_residual")  # (groups: ``|gG`` where G > 1)
 KNOB_FIELDS = tuple(f.name for f in dataclasses.fields(GemmKnobs))
 LOG_SUFFIX = ".jsonl"
 # the strategy of a record that names none (logs written before records named their strategy)
@@ -56,12 +57,13 @@ RECORD_STRATEGY = "implicit_gemm"
 # the kernel strategies records hold knobs for, and the module / class of each one's knobs (``knobs_type``)
 RECORD_STRATEGIES = {"implicit_gemm": ("spec", "GemmKnobs"), "direct_hwnc": ("spec", "GemmKnobs"),
                      "implicit_gemm_t": ("igemm_t", "KtKnobs"), "direct_halo": ("stem", "HaloKnobs"),
-                     "cpu_direct": ("cpu_conv", "CpuKnobs")}  # (cpu_direct: "arch" is the CPU inner kernel)
+                     "cpu_direct": ("cpu_conv", "CpuKnobs"),  # (cpu_direct: "arch" is the CPU inner kernel)
+                     "depthwise": ("depthwise", "DwConfig"), "grouped": ("grouped", "GroupedConfig")}
 # Record "status" values (the same as qcompile.tune.common's Measured.status); only "ok" records are ever selected
 RECORD_STATUSES = ("ok", "mismatch", "build_error", "run_error")
 SOURCES = ("user", "device", "arch", "nearest", "default")
 _KEY_RE = re.compile(r"(NHWC|HWNC|NCHW)\|N(\d+)\|H(\d+)\|W(\d+)\|C(\d+)\|K(\d+)\|R(\d+)\|S(\d+)\|st(\d+),(\d+)"
-                     r"\|pad(\d+),(\d+),(\d+),(\d+)\|dil(\d+),(\d+)\|x(\d+)\|w(\d+)(\|res)?")
+                     r"\|pad(\d+),(\d+),(\d+),(\d+)\|dil(\d+),(\d+)\|x(\d+)\|w(\d+)(?:\|g(\d+))?(\|res)?")
 
 
 class TuningLogWarning(UserWarning):
@@ -75,7 +77,8 @@ def tuning_key(spec: ConvSpec) -> str:
     pads = ",".join(str(p) for p in spec.pads)
     dh, dw = spec.dilations
     return (f"{spec.layout}|N{spec.N}|H{spec.H}|W{spec.W}|C{spec.C}|K{spec.K}|R{spec.R}|S{spec.S}"
-            f"|st{sh},{sw}|pad{pads}|dil{dh},{dw}|x{spec.x_bits}|w{spec.w_bits}" + ("|res" if spec.has_residual else ""))
+            f"|st{sh},{sw}|pad{pads}|dil{dh},{dw}|x{spec.x_bits}|w{spec.w_bits}"
+            + (f"|g{spec.groups}" if spec.groups != 1 else "") + ("|res" if spec.has_residual else ""))
 
 
 def spec_from_key(key: str) -> ConvSpec:
@@ -90,9 +93,10 @@ def spec_from_key(key: str) -> ConvSpec:
     xd = {8: "uint8", 4: "uint4"}.get(xb)
     if xd is None or wb not in (4, 8):
         raise ValueError(f"tuning key {key!r}: {xb}-bit activations / {wb}-bit weights are not kernel operands")
-    res = dict(has_residual=True, res_dtype=xd, lo2=0, hi2=(1 << xb) - 1) if g[18] else {}
+    res = dict(has_residual=True, res_dtype=xd, lo2=0, hi2=(1 << xb) - 1) if g[19] else {}
+    groups = int(g[18]) if g[18] else 1
     return ConvSpec(N=N, H=H, W=W, C=C, K=K, R=R, S=S, stride=(sh, sw), padding=(pt, pl, pb, pr), dilation=(dh, dw),
-                    layout=layout, x_dtype=xd, w_bits=wb, out_dtype=xd, lo=0, hi=(1 << xb) - 1, **res)
+                    layout=layout, x_dtype=xd, w_bits=wb, out_dtype=xd, lo=0, hi=(1 << xb) - 1, groups=groups, **res)
 
 
 def _lookup_keys(spec: ConvSpec) -> list[str]:

@@ -6,6 +6,7 @@ built with the generic kernel (the compiler's fallback for that layer) and run.
     python scripts/tune_reliability.py run ... --export DIR      # build only: measure DIR on a GPU host with
                                                                  # `python measure.py DIR -o DIR/results.json`
     python scripts/tune_reliability.py report results.json [--import DIR/results.json]
+    python scripts/tune_reliability.py compact RUN.json [RUN.json ...] [--base OLD.json] -o docs/bench/X.json
 
 The shapes (``random_specs``): batch 1-256 (log-uniform), H and W 1-64 (square or not), C and K 1-512 (odd ones
 included; most a multiple of 16), kernels 1-7 (square or not), stride 1-3, padding 0 to the kernel's size, dilation
@@ -26,6 +27,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 
@@ -246,6 +248,67 @@ def cmd_report(a) -> int:
     return report(doc)
 
 
+FIELDS = ("shape, key (tuning_key), strategy, point (knobs or null: fallback), refused (build error), status (of the "
+          "point's kernel, or the fallback's where no point), fallback_status (after a refusal); null status: built, "
+          "not measured")
+
+
+def compact(runs: list, base: dict | None = None) -> dict:
+    """One small document of one or more ``run`` results (each shape a row of ``FIELDS``; the device and date of
+    the measurements, the runs' commands), over the rows of ``base`` (an earlier compact document) where a run does
+    not cover a shape."""
+    from qcompile.schedules.spec import ConvSpec
+    from qcompile.schedules.tuning import tuning_key
+
+    rows = {r["shape"]: r for r in (base or {}).get("shapes", [])}
+    covered = {r["shape"] for doc in runs for r in doc["shapes"]}
+
+    def stands(command: str) -> bool:  # (a base command whose shapes the runs do not all cover again)
+        m = re.search(r"\(shapes (\d+)-(\d+)", command)
+        return m is None or not set(range(int(m[1]), int(m[2]) + 1)) <= covered
+
+    commands = [c for c in (base or {}).get("commands", []) if stands(c)]
+    timings = [t for t in (base or {}).get("timings", []) if stands(t["command"])]
+    device = (base or {}).get("device")
+    for doc in runs:
+        res = {r["id"]: r for r in (doc.get("measure") or {}).get("results", [])}
+        status = lambda rid: (res.get(rid) or {}).get("status") if rid else None  # noqa: E731
+        spec = lambda d: ConvSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})  # noqa: E731
+        for r in doc["shapes"]:
+            key = tuning_key(spec(r["spec"]))
+            if r["shape"] in rows and rows[r["shape"]]["key"] != key:
+                raise SystemExit(f"shape {r['shape']}: {key} here, {rows[r['shape']]['key']} in the base document "
+                                 "(runs of another --seed or --count?)")
+            rows[r["shape"]] = dict(shape=r["shape"], key=key, strategy=r["strategy"],
+                                    point=r["point"], refused=r["refused"],
+                                    status=status(r.get("id") if r.get("built") else None) if r["point"] is not None
+                                    else status(r.get("id") or r.get("fallback_id")),
+                                    fallback_status=status(r.get("fallback_id")) if r["point"] is not None else None)
+        shapes = [r["shape"] for r in doc["shapes"]]
+        commands.append(f"{doc['command']}  (shapes {min(shapes)}-{max(shapes)})")
+        timings.append(dict(command=commands[-1], host_build_s=doc.get("host_build_s"),
+                            measure_s=(doc.get("measure") or {}).get("seconds")))
+        device = ((doc.get("measure") or {}).get("device") or {}).get("name") or device
+    return dict(device=device, date=max([d["date"] for d in runs] + ([base["date"]] if base else [])),
+                commands=commands, timings=timings, fields=FIELDS, shapes=[rows[k] for k in sorted(rows)])
+
+
+def cmd_compact(a) -> int:
+    runs = []
+    for f in a.runs:
+        with open(f) as fh:
+            runs.append(json.load(fh))
+    base = None
+    if a.base:
+        with open(a.base) as fh:
+            base = json.load(fh)
+    doc = compact(runs, base)
+    with open(a.output, "w") as fh:
+        fh.write("{" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in doc.items() if k != "shapes")
+                 + ',\n"shapes": [\n' + ",\n".join(json.dumps(r) for r in doc["shapes"]) + "\n]}\n")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -265,7 +328,13 @@ def main(argv=None) -> int:
     p = sub.add_parser("report", help="the counts of a results file")
     p.add_argument("results")
     p.add_argument("--import", dest="import_results", help="measure.py's results of an exported batch")
+    c = sub.add_parser("compact", help="one small document of run results (the docs' file)")
+    c.add_argument("runs", nargs="+")
+    c.add_argument("--base", help="an earlier compact document: its rows stand where the runs do not cover a shape")
+    c.add_argument("-o", "--output", required=True)
     a = ap.parse_args(argv)
+    if a.cmd == "compact":
+        return cmd_compact(a)
     if a.cmd == "run" and (a.count < 1 or a.jobs < 1 or not 0 <= a.start < a.count or not math.isfinite(a.timeout)
                            or a.timeout <= 0 or not a.build_timeout > 0):
         ap.error("--count and --jobs must be positive, 0 <= --start < --count, the timeouts above 0")

@@ -318,3 +318,75 @@ def test_cases_cover_the_kernels():
         assert any(c["spec"]["out_dtype"] in ("uint4", "int4") for c in part)
         assert any(c["spec"]["out_dtype"] == "int32" for c in part) and any(c["spec"].get("pad_value") for c in part)
     assert any(c["spec"]["C"] % 4 for c in dws) and any((c["spec"]["C"] // c["groups"]) % 4 for c in grs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the tuning spaces' points (schedules/space.py: SPACES["depthwise"], SPACES["grouped"])
+# ---------------------------------------------------------------------------------------------------------------
+SPACE_CASES = ["dw_mbv2_56x144", "dw_mbv3_28x72_5x5_s2", "dw_c30_bytes", "dw_u4_packed_out", "dw_res4_u4",
+               "gr_rx50_56x128", "gr_rx50_14x512", "gr_cg3_kg5", "gr_res8", "gr_u4_packed_out"]
+
+
+def space_points(case, arch: str, n: int = 3) -> list:
+    """``n`` seeded random legal points of the case's space (its ConvSpec with ``groups``) and the default point."""
+    import random
+
+    from qcompile.schedules import ConvSpec
+    from qcompile.schedules.grouped import grouped_strategy
+    from qcompile.schedules.space import SPACES
+
+    spec = ConvSpec(**case["spec"], groups=case["groups"])
+    sp = SPACES[grouped_strategy(spec, spec.groups)]
+    rng = random.Random(f"{case['name']}-{arch}")
+    pts = [sp.default(spec, arch)] + [sp.sample(rng, spec, arch) for _ in range(n)]
+    assert all(kn is not None and sp.legal(spec, arch, kn) is None for kn in pts), pts
+    return [(spec, kn) for kn in pts]
+
+
+@pytest.mark.gpu
+@pytest.mark.nvcc
+@pytest.mark.parametrize("name", SPACE_CASES)
+def test_space_points_bit_exact_on_gpu(name):
+    """Random legal points of the tuning space (and its default) of each case, built for this GPU's arch: bit-exact
+    with poisoned outputs."""
+    import tvm
+
+    from qcompile.schedules.grouped import plan_grouped
+
+    case = next(c for c in CASES if c["name"] == name)
+    arch, mode = target_arch(gpu_compute_capability())
+    p = make_problem(case)
+    dev = tvm.cuda(0)
+    for spec, kn in space_points(case, arch):
+        pk = plan_grouped(spec, spec.groups, arch, kn)
+        mod = build(pk, arch, mode)
+        bufs = buffers(case, pk.strategy, pk.spec, p)
+        for poison in POISONS:
+            t = {k: tvm.runtime.tensor(np.ascontiguousarray(v), dev) for k, v in bufs.items()}
+            t["out"] = tvm.runtime.tensor(out_buffer(pk.spec, poison), dev)
+            mod["k0"](*[t[n] for n in _names(pk)])
+            dev.sync()
+            check_out(case, pk.spec, p, t["out"].numpy())
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("name", SPACE_CASES[::3])
+def test_space_points_source_bit_exact_on_host(name, tmp_path):
+    """The same points for sm_90 (nvcc builds them), their CUDA run thread by thread on the host."""
+    from cuda_on_host import build_on_host
+
+    from qcompile.schedules.build import cuda_source
+    from qcompile.schedules.grouped import plan_grouped
+
+    case = next(c for c in CASES if c["name"] == name)
+    p = make_problem(case)
+    for i, (spec, kn) in enumerate(space_points(case, "sm_90", 2)):
+        pk = plan_grouped(spec, spec.groups, "sm_90", kn)
+        d = tmp_path / f"p{i}"
+        d.mkdir()
+        run, params = build_on_host(cuda_source(build(pk, "sm_90")), str(d))
+        bufs = buffers(case, pk.strategy, pk.spec, p)
+        grid, block = launch(pk)
+        bufs["out"] = out_buffer(pk.spec, POISONS[0])
+        run([bufs[HOST_NAMES.get(n[:-4], n[:-4])] for n in params], grid, block)
+        check_out(case, pk.spec, p, bufs["out"])

@@ -134,7 +134,8 @@ def _check_total(sp, name, arch, kn, sms=None):
     return why
 
 
-GPU_SPACES = [s for s in SPACES if s != "cpu_direct"]  # (the CPU kernels' space: tests/test_cpu_space.py)
+# (the CPU kernels' space: tests/test_cpu_space.py; the grouped convs' spaces: GROUPED_SHAPES, at the end)
+GPU_SPACES = [s for s in SPACES if s not in ("cpu_direct", "depthwise", "grouped")]
 
 
 @pytest.mark.parametrize("strategy", GPU_SPACES)
@@ -391,6 +392,28 @@ def test_points_that_broke_the_h100_reliability_run_are_refused():
                     lo=0, hi=15, pad_value=10, has_residual=True, res_dtype="int4", zo2=-2, lo2=-8, hi2=7)
     k520 = GemmKnobs(BM=256, BN=256, BK=32, WM=1, WN=1, stages=2, vec=4, ev=8, pipe=0, fdb=True, split_k=1)
     assert "2048 accumulators per thread" in sp.legal(s520, "sm_90", k520, 132)
+    # (and from the second run: a 64x256 warp tile, 512 accumulators per thread, did not build in 60 s)
+    s270 = ConvSpec(N=17, H=30, W=30, C=93, K=384, R=2, S=2, stride=2, padding=(0, 2, 2, 1), x_dtype="uint8",
+                    out_dtype="int8", zo=-9, lo=-128, hi=127, pad_value=37, has_residual=True, res_dtype="int8", zo2=9,
+                    lo2=-128, hi2=127)
+    k270 = GemmKnobs(BM=128, BN=256, BK=64, WM=2, WN=1, stages=3, vec=16, ev=8, pipe=1, split_k=0, mma="sync", minb=2,
+                     erq=True)
+    assert "512 accumulators per thread" in sp.legal(s270, "sm_90", k270, 132)
+    assert sp.legal(s270, "sm_90", k270.replace(WN=4), 132) is None
+
+
+def test_mma_sync_tiles_fit_the_shared_memory_of_a_block():
+    """A point of the 2-H100 rpc run (ResNet-50 at batch 32) built and failed at launch ("Failed to set the allowed
+    dynamic shared memory size to 276480"): an mma.sync 256x128x128 tile with 5 stages. The space refuses it for the
+    227 KiB of an sm_90 block and takes a 3-stage ring of it (with warp tiles under the register file); the defaults
+    of the mma.sync archs (sm_75: 64 KiB per block) fit."""
+    sp = SPACES["implicit_gemm"]
+    s = ConvSpec(N=32, H=56, W=56, C=256, K=512, R=1, S=1, stride=2, x_dtype="int8", out_dtype="int8", lo=-128, hi=127)
+    k = GemmKnobs(BM=256, BN=128, BK=128, WM=4, WN=1, stages=5, vec=8, ev=8, pipe=0, split_k=8, mma="sync", minb=2)
+    assert "KiB of shared tiles exceed the 227 KiB per block of sm_90" in sp.legal(s, "sm_90", k, 132)
+    assert sp.legal(s, "sm_90", k.replace(stages=3, WN=2), 132) is None
+    for arch in ("sm_75", "sm_80", "sm_86", "sm_89"):
+        assert sp.legal(s, arch, sp.default(s, arch)) is None, arch
 
 
 def test_invalid_knobs_say_which_rule():
@@ -435,3 +458,149 @@ def test_start_points_are_points_of_the_space_and_build():
                 assert pk.knobs == sp.effective(spec, arch, kn)
                 assert all("__global__" in cuda_source(f, arch) for f in pk.funcs)
                 built += 1
+
+
+# ---- the grouped convs' CUDA-core kernels: depthwise (DwConfig) and grouped (GroupedConfig) -----------------------
+_GU8 = dict(x_dtype="uint8", out_dtype="uint8", zo=3, lo=0, hi=255)
+GROUPED_SHAPES = {
+    "dw_mbv2_112x32": ConvSpec(N=1, H=112, W=112, C=32, K=32, R=3, S=3, padding=1, groups=32, **_GU8),
+    "dw_mbv2_14x576_b8": ConvSpec(N=8, H=14, W=14, C=576, K=576, R=3, S=3, padding=1, groups=576, **_GU8),
+    "dw_5x5_s2_i8": ConvSpec(N=2, H=28, W=28, C=72, K=72, R=5, S=5, stride=2, padding=2, groups=72, x_dtype="int8",
+                             out_dtype="int8", lo=-128, hi=127, pad_value=-7),
+    "dw_c30_bytes": ConvSpec(N=1, H=13, W=13, C=30, K=30, R=3, S=3, padding=1, groups=30, **_GU8),
+    "dw_u4_out_res": ConvSpec(N=2, H=10, W=10, C=32, K=32, R=3, S=3, padding=1, groups=32, x_dtype="uint8", w_bits=4,
+                              out_dtype="uint4", lo=0, hi=15, has_residual=True, res_dtype="uint4", lo2=0, hi2=15),
+    "gr_rx50_56x128": ConvSpec(N=1, H=56, W=56, C=128, K=128, R=3, S=3, padding=1, groups=32, **_GU8),
+    "gr_rx50_7x1024_b16": ConvSpec(N=16, H=7, W=7, C=1024, K=1024, R=3, S=3, padding=1, groups=32, **_GU8),
+    "gr_cg3_kg5_dil": ConvSpec(N=2, H=11, W=11, C=12, K=20, R=3, S=3, padding=2, dilation=2, groups=4, **_GU8),
+    "gr_mult2_u4out": ConvSpec(N=1, H=9, W=9, C=16, K=32, R=3, S=3, padding=1, groups=16, x_dtype="int8",
+                               out_dtype="int4", lo=-8, hi=7),
+}
+GROUPED_SPACES = ("depthwise", "grouped")
+
+
+def _grouped_grid(sp):
+    import itertools
+
+    return [sp.knobs_type(**dict(zip(sp.dims, v))) for v in itertools.product(*sp.dims.values())]
+
+
+@pytest.mark.parametrize("strategy", GROUPED_SPACES)
+def test_grouped_spaces_legal_is_total(strategy, monkeypatch):
+    """Every point of the depthwise / grouped space on every grouped shape and arch (and a few device SM counts) gets
+    None or a reason quickly; both answers occur; legal points' effective tiles are legal; the space applies exactly
+    where the dispatch puts the layer on its kernel (``grouped_strategy``), and no other space applies there."""
+    from qcompile.schedules.grouped import grouped_strategy
+    from qcompile.schedules.space import spaces_for
+
+    import sys
+
+    plain = dict(SHAPES)
+    monkeypatch.setattr(sys.modules[__name__], "SHAPES", {**plain, **GROUPED_SHAPES})  # (_check_total's shapes)
+    sp = SPACES[strategy]
+    legal = total = 0
+    rng = random.Random(f"grouped-{strategy}")
+    for name, spec in GROUPED_SHAPES.items():
+        mine = grouped_strategy(spec, spec.groups) == strategy
+        for arch in ARCHS:
+            assert (sp.applies(spec, arch) is None) == mine, (strategy, name, arch)
+            assert [s.strategy for s in spaces_for(spec, arch)] == [grouped_strategy(spec, spec.groups)]
+            if not mine:
+                continue
+            for kn in _grouped_grid(sp):
+                total += 1
+                legal += _check_total(sp, name, arch, kn, sms=rng.choice((None, 46, 132))) is None
+    assert 0 < legal < total, (legal, total)
+    for name, spec in plain.items():  # (groups 1: never these spaces)
+        assert sp.applies(spec, "sm_90") is not None
+
+
+def _grouped_points(n: int, legal: bool, seed: str):
+    """``n`` seeded (strategy, shape name, arch, knobs) points on sm_90 / sm_75, legal (the sampler's) or illegal
+    (uniform draws the space refuses)."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        name = rng.choice(list(GROUPED_SHAPES))
+        spec, arch = GROUPED_SHAPES[name], rng.choice(("sm_90", "sm_75"))
+        sp = next(SPACES[s] for s in GROUPED_SPACES if SPACES[s].applies(spec, arch) is None)
+        kn = sp.sample(rng, spec, arch) if legal else _uniform(rng, sp)
+        if kn is not None and (sp.legal(spec, arch, kn) is None) == legal:
+            out.append((sp.strategy, name, arch, kn))
+    return out
+
+
+def test_grouped_legal_points_build_for_sm90_and_sm75():
+    """Random legal points of both spaces build for sm_90 and sm_75 (TIR and TVM's CUDA codegen; nvcc not run), each
+    the kernel of its strategy with the effective tile the space predicts."""
+    from test_kernel_identity import cuda_source
+
+    from qcompile.schedules.grouped import plan_grouped
+
+    pts = _grouped_points(12, True, "grouped-builds")
+    assert {(s, a) for s, _, a, _ in pts} >= {("depthwise", "sm_90"), ("grouped", "sm_75")}, pts
+    for strategy, name, arch, kn in pts:
+        spec = GROUPED_SHAPES[name]
+        pk = plan_grouped(spec, spec.groups, arch, kn)
+        assert pk.strategy == strategy and pk.knobs == SPACES[strategy].effective(spec, arch, kn)
+        assert "__global__" in cuda_source(pk.funcs[0], arch), (strategy, name, arch, kn)
+
+
+def test_grouped_illegal_points_refused_before_building(monkeypatch):
+    """An illegal point is refused by its builder (``make_depthwise`` / ``make_grouped``: ValueError) with exactly the
+    space's reason, before any TIR is built."""
+    from qcompile.schedules import depthwise, grouped
+
+    monkeypatch.setattr(depthwise, "T", _NoTIR())
+    monkeypatch.setattr(grouped, "T", _NoTIR())
+    pts = _grouped_points(60, False, "grouped-refused")
+    assert {s for s, *_ in pts} == set(GROUPED_SPACES)
+    for strategy, name, arch, kn in pts:
+        spec = GROUPED_SHAPES[name]
+        why = SPACES[strategy].legal(spec, arch, kn)
+        build = depthwise.make_depthwise if strategy == "depthwise" else grouped.make_grouped
+        with pytest.raises(ValueError) as e:
+            build(spec, spec.groups, kn, arch)
+        assert str(e.value) == why, (strategy, name, arch, kn)
+
+
+def test_grouped_default_point_is_todays_kernel():
+    """The space's default point is the kernel's automatic tile: ``plan_grouped`` without a config and with the
+    default point generate the same CUDA, for sm_90 and sm_75; ``effective`` gives the tile it resolves to, per arch
+    (the SM count)."""
+    from test_kernel_identity import cuda_source
+
+    from qcompile.schedules.grouped import plan_grouped
+
+    for name in ("dw_mbv2_112x32", "dw_c30_bytes", "gr_rx50_56x128", "gr_mult2_u4out"):
+        spec = GROUPED_SHAPES[name]
+        for arch in ("sm_90", "sm_75"):
+            sp = next(SPACES[s] for s in GROUPED_SPACES if SPACES[s].applies(spec, arch) is None)
+            auto, dflt = plan_grouped(spec, spec.groups, arch), plan_grouped(spec, spec.groups, arch,
+                                                                             sp.default(spec, arch))
+            assert auto.knobs == dflt.knobs == sp.effective(spec, arch, sp.default(spec, arch))
+            assert cuda_source(auto.funcs[0], arch) == cuda_source(dflt.funcs[0], arch), (name, arch)
+    # the automatic tile depends on the arch's SM count: MobileNetV2's 112x112x32 layer at batch 1
+    spec = GROUPED_SHAPES["dw_mbv2_112x32"]
+    sp = SPACES["depthwise"]
+    assert sp.effective(spec, "sm_90", sp.default(spec, "sm_90")) != sp.effective(spec, "sm_75",
+                                                                                   sp.default(spec, "sm_75"))
+
+
+def test_grouped_records_round_trip():
+    """A depthwise / grouped record's key carries the group count (``|gG``) and parses back to the same shape; its
+    knobs are checked with the space's legality for that shape (a tile that does not divide the channels is stale)."""
+    from qcompile.schedules import tuning as TU
+    from qcompile.schedules.depthwise import DwConfig
+    from qcompile.schedules.grouped import GroupedConfig
+
+    for name, spec in GROUPED_SHAPES.items():
+        key = TU.tuning_key(spec)
+        assert f"|g{spec.groups}" in key and TU.tuning_key(spec_from_key(key)) == key, name
+    dw, gr = TU.tuning_key(GROUPED_SHAPES["dw_mbv2_112x32"]), TU.tuning_key(GROUPED_SHAPES["gr_rx50_56x128"])
+    ok = TU.format_record(TU.make_record("sm_90", "GPU", 132, dw, "depthwise", DwConfig(vec=16, qt=2), ms=0.01))
+    rec, why = TU.parse_record(ok)
+    assert rec is not None and rec.knobs == DwConfig(vec=16, qt=2) and rec.strategy == "depthwise", why
+    stale = TU.format_record(TU.make_record("sm_90", "GPU", 132, gr, "grouped", GroupedConfig(kt=8), ms=0.01))
+    assert TU.parse_record(stale)[0] is None  # (kt 8 does not divide the 4 channels of a group)
+    assert TU.parse_record(stale.replace('"kt": 8', '"kt": 4'))[0].knobs == GroupedConfig(kt=4)

@@ -331,7 +331,7 @@ def test_tuner_appends_to_a_log_and_lookup_takes_each_gpus_fastest(tmp_path, mon
     task = F.make_task(N=8, H=28, C=128, K=128)
     other = ConvSpec(N=8, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype="uint8", out_dtype="uint8")
     dflt = F.fake_space().default(task.spec, "sm_90")
-    mine_old, theirs, kept = GemmKnobs(BM=32, BN=256, BK=128), GemmKnobs(BM=64, BN=64, BK=32), GemmKnobs(BM=256)
+    mine_old, theirs, kept = GemmKnobs(BM=32, BN=256, BK=128), GemmKnobs(BM=64, BN=64, BK=32), GemmKnobs(BM=256, WM=4)
     slow = 10 * F.cost_ms(task.spec, dflt)
     mk = lambda spec, dev, kn, ms: TU.make_record("sm_90", dev, 132, tuning_key(spec), "implicit_gemm", kn, "ok", ms)
     before = "".join(TU.format_record(r) + "\n" for r in (
@@ -514,7 +514,7 @@ def test_summary_knobs_column(tmp_path, monkeypatch):
     row = next(ln for ln in table.splitlines() if ln.startswith("layer2_0_conv1 "))
     assert row.split()[-2:] == ["implicit_gemm", "arch"]
     note = [ln for ln in lines if "have no tuning record" in ln]
-    assert len(note) == 1 and note[0].startswith("note: 7 of 10 implicit-GEMM layers") and "7 the sm_90 defaults" in note[0]
+    assert len(note) == 1 and note[0].startswith("note: 7 of 10 tunable layers") and "7 the sm_90 defaults" in note[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ An entry: ``id``, ``so``, ``target``, ``arch``, ``key`` (the task), ``spec`` (Co
 small shapes shrink tiles), the calling convention -- ``funcs`` (launch order),
 ``split_k`` and ``workspace`` (the int32 workspace shape of a split-K pair), ``streamk`` ([tile counters, workspace
 words]), ``w_expand`` and ``w_kperm`` (the weight format: schedules/planned.py), for a CPU kernel ``w_cpu`` (its
-weight packing and bias fold: ``qcompile.tune.measure.cpu_weights``) -- and ``build_s``, the host seconds spent on
+weight packing and bias fold: ``qcompile.tune.measure.cpu_weights``), for a depthwise / grouped kernel ``w_group``
+(its strategy, which names its weight format: ``qcompile.tune.measure.group_weights``) -- and ``build_s``, the host seconds spent on
 it (planning, TIR lowering, nvcc, export). ``qcompile.tune.measure`` needs nothing else.
 
 Candidates build in parallel host processes (``--jobs``, default: every core), each one whole; identical candidates
@@ -108,7 +109,29 @@ def _why_refused(cand: Candidate) -> str | None:
 
 
 _KNOB_TYPES = {"direct_halo": "HaloKnobs", "implicit_gemm_t": "KtKnobs", "implicit_gemm": "GemmKnobs",
-               "direct_hwnc": "GemmKnobs"}
+               "direct_hwnc": "GemmKnobs", "depthwise": "DwConfig", "grouped": "GroupedConfig"}
+GROUPED_STRATEGIES = ("depthwise", "grouped")  # the grouped convs' CUDA-core kernels (their own weight formats)
+
+
+def _plan_grouped(cand: Candidate):
+    """(funcs, calling-convention fields) of a ``depthwise`` / ``grouped`` candidate (``cand.spec.groups`` groups):
+    refused (the space's reason, the builder's own ``depthwise_point`` / ``grouped_point``) before any TIR, else
+    ``plan_grouped`` with the candidate's tile (None: the space's default); ``w_group`` names the weight format
+    (``measure.group_weights``)."""
+    from qcompile.schedules.grouped import grouped_strategy, plan_grouped
+    from qcompile.schedules.space import SPACES
+
+    if grouped_strategy(cand.spec, cand.spec.groups) != cand.strategy:
+        raise ValueError(f"not applicable: groups {cand.spec.groups}, C {cand.spec.C}, K {cand.spec.K} run on "
+                         f"{grouped_strategy(cand.spec, cand.spec.groups)}, not {cand.strategy}")
+    sp = SPACES[cand.strategy]
+    kn = sp.default(cand.spec, cand.arch) if cand.knobs is None else cand.knobs
+    why = sp.legal(cand.spec, cand.arch, kn)
+    if why is not None:
+        raise ValueError(f"not applicable: {why}")
+    pk = plan_grouped(cand.spec, cand.spec.groups, cand.arch, kn)
+    return list(pk.funcs), dict(split_k=1, streamk=None, w_expand=False, w_kperm=0, label=pk.label,
+                                effective_knobs=knobs_dict(pk.knobs), w_group=cand.strategy)
 
 
 # the x86 build target of each x86 CPU inner kernel (the lowest level that enables its instruction)
@@ -176,6 +199,8 @@ def plan_candidate(cand: Candidate, target: str = "cuda"):
     want = _KNOB_TYPES.get(cand.strategy)
     if cand.knobs is not None and want and type(cand.knobs).__name__ != want:
         raise ValueError(f"{cand.strategy} takes {want}, not {type(cand.knobs).__name__}")
+    if cand.strategy in GROUPED_STRATEGIES:
+        return _plan_grouped(cand)
     from qcompile.schedules import plan_conv
 
     with warnings.catch_warnings(record=True) as caught:
@@ -235,6 +260,8 @@ def build_one(cand: Candidate, cid: str, out_dir: str, target: str = "cuda", mod
                      w_expand=conv["w_expand"], w_kperm=conv["w_kperm"], build_s=round(time.time() - t0, 3))
         if conv.get("w_cpu"):
             entry["w_cpu"] = conv["w_cpu"]
+        if conv.get("w_group"):
+            entry["w_group"] = conv["w_group"]
         return entry, None, time.time() - t0
     except Exception as e:  # noqa: BLE001  (a refused or failed candidate is a result, not a crash)
         return None, _one_line(e) if not isinstance(e, ValueError) else str(e).splitlines()[0][:300], time.time() - t0

@@ -11,7 +11,8 @@ BATCH is a batch folder holding ``manifest.json`` (``qcompile.tune.build`` write
 manifest entry names its shared library (``so``, relative to the manifest's folder), its conv (``spec``: ConvSpec's
 fields) and the calling convention of its kernels (``funcs`` in launch order, ``split_k`` with its ``workspace``
 shape, ``streamk`` = [tile counters, workspace words], the weight format ``w_expand`` / ``w_kperm``; see
-schedules/planned.py; a CPU kernel's ``w_cpu``: :func:`cpu_weights`).
+schedules/planned.py; a CPU kernel's ``w_cpu``: :func:`cpu_weights`; a grouped conv's kernel's ``w_group``:
+:func:`group_weights`, with ``spec.groups`` in the reference).
 
 For each shape, with a seed recorded in the results: fresh random logical inputs (never all zeros) and per-channel
 requantize parameters that keep the outputs varied; the reference output from this file's NumPy copy of the project
@@ -56,7 +57,7 @@ _SIGNED = {"int8": True, "uint8": False, "int4": True, "uint4": False, "int32": 
 _STORAGE = {"int8": "int8", "int4": "int8", "uint8": "uint8", "uint4": "uint8", "int32": "int32"}
 SPEC_DEFAULTS = dict(stride=1, padding=0, dilation=1, layout="NHWC", x_dtype="int8", w_bits=8, out_dtype="int8",
                      has_residual=False, zo=0, lo=-128, hi=127, pad_value=0, res_dtype="int8", zo2=0, lo2=-128,
-                     hi2=127, res_i32=False, shift_ge33=False, rq2_uniform=())
+                     hi2=127, res_i32=False, shift_ge33=False, rq2_uniform=(), groups=1)
 SPEC_REQUIRED = ("N", "H", "W", "C", "K", "R", "S")
 
 
@@ -113,7 +114,7 @@ class Spec:
     def shapes(self):
         """Storage shapes of (x, w, out) in the spec's layout (packed for 4-bit)."""
         cx = (self.C * self.x_bits + 7) // 8
-        cw = (self.C * self.w_bits + 7) // 8
+        cw = (self.C // self.groups * self.w_bits + 7) // 8  # (grouped: w [K, R, S, C / groups])
         ko = (self.K + 1) // 2 if self.out_bits == 4 else self.K
         if self.layout == "NHWC":
             return (self.N, self.H, self.W, cx), (self.K, self.R, self.S, cw), (self.N, self.P, self.Q, ko)
@@ -204,6 +205,24 @@ def weights(spec: Spec, w_log, w_expand: bool = False, w_kperm: int = 0) -> np.n
     return permute_k8(wq, w_kperm) if w_kperm else np.ascontiguousarray(wq)
 
 
+def group_weights(w_log, kind: str) -> np.ndarray:
+    """The weight buffer of a grouped conv's CUDA-core kernel (``w_group`` of its manifest entry) from the logical
+    weights [K, R, S, C / groups]: ``depthwise`` -- [R, S, C] int8 (``depthwise.depthwise_weights``); ``grouped`` --
+    [R, S, Cg / 4, K, 4] int8 where Cg % 4 == 0, else [R, S, Cg, K, 4] with each value in its word's low byte
+    (``grouped.grouped_weights``)."""
+    w = np.asarray(w_log).astype(np.int8)
+    if kind == "depthwise":
+        return np.ascontiguousarray(np.transpose(w[..., 0], (1, 2, 0)))
+    if kind != "grouped":
+        raise ValueError(f"w_group {kind!r}: depthwise or grouped")
+    K, R, S, Cg = w.shape
+    if Cg % 4 == 0:
+        return np.ascontiguousarray(w.reshape(K, R, S, Cg // 4, 4).transpose(1, 2, 3, 0, 4))
+    out = np.zeros((R, S, Cg, K, 4), np.int8)
+    out[..., 0] = w.transpose(1, 2, 3, 0)
+    return out
+
+
 def cpu_weights(w_log, bias, w_cpu: dict) -> tuple:
     """(weights, bias) of a CPU kernel (``w_cpu`` of its manifest entry; schedules/cpu_conv.py, cpu_conv_vnni.py):
     ``pack`` "pairs" -- int16 [ceil(K/lanes), R, S, ceil(C/2), 2 lanes], ``w[lanes kb + j, r, s, 2 c2 + i]`` at
@@ -226,7 +245,8 @@ def cpu_weights(w_log, bias, w_cpu: dict) -> tuple:
 # the NumPy integer reference (ConvSpec's math; schedules/reference.py)
 # ---------------------------------------------------------------------------------------------------------------
 def conv_acc_nhwc(x, w, spec: Spec) -> np.ndarray:
-    """int64 accumulator of the conv over logical values x[N,H,W,C], w[K,R,S,C] -> [N,P,Q,K]."""
+    """int64 accumulator of the conv over logical values x[N,H,W,C], w[K,R,S,C / groups] -> [N,P,Q,K] (output
+    channel k of group k // (K / groups) sums that group's C / groups input channels)."""
     sh, sw = spec.strides
     dh, dw = spec.dilations
     pt, pl, pb, pr = spec.pads
@@ -237,14 +257,24 @@ def conv_acc_nhwc(x, w, spec: Spec) -> np.ndarray:
     wt = np.asarray(w).astype(np.int64)
     # float64 BLAS where every partial sum is an integer below 2^53 (then exact, in any order): |x|, |pad| <= 255 and
     # |w| <= 128 give |acc| <= 255 * 128 * R * S * C; else int64
-    bound = max(int(np.abs(xp).max(initial=0)), 1) * max(int(np.abs(wt).max(initial=0)), 1) * spec.R * spec.S * C
+    G = getattr(spec, "groups", 1)
+    Cg, Kg = C // G, spec.K // G
+    bound = max(int(np.abs(xp).max(initial=0)), 1) * max(int(np.abs(wt).max(initial=0)), 1) * spec.R * spec.S * Cg
     dt = np.float64 if bound < (1 << 53) else np.int64
     acc = np.zeros((N * P * Q, spec.K), dt)
     wd = wt.astype(dt)
     for r in range(spec.R):
         for s in range(spec.S):
             patch = xp[:, r * dh: r * dh + sh * (P - 1) + 1: sh, s * dw: s * dw + sw * (Q - 1) + 1: sw, :]
-            acc += patch.reshape(N * P * Q, C).astype(dt) @ wd[:, r, s, :].T
+            pm = patch.reshape(N * P * Q, C).astype(dt)
+            if G == 1:
+                acc += pm @ wd[:, r, s, :].T
+            elif Cg == 1 and Kg == 1:  # (depthwise: one product per channel)
+                acc += pm * wd[:, r, s, 0]
+            else:  # per group: [G, NPQ, Cg] @ [G, Cg, Kg]
+                prod = np.matmul(pm.reshape(-1, G, Cg).transpose(1, 0, 2), wd[:, r, s, :].reshape(G, Kg, Cg)
+                                 .transpose(0, 2, 1))
+                acc += prod.transpose(1, 0, 2).reshape(N * P * Q, spec.K)
     return acc.astype(np.int64).reshape(N, P, Q, spec.K)
 
 
@@ -317,13 +347,13 @@ def random_problem(spec: Spec, rng: np.random.Generator):
     """Fresh random logical inputs (x, w, bias, M, S, res) and requantize parameters that keep the outputs varied
     (schedules/reference.py: random_problem)."""
     xs = spec.shapes()[0][:-1] + (spec.C,)
-    ws = spec.shapes()[1][:-1] + (spec.C,)
+    ws = spec.shapes()[1][:-1] + (spec.C // spec.groups,)
     xlo, xhi = value_range(spec.x_dtype)
     wlo, whi = (-8, 7) if spec.w_bits == 4 else (-128, 127)
     x = rng.integers(xlo, xhi + 1, xs)
     w = rng.integers(wlo, whi + 1, ws)
     K = spec.K
-    kred = spec.R * spec.S * spec.C
+    kred = spec.R * spec.S * spec.C // spec.groups
     acc_std = max(1.0, np.sqrt(kred) * (xhi - xlo) / 3.5 * (whi - wlo) / 3.5)
     bias = rng.integers(-int(acc_std) - 1, int(acc_std) + 1, K).astype(np.int32)
     olo, ohi = value_range(spec.out_dtype)
@@ -525,6 +555,9 @@ def problem(entry: dict, seed: int, poison_seed: int | None = None, problems: Pr
         wfmt = ("cpu", json.dumps(entry["w_cpu"], sort_keys=True))
         w, b = cpu_weights(prob.arrays["w"], b, entry["w_cpu"])
         head = [xs, w, b, M, S]
+    elif entry.get("w_group"):  # (a grouped conv's CUDA-core kernel: its own weight layout)
+        wfmt = ("group", entry["w_group"])
+        head = [xs, group_weights(prob.arrays["w"], entry["w_group"]), b, M, S]
     else:
         head = [xs, weights(spec, prob.arrays["w"].astype(np.int64), *wfmt), b, M, S]
     return dict(spec=spec, head=head, res=prob.resargs, ref=prob.arrays["ref"], distinct=prob.distinct,
@@ -537,8 +570,8 @@ class Layer:
 
     ``shared``: a dict in which the device buffers of the shape's candidates are kept -- the inputs, the weights of
     each format, two poison buffers per output / workspace shape (drawn once per shape, copied on the device) -- so a
-    candidate uploads nothing but its library. Without it every buffer is uploaded and the poisons are drawn per
-    candidate (the rpc runner: a session per candidate)."""
+    candidate uploads nothing but its library (the local and offline runners per shape; the rpc runner per shape and
+    session). Without it every buffer is uploaded and the poisons are drawn per candidate."""
 
     def __init__(self, mod, entry: dict, dev, prob: dict, shared: dict | None = None):
         import tvm

@@ -5,9 +5,13 @@ against the NumPy reference with poisoned outputs, then the time):
 * ``local`` -- the GPU of this machine. Each batch is measured in a child process (measure.py's supervisor), so a
   candidate that crashes the CUDA context or hangs is reported ``run_error`` and the rest are measured.
 * ``rpc`` -- TVM's RPC tracker and one ``rpc_server`` per GPU (``--rpc-tracker HOST:PORT --rpc-key KEY``). The
-  candidates go to every server of the key at once, one thread per server, one session per candidate (a fresh
-  server process each, killed by the server after ``--measure-timeout`` seconds): N GPUs measure N candidates in
-  parallel. Inputs are made here and sent; the kernels' libraries are uploaded.
+  candidates go to every server of the key at once, one thread per server: N GPUs measure N candidates in
+  parallel. Each thread keeps its session (a server process) for as many candidates as fit in the session's time
+  limit, ``RPCRunner.SESSION_SPAN`` times ``--measure-timeout`` (a new session starts while at least one timeout
+  of it is left for each candidate), and a shape's inputs stay on the server while its candidates follow one
+  another; a candidate that fails at run time ends its session. The server kills a session at its limit: a
+  candidate that hangs holds its server for at most that long, and is recorded run_error. Inputs are made here
+  and sent; the kernels' libraries are uploaded.
 * ``offline`` -- for a GPU host that cannot reach this one: ``export(built, DIR)`` writes a self-contained batch
   (the libraries, manifest.json, measure.py, run.sh, README.txt); on the GPU host, with only NumPy and the TVM
   runtime, ``python measure.py . -o results.json``; ``import_results(results.json)`` reads the measurements back.
@@ -26,6 +30,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import time
 
 from qcompile.errors import QCompileError
 
@@ -221,12 +226,19 @@ class LocalRunner(Runner):
                 for b in built]
 
 
+def _run_error(entry: dict, seed: int, e: Exception) -> dict:
+    msg = " ".join(str(e).split())
+    return dict(id=entry["id"], status=RUN_ERROR, ms=None, seed=seed, detail=f"{type(e).__name__}: {msg[-300:]}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # rpc
 # ---------------------------------------------------------------------------------------------------------------
 class RPCRunner(Runner):
     """The servers of ``key`` at the tracker ``host:port``: one thread per server (or ``sessions``), each taking
-    candidates from a shared queue, one session per candidate."""
+    candidates from a shared queue through one session at a time (module docstring)."""
+
+    SESSION_SPAN = 4  # a session's time limit, in --measure-timeout units (a --no-fork session is a fresh process)
 
     def __init__(self, host: str, port: int, key: str, sessions: int = 0, device: str = "cuda",
                  timeout: float = 120.0, repeat: int = 7, min_repeat_ms: int = 20, seed: int | None = None,
@@ -252,8 +264,8 @@ class RPCRunner(Runner):
         n = sum(1 for s in summ.get("server_info", []) if s.get("key", "").split(":")[1:2] == [self.key])
         return max(n, summ.get("queue_info", {}).get(self.key, {}).get("free", 0))
 
-    def _session(self, tracker):
-        return tracker.request(self.key, priority=self.priority, session_timeout=self.timeout)
+    def _session(self, tracker, span: float | None = None):
+        return tracker.request(self.key, priority=self.priority, session_timeout=span or self.timeout)
 
     def _remote_device(self, sess):
         return sess.cuda(0) if self.kind == "cuda" else sess.cpu(0)
@@ -271,19 +283,48 @@ class RPCRunner(Runner):
             self._info = M.device_info(dev, self.kind, local=False)
         return _device_info(self._info)
 
-    def _measure_one(self, tracker, entry: dict, path: str) -> dict:
+    def _measure_one(self, sess, entry: dict, shared: dict) -> dict:
+        """One candidate through the open session ``sess``; its failure (an exception) is a run_error record."""
         seed = M.shape_seed(self.seed, entry)
         try:
-            sess = self._session(tracker)
-            sess.upload(path, entry["id"] + ".so")
-            mod = sess.load_module(entry["id"] + ".so")
-            rec = M.measure_entry(mod, entry, self._remote_device(sess), seed, self.repeat, self.min_repeat_ms,
-                                  poison_seed=M.candidate_seed(self.seed, entry["id"]), problems=self.problems)
-        except Exception as e:  # noqa: BLE001  (the candidate's failure; the session is dropped)
-            msg = " ".join(str(e).split())
-            rec = dict(id=entry["id"], status=RUN_ERROR, ms=None, seed=seed, detail=f"{type(e).__name__}: "
-                                                                                    f"{msg[-300:]}")
+            name = entry["id"] + ".so"
+            sess.upload(entry["so"], name)
+            rec = M.measure_entry(sess.load_module(name), entry, self._remote_device(sess), seed, self.repeat,
+                                  self.min_repeat_ms, poison_seed=M.candidate_seed(self.seed, entry["id"]),
+                                  problems=self.problems, shared=shared)
+        except Exception as e:  # noqa: BLE001  (the candidate's failure; the caller drops the session)
+            rec = _run_error(entry, seed, e)
         return dict(rec, candidate=M.candidate_info(entry))
+
+    def _worker(self, q: queue.Queue, prefetch, done) -> None:
+        """One thread: candidates from ``q`` through a session kept while at least ``timeout`` seconds of its limit
+        (``SESSION_SPAN`` timeouts) remain, a shape's device buffers kept between its candidates; ``done(record)``
+        for each."""
+        tracker = self._tracker()
+        span = self.timeout * self.SESSION_SPAN
+        sess, opened, shared, shape = None, 0.0, {}, None
+        while True:
+            try:
+                e = q.get_nowait()
+            except queue.Empty:
+                return
+            prefetch(e)
+            if sess is not None and time.monotonic() - opened + self.timeout > span:
+                sess, shared, shape = None, {}, None
+            if sess is None:
+                try:
+                    sess, opened = self._session(tracker, span), time.monotonic()
+                except Exception as ex:  # noqa: BLE001  (no session: this candidate's run_error)
+                    done(dict(_run_error(e, M.shape_seed(self.seed, e), ex), candidate=M.candidate_info(e)))
+                    continue
+            if M.spec_key(e) != shape:  # (a new shape: the last one's buffers freed on the server)
+                shared, shape = {}, M.spec_key(e)
+            r = self._measure_one(sess, e, shared)
+            if r["status"] == RUN_ERROR:  # (the session may be dead, or its device state spoiled)
+                sess, shared, shape = None, {}, None
+            elif r["status"] != OK:  # (a kernel that wrote outside its output may have spoiled the shared inputs)
+                shared, shape = {}, None
+            done(r)
 
     def measure(self, built: list[Built]) -> list[Measured]:
         entries = _entries(built, absolute=True)
@@ -308,24 +349,19 @@ class RPCRunner(Runner):
                 self.problems.prefetch(e, M.shape_seed(self.seed, e))
             lock = threading.Lock()
 
-            def loop():
-                tracker = self._tracker()
-                while True:
-                    try:
-                        e = q.get_nowait()
-                    except queue.Empty:
-                        return
-                    i = index[M.spec_key(e)]
-                    if e is firsts[i] and i + n + ahead < len(firsts):  # (a shape begins: draw one more ahead)
-                        nxt = firsts[i + n + ahead]
-                        self.problems.prefetch(nxt, M.shape_seed(self.seed, nxt))
-                    r = self._measure_one(tracker, e, e["so"])
-                    with lock:
-                        recs[e["id"]] = r
-                    if self.log:
-                        self.log(M._line(r))
+            def prefetch(e):
+                i = index[M.spec_key(e)]
+                if e is firsts[i] and i + n + ahead < len(firsts):  # (a shape begins: draw one more ahead)
+                    nxt = firsts[i + n + ahead]
+                    self.problems.prefetch(nxt, M.shape_seed(self.seed, nxt))
 
-            threads = [threading.Thread(target=loop, daemon=True) for _ in range(min(n, len(entries)))]
+            def done(r):
+                with lock:
+                    recs[r["id"]] = r
+                if self.log:
+                    self.log(M._line(r))
+
+            threads = [threading.Thread(target=self._worker, args=(q, prefetch, done), daemon=True) for _ in range(min(n, len(entries)))]
             for t in threads:
                 t.start()
             for t in threads:

@@ -3,9 +3,10 @@
 ``extract_tasks(model, arch, batches, layout, ...)`` imports the model as ``qcompile`` does (``driver.import_model``:
 ONNX QDQ, float ONNX with ``--bits``/``--calibrate``, PT2E, HAWQ) once per batch size, and runs the compilation
 pipeline (``pipeline.qcompile_pipeline``) as far as the kernel dispatch -- integer lowering and
-``DispatchTensorCore``, no packing, no backend, no nvcc. The dispatcher leaves, per tensor-core layer, the kernel it
-planned (``PipelineRecord.planned``: the ConvSpec after the stem's space-to-depth rewrite, the strategy
-``select_strategy`` took, the knobs the logs gave). Layers with the same ``tuning_key(spec)`` and strategy are one
+``DispatchTensorCore``, no packing, no backend, no nvcc. The dispatcher leaves, per tensor-core layer and per grouped
+conv (``depthwise`` / ``grouped``, the CUDA-core kernels; ``spec.groups`` > 1), the kernel it planned
+(``PipelineRecord.planned``: the ConvSpec after the stem's space-to-depth rewrite, the strategy ``select_strategy``
+or ``grouped_strategy`` took, the knobs the logs gave). Layers with the same ``tuning_key(spec)`` and strategy are one
 task: one record serves them all, and the task's weight is how many layers use it. With ``target="llvm"`` the
 pipeline runs as far as the CPU kernels' dispatch (``DispatchCPU``) for this host's build target instead: each NHWC
 layer on a CPU kernel is a ``cpu_direct`` task whose ``arch`` is the inner kernel (:func:`cpu_arch`).
@@ -38,6 +39,9 @@ LAUNCH_MS = 0.003  # a kernel's fixed cost (launch, fill and drain), CUDA graph 
 CPU_PEAKS = {"cpu_direct_vnni": (768.0, 20.0), "cpu_direct_avxvnni": (384.0, 20.0), "cpu_direct_avx2": (192.0, 20.0),
              "cpu_direct_sdot": (192.0, 20.0)}
 CPU_CALL_MS = 0.005  # a CPU kernel call's fixed cost (the thread pool's fork and join)
+# The grouped convs' CUDA-core kernels (``depthwise``, ``grouped``: dp4a on the integer ALUs): nominal int8 TOPS of
+# the reference part (SMs x 64 dp4a a clock x 8 ops x boost clock)
+DP4A_TOPS = {"sm_75": 32.6, "sm_80": 78.0, "sm_86": 62.0, "sm_89": 60.0, "sm_90": 115.0}
 
 
 @dataclass
@@ -81,7 +85,7 @@ def estimate_ms(spec: ConvSpec, arch: str) -> float:
     """Roofline time of one conv on ``arch`` (``ARCH_PEAKS``; another sm_9x takes sm_90's; a CPU kernel:
     ``CPU_PEAKS`` times this host's cores)."""
     x = spec.N * spec.H * spec.W * spec.C * spec.x_bits / 8
-    w = spec.K * spec.R * spec.S * spec.C * spec.w_bits / 8
+    w = spec.K * spec.R * spec.S * spec.C // spec.groups * spec.w_bits / 8
     out = spec.N * spec.P * spec.Q * spec.K * spec.out_bits / 8
     res = out if spec.has_residual else 0
     if arch in CPU_PEAKS:
@@ -90,9 +94,12 @@ def estimate_ms(spec: ConvSpec, arch: str) -> float:
         gops, bw = CPU_PEAKS[arch]
         peak = gops * (os.cpu_count() or 1)
         return max(2 * spec.macs() / (peak * 1e6), (x + w + out + res) / (bw * 1e6)) + CPU_CALL_MS
-    i8, i4, bw = ARCH_PEAKS.get(arch, ARCH_PEAKS["sm_90" if arch.startswith("sm_9") else "sm_80"])
+    ref = "sm_90" if arch.startswith("sm_9") else arch if arch in ARCH_PEAKS else "sm_80"
+    i8, i4, bw = ARCH_PEAKS[ref]
     peak = i4 if spec.x_bits == 4 and spec.w_bits == 4 else i8
-    return max(2 * spec.macs() / (peak * 1e9), (x + w + out + res) / (bw * 1e6)) + LAUNCH_MS
+    if spec.groups != 1:  # (depthwise / grouped: dp4a on CUDA cores, C / groups channels per output)
+        peak = DP4A_TOPS[ref]
+    return max(2 * spec.macs() // spec.groups / (peak * 1e9), (x + w + out + res) / (bw * 1e6)) + LAUNCH_MS
 
 
 def set_shares(tasks: list, measured: bool = True) -> None:

@@ -612,6 +612,9 @@ def _plan_grid(v: dict) -> dict:
         if A_ALLOC > ai.smem_per_block:
             raise NotApplicable(f"{A_ALLOC // 1024} KiB of shared tiles exceed the {ai.smem_per_block // 1024} KiB "
                                 f"per block of {arch}")
+    if not WG and A_ALLOC + B_ALLOC > ai.smem_per_block:  # (mma.sync: the A ring or staging tile beside the B ring)
+        raise NotApplicable(f"{(A_ALLOC + B_ALLOC) // 1024} KiB of shared tiles exceed the "
+                            f"{ai.smem_per_block // 1024} KiB per block of {arch}")
     CS_IT = 16 * WTN // (32 * EV)
     LPR = WTN // EV  # lanes per staged row
     HOIST = 32 % LPR == 0  # then a lane's output channels do not change between the rows it writes
@@ -657,16 +660,17 @@ def _plan_grid(v: dict) -> dict:
     MINB_ON = MINB > 0
     # registers: a wgmma instruction's accumulators (INS_N / 2 per thread) and its operands must fit under the cap that
     # the launch bounds (MINB blocks of NTH threads) put on each thread -- ptxas refuses the kernel otherwise ("C7602
-    # Insufficient registers": 40 for an m64n96 wgmma needing 74, H100 reliability run); an mma.sync warp tile of more
-    # than 1024 accumulators per thread spills so much that ptxas runs for minutes (2048 did not build in 90 s)
+    # Insufficient registers": 40 for an m64n96 wgmma needing 74, H100 reliability run); an mma.sync warp tile whose
+    # accumulators alone outnumber the 255 registers of a thread spills, and ptxas runs for minutes on it (512 per
+    # thread did not build in 60 s, 2048 not in 90 s: H100 reliability runs)
     INS_N, WTM = v["INS_N"], v["WTM"]
     REG_CAP = min(255, 65536 // (NTH * MINB) // 8 * 8) if MINB_ON else 255
     if WG and REG_CAP < INS_N // 2 + 26:
         raise NotApplicable(f"launch bounds of {MINB} blocks x {NTH} threads leave {REG_CAP} registers per thread; "
                             f"an m64n{INS_N} wgmma needs {INS_N // 2 + 26}")
-    if not WG and WTM * WTN // 32 > 1024:
-        raise NotApplicable(f"a {WTM}x{WTN} warp tile is {WTM * WTN // 32} accumulators per thread (the register "
-                            "file holds 255): more than 1024 spill beyond what ptxas builds in reasonable time")
+    if not WG and WTM * WTN // 32 > 255:
+        raise NotApplicable(f"a {WTM}x{WTN} warp tile is {WTM * WTN // 32} accumulators per thread, more than the 255 "
+                            "registers of a thread: it spills, and ptxas takes minutes on it")
     R_SIZE = math.prod(res_shape)
 
     return {k: x for k, x in locals().items() if k in _FIELDS}

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import math
 
-from qcompile.schedules.space import KernelSpace
+from qcompile.schedules.space import SPACES, KernelSpace
 from qcompile.schedules.spec import ConvSpec, GemmKnobs
 from qcompile.tune.common import BUILD_ERROR, MISMATCH, OK, Builder, Built, DeviceInfo, Measured, Runner
 from qcompile.tune.tasks import Task, estimate_ms
 
+_REAL_GEMM = SPACES["implicit_gemm"]  # (taken before a test puts the fake space in its place)
 DIMS = {"BM": (32, 64, 128, 256), "BN": (32, 64, 128, 256), "BK": (32, 64, 128), "stages": (2, 3, 4, 5)}
 
 
 def _legal(spec, arch, kn, sms=None):
     if kn.BM * kn.BN > 128 * 256:
         return "tile too large"
-    return None if kn.valid() else "not valid"
+    if not kn.valid():
+        return "not valid"
+    # (a log's records are read back through the real space's check -- parse_record -- so what it refuses, e.g. warp
+    # tiles beyond the register file or shared tiles beyond a block's, is refused here too)
+    return _REAL_GEMM.legal(spec, arch, kn, sms)
 
 
 def _effective(spec, arch, kn, sms=None):

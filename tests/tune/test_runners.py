@@ -93,7 +93,8 @@ def _wait_port(port, proc, secs=120):
 
 def test_rpc_runner_on_loopback(built, runtime_only_tvm, tmp_path):  # noqa: F811
     """A TVM RPC tracker and two rpc_servers of runtime-only TVM on 127.0.0.1: the runner finds both servers,
-    asks the device from a server, measures every candidate through its own session and gets the local records."""
+    asks the device from a server, measures every candidate and gets the local records; one thread keeps one
+    session across its candidates."""
     pytest.importorskip("tornado", reason="TVM's RPC tracker needs tornado")
     tp = _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(tp),
@@ -115,6 +116,13 @@ def test_rpc_runner_on_loopback(built, runtime_only_tvm, tmp_path):  # noqa: F81
         assert runner.servers() == 2
         assert runner.device().arch == "cpu"
         _check(runner.measure(built), built)
+        one = RN.RPCRunner("127.0.0.1", tp, "cpu-test", sessions=1, device="cpu", repeat=3, min_repeat_ms=1)
+        one.device()
+        opened = []
+        session = one._session
+        one._session = lambda *a, **k: opened.append(1) or session(*a, **k)
+        _check(one.measure(built), built)
+        assert len(opened) == 1  # (one thread: one session, kept across its candidates)
         with pytest.raises(QCompileError, match="no server of key"):
             RN.RPCRunner("127.0.0.1", tp, "no-such-key", device="cpu").device()
     finally:
@@ -188,3 +196,45 @@ def test_problem_cache_keeps_its_seed_and_problems_across_runners(built, tmp_pat
     afile.write_text("")
     with pytest.raises(QCompileError, match="--problem-cache"):
         RN.problem_seed(str(afile))
+
+
+def test_rpc_worker_keeps_sessions_and_their_buffers(monkeypatch):
+    """RPCRunner._worker with a fake tracker and sessions: one session serves candidates while a whole timeout of its
+    limit (SESSION_SPAN timeouts) is left, then a new one starts; a run_error ends the session; a shape's buffers
+    (``shared``) are kept across its candidates, dropped at a new shape and after a mismatch."""
+    import queue
+
+    from qcompile.tune.common import MISMATCH, RUN_ERROR
+
+    clock = [0.0]
+    monkeypatch.setattr(RN.time, "monotonic", lambda: clock[0])
+    r = RN.RPCRunner("127.0.0.1", 1, "k", timeout=10.0, seed=0)
+    monkeypatch.setattr(r, "_tracker", lambda: object())
+    sessions = []
+    monkeypatch.setattr(r, "_session", lambda tracker, span: sessions.append(span) or len(sessions))
+    # (shape, status, seconds the candidate takes)
+    plan = [("a", OK, 1), ("a", OK, 1), ("a", MISMATCH, 1), ("a", OK, 1), ("b", RUN_ERROR, 1), ("b", OK, 1),
+            ("b", OK, 30), ("b", OK, 1)]
+    seen = []
+
+    def measure_one(sess, e, shared):
+        shared.setdefault("n", 0)
+        shared["n"] += 1
+        seen.append((e["id"], sess, shared["n"]))
+        clock[0] += e["secs"]
+        return dict(id=e["id"], status=e["status"])
+
+    monkeypatch.setattr(r, "_measure_one", measure_one)
+    monkeypatch.setattr(RN.M, "spec_key", lambda e: e["shape"])
+    monkeypatch.setattr(RN.M, "shape_seed", lambda seed, e: 0)
+    q = queue.Queue()
+    for i, (shape, status, secs) in enumerate(plan):
+        q.put(dict(id=f"c{i}", shape=shape, status=status, secs=secs))
+    done = []
+    r._worker(q, lambda e: None, done.append)
+    assert [d["id"] for d in done] == [f"c{i}" for i in range(len(plan))]
+    assert sessions == [40.0] * 3
+    # c0-c3 in session 1 (buffers kept, dropped after the mismatch c2); c4's run_error ends it; c5, c6 in session 2;
+    # c7 starts session 3: session 2 opened at 5 s, and after c6 (36 s) 9 s of its 40 are left, less than a timeout
+    assert seen == [("c0", 1, 1), ("c1", 1, 2), ("c2", 1, 3), ("c3", 1, 1), ("c4", 1, 1), ("c5", 2, 1), ("c6", 2, 2),
+                    ("c7", 3, 1)]
