@@ -1,4 +1,5 @@
-"""qcompile.models: torchvision-shaped ResNets, post-training quantization, exporters and the digits example.
+"""qcompile.models: torchvision-shaped CNNs (ResNet, ResNeXt, MobileNetV2/V3, EfficientNet, DenseNet, VGG),
+post-training quantization, exporters and the digits example.
 
     from qcompile.models import build_model, quantize_model
     qm = quantize_model(build_model("resnet18"), calib_nchw, bits=4, arch="resnet18")
@@ -17,6 +18,7 @@ _WHERE = {
                      "quant_points", "quantize_model"), "quantize"),
     **dict.fromkeys(("MODELS", "ModelSpec", "build_model", "get_spec", "resnet18", "resnet50", "resnet_tiny",
                      "resnext50_32x4d", "resnext_tiny"), "resnet"),
+    **dict.fromkeys(("vgg16", "vgg_tiny"), "vgg"),
 }
 __all__ = sorted(_WHERE)
 

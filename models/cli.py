@@ -1,10 +1,12 @@
 """``qmodel``: build (or load), quantize and export an example CNN (ResNet, ResNeXt, MobileNetV2/V3, EfficientNet,
-DenseNet).
+DenseNet, VGG).
 
     qmodel digits --bits 8 -o digits.onnx --save-input x.npy --save-labels y.npy
     qmodel digits --net mobilenet_v2_tiny --bits 4 --save-input x.npy --save-labels y.npy
     qmodel resnet18 --bits 4 --format onnx -o r18_w4.onnx
     qmodel resnet50 --bits mixed --format pt2 --input-size 64
+    qmodel resnet50 --input-size 224x160 -o r50_224x160.onnx       # non-square: H x W (224 high, 160 wide)
+    qmodel vgg16 --bits 4 -o vgg16_w4.onnx
     qmodel mobilenet_v2_tiny --format pt2 --quantizer x86 -o mv2_x86.pt2     # torchao's X86InductorQuantizer
     qmodel resnet_tiny --in-ch 1 --input-size 8 --weights out/digits/resnet_tiny_digits.pt \\
            --calibrate out/digits/calib.npy --bits 8 --format hawq -o tiny.hawq.pth
@@ -31,8 +33,9 @@ FORMAT_SUFFIXES = {"onnx": (".onnx",), "pt2": (".pt2",), "hawq": (".pth", ".pt",
 # the networks of models/resnet.py (MODELS), named here so that --help and the argument checks import no torch
 MODEL_NAMES = ("resnet18", "resnet50", "resnet_tiny", "resnext50_32x4d", "resnext_tiny", "mobilenet_v2",
                "mobilenet_v2_tiny", "mobilenet_v3_large", "mobilenet_v3_tiny", "efficientnet_b0", "efficientnet_tiny",
-               "densenet121", "densenet_tiny")
-# the networks of models/mobile.py: quantized by onnxruntime's quantize_static (8 or 4 bits) and written as ONNX QDQ
+               "densenet121", "densenet_tiny", "vgg16", "vgg_tiny")
+# the networks of models/mobile.py and models/vgg.py: quantized by onnxruntime's quantize_static (8 or 4 bits) and
+# written as ONNX QDQ
 ORT_QUANTIZED = MODEL_NAMES[5:]
 # the networks ``digits --net`` trains (models/digits.py, NETS) and the names of their files (-o's default)
 DIGITS_NETS = {"resnet_tiny": "digits", "mobilenet_v2_tiny": "digits_mobilenet_v2", "resnext_tiny": "digits_resnext"}
@@ -72,7 +75,8 @@ def _quiet_torch_logs() -> None:
 def _parser() -> argparse.ArgumentParser:
     from qcompile.errors import OneLineArgumentParser
 
-    ap = OneLineArgumentParser(prog="qmodel", description="Quantize a ResNet (PTQ) and export it.",
+    ap = OneLineArgumentParser(prog="qmodel", description="Build an example CNN, quantize it (post-training) and "
+                                                          "export it (ONNX QDQ, PT2E program or HAWQ checkpoint).",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("model", help=f"one of: {', '.join(MODEL_NAMES)}, digits (a small net trained on scikit-learn's "
                                   "digits in a few seconds, see --net; the others have random weights)")
@@ -92,7 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--percentile", type=float, default=99.99)
     ap.add_argument("--residual-bits", type=int, default=4,
                     help="--bits 4 only: width of the tensors feeding residual adds (4 or 8)")
-    ap.add_argument("--input-size", type=int, help="H = W (default: the model's, 224 for resnet18/50)")
+    ap.add_argument("--input-size", metavar="N|HxW",
+                    help="input height and width: N (square, N x N) or HxW, height first as in NCHW (224x160: 224 "
+                         "high, 160 wide); default: the model's (224 for the full-size models, 32 for the *_tiny "
+                         "ones, 64 for vgg_tiny)")
     ap.add_argument("--in-ch", type=int, help="input channels (default 3)")
     ap.add_argument("--num-classes", type=int, help="classifier size (default: the model's)")
     ap.add_argument("--weights", help="float state_dict (.pt) to load instead of random init")
@@ -154,7 +161,8 @@ def _check_args(args) -> list:
         raise _Fail(f"unknown --net {args.net!r}; choose from: {', '.join(DIGITS_NETS)}")
     if args.model == "digits" and args.epochs < 1:
         raise _Fail(f"--epochs must be at least 1, got {args.epochs}")
-    if args.model == "digits" and (args.weights or args.in_ch not in (None, 1) or args.input_size not in (None, 8)
+    args.input_hw = _input_hw(args.input_size)
+    if args.model == "digits" and (args.weights or args.in_ch not in (None, 1) or args.input_hw not in (None, (8, 8))
                                    or args.num_classes not in (None, 10)):
         raise _Fail("digits is trained here (1x8x8 input, 10 classes): --weights, --in-ch, --input-size and "
                     "--num-classes do not apply to it")
@@ -175,7 +183,10 @@ def _check_args(args) -> list:
                     "{layer_name: [w_bits, a_bits]} with widths 4 or 8")
     if args.residual_bits not in (4, 8):
         raise _Fail(f"unsupported --residual-bits {args.residual_bits} (4 or 8)")
-    for flag, v, least in (("--input-size", args.input_size, 1), ("--in-ch", args.in_ch, 1),
+    if args.format == "hawq" and args.input_hw is not None and args.input_hw[0] != args.input_hw[1]:
+        raise _Fail(f"--format hawq records one input size (H = W); --input-size {args.input_size} is not square: "
+                    f"use --format onnx or pt2")
+    for flag, v, least in (("--in-ch", args.in_ch, 1),
                            ("--num-classes", args.num_classes, 1), ("--calib-samples", args.calib_samples, 1),
                            ("--batch", args.batch, 0)):
         if v is not None and v < least:
@@ -200,6 +211,23 @@ def _check_args(args) -> list:
         others = [(f"{f} output", q) for f, q, _, _ in outs[:i]]
         check_output_path(p, flag, inputs + others, suffixes=suffixes, why=why)
     return [p for _, p, _, _ in outs]
+
+
+def _input_hw(text):
+    """``--input-size``: "N" (N x N) or "HxW" (also "HXW", "H*W") -> (H, W) of positive integers; None -> None."""
+    if text is None:
+        return None
+    import re
+
+    m = re.fullmatch(r"\s*(-?\d+)\s*(?:[xX*]\s*(\d+)\s*)?", str(text))
+    if m and m.group(2) is None and int(m.group(1)) < 1:
+        raise _Fail(f"--input-size must be a positive integer, got {int(m.group(1))} (or HxW: height x width, "
+                    f"e.g. 224x160)")
+    hw = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
+    if min(hw) >= 1:
+        return hw
+    raise _Fail(f"--input-size must be N (a positive integer, N x N) or HxW (height x width, e.g. 224x160), "
+                f"got {text!r}")
 
 
 def _check_quantizer(args) -> None:
@@ -271,13 +299,17 @@ def _random_or_loaded(args, say):
 
         calib = read_image_array(args.calibrate, "--calibrate data")
     in_ch = args.in_ch or (calib.shape[1] if calib is not None else spec.input_shape[1])
-    size = args.input_size or (calib.shape[2] if calib is not None else spec.input_shape[2])
-    if calib is not None and tuple(calib.shape[1:]) != (in_ch, size, size):
+    h, w = args.input_hw or (tuple(calib.shape[2:]) if calib is not None else spec.input_shape[2:])
+    if calib is not None and tuple(calib.shape[1:]) != (in_ch, h, w):
         raise _Fail(f"--calibrate data '{args.calibrate}' has shape {calib.shape}; the model takes "
-                    f"(N, {in_ch}, {size}, {size}) (--in-ch, --input-size)")
-    shape = (1, in_ch, size, size)
+                    f"(N, {in_ch}, {h}, {w}) (--in-ch, --input-size)")
+    shape = (1, in_ch, h, w)
+    if args.format == "hawq" and h != w:
+        raise _Fail(f"--format hawq records one input size (H = W); --calibrate data '{args.calibrate}' is {h}x{w}: "
+                    f"use --format onnx or pt2")
 
     model = build_model(args.model, num_classes=args.num_classes, in_ch=in_ch, seed=args.seed)
+    _check_input_hw(args.model, model, shape)
     if args.weights:
         state = _load_weights(args.weights)
         try:
@@ -298,6 +330,27 @@ def _random_or_loaded(args, say):
     else:
         say(f"calibrating on {args.calibrate} ({calib.shape[0]} samples)")
     return model, calib, shape
+
+
+def _check_input_hw(name: str, model, shape: tuple) -> None:
+    """Refuse an input ``shape`` (1, C, H, W) the network cannot take: VGG's adaptive pool exports only as a fixed
+    pool (models/vgg.py); every network needs at least one pixel per side where its pools and convs leave it (a
+    forward pass on the meta device tells: shapes only, no arithmetic and no copy of the weights)."""
+    from torch.func import functional_call
+
+    from .vgg import VGG, check_input_hw
+
+    h, w = shape[2:]
+    err = check_input_hw(model, h, w) if isinstance(model, VGG) else None
+    if err is None:
+        meta = {k: v.to("meta") for k, v in [*model.named_parameters(), *model.named_buffers()]}
+        try:
+            with torch.no_grad():
+                functional_call(model, meta, (torch.zeros(shape, device="meta"),))
+        except RuntimeError as e:
+            err = f"input {h}x{w} is too small ({str(e).splitlines()[0][:160]})"
+    if err:
+        raise _Fail(f"{name} --input-size: {err}")
 
 
 def _quantize_export(args, say, model, calib, shape, test) -> None:

@@ -206,7 +206,7 @@ def randomize_bn(model: nn.Module, seed: int = 0) -> nn.Module:
 class ModelSpec:
     """Registry entry: ``builder(num_classes=, in_ch=)`` and the default NCHW input shape."""
     name: str
-    builder: Callable[..., ResNet]
+    builder: Callable[..., nn.Module]
     input_shape: tuple[int, int, int, int]
     num_classes: int
 
@@ -227,6 +227,12 @@ for _name in ORT_QUANTIZED:
     _full = not _name.endswith("_tiny")
     MODELS[_name] = ModelSpec(_name, getattr(_mobile, _name), (1, 3, 224, 224) if _full else (1, 3, 32, 32),
                               1000 if _full else 10)
+# VGG (.vgg), quantized the same way; vgg_tiny's 64x64 input ends at 2x2 after its five max pools
+from . import vgg as _vgg  # noqa: E402
+
+MODELS["vgg16"] = ModelSpec("vgg16", _vgg.vgg16, (1, 3, 224, 224), 1000)
+MODELS["vgg_tiny"] = ModelSpec("vgg_tiny", _vgg.vgg_tiny, (1, 3, 64, 64), 10)
+ORT_QUANTIZED += ("vgg16", "vgg_tiny")
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -237,7 +243,7 @@ def get_spec(name: str) -> ModelSpec:
 
 
 def build_model(name: str, num_classes: Optional[int] = None, in_ch: int = 3,
-                seed: int = 0) -> ResNet:
+                seed: int = 0) -> nn.Module:
     """Seeded random model in eval mode: ``torch.manual_seed(seed)`` init, then :func:`randomize_bn`."""
     spec = get_spec(name)
     with torch.random.fork_rng():

@@ -446,6 +446,56 @@ def test_cli(tmp_path, capsys):
     assert "resnet19" in err and "'3'" in err and "tflite" in err
 
 
+def test_cli_input_size(tmp_path, capsys):
+    """--input-size N or HxW (height first): the exported input, the saved sample and the calibration check follow
+    it; a spelling that is neither, a non-square HAWQ checkpoint and a size the network cannot take are refused with
+    one line each."""
+    from qcompile.models.cli import _input_hw, main
+
+    assert _input_hw("12") == (12, 12) and _input_hw("24x40") == (24, 40) and _input_hw(" 24X40 ") == (24, 40)
+    out, xin = tmp_path / "ns.onnx", tmp_path / "x.npy"
+    assert main(["resnet_tiny", "--input-size", "12x20", "-o", str(out), "--save-input", str(xin), "-q"]) == 0
+    dims = [d.dim_value for d in onnx.load(str(out)).graph.input[0].type.tensor_type.shape.dim]
+    assert dims == [1, 3, 12, 20] and np.load(xin).shape == (1, 3, 12, 20)
+    calib = tmp_path / "c.npy"
+    np.save(calib, _data(4, (1, 3, 12, 20), 4).numpy())
+    assert main(["vgg_tiny", "--input-size", "64x128", "-o", str(tmp_path / "v.onnx"), "-q"]) == 0
+    bad = [["resnet_tiny", "--input-size", s] for s in ("0x5", "12x", "axb", "1x2x3", "-4")]
+    bad += [["resnet_tiny", "--input-size", "12x20", "--format", "hawq"],
+            ["resnet_tiny", "--calibrate", str(calib), "--format", "hawq"],
+            ["resnet_tiny", "--calibrate", str(calib), "--input-size", "20x12"],
+            ["vgg_tiny", "--input-size", "64x96"], ["densenet_tiny", "--input-size", "1"]]
+    for argv in bad:
+        assert main(argv + ["-q", "-o", str(tmp_path / ("bad.pth" if "hawq" in argv else "bad.onnx"))]) == 2, argv
+    err = capsys.readouterr().err
+    assert err.count("--input-size must be N (a positive integer, N x N) or HxW") == 4
+    assert "--input-size must be a positive integer, got -4" in err
+    assert err.count("--format hawq records one input size (H = W)") == 2
+    assert "has shape (4, 3, 12, 20); the model takes (N, 3, 20, 12)" in err
+    assert "vgg_tiny --input-size: input 64x96 gives a 2x3 feature map, not a multiple of" in err
+    assert "densenet_tiny --input-size: input 1x1 is too small" in err
+    assert not (tmp_path / "bad.onnx").exists() and not (tmp_path / "bad.pth").exists()
+
+
+def test_input_hw_check_on_meta_device(monkeypatch):
+    """``qmodel``'s input-size check (``_check_input_hw``) runs the network on the meta device: every conv sees meta
+    tensors (no arithmetic), the model's own weights stay where they are, and a size the network cannot take is still
+    refused (densenet_tiny at 1x1) while its default size and vgg16's 224x224 pass."""
+    from qcompile.models.cli import _check_input_hw, _Fail
+
+    seen = []
+    conv2d = torch.nn.functional.conv2d
+    monkeypatch.setattr(torch.nn.functional, "conv2d", lambda x, *a, **k: (seen.append(x.device.type),
+                                                                            conv2d(x, *a, **k))[1])
+    for net in ("densenet_tiny", "vgg16"):
+        model = build_model(net)
+        _check_input_hw(net, model, MODELS[net].input_shape)
+        assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert seen and set(seen) == {"meta"}
+    with pytest.raises(_Fail, match="densenet_tiny --input-size: input 1x1 is too small"):
+        _check_input_hw("densenet_tiny", build_model("densenet_tiny"), (1, 3, 1, 1))
+
+
 @pytest.mark.parametrize("net, files, key", [
     ("resnet_tiny", ("digits_int8.onnx", "digits_int4.onnx", "digits_mixed.onnx", "digits_int8.hawq.pth"),
      "int4_fakequant"),

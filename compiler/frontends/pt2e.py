@@ -4,9 +4,15 @@ The program's ``quantized_decomposed.quantize_per_tensor`` / ``dequantize_per_te
 ``dequantize_per_channel`` nodes map one to one onto the QDQ form (``qcompile.qdq``); their
 ``quant_min``/``quant_max`` give the bit width (``-8, 7`` on int8 is INT4, ``0, 15`` on uint8 is
 UINT4); int32 ``dequantize_per_channel`` of a constant is a bias. Float ATen ops between them:
-conv2d, linear, relu, hardtanh (ReLU6), add, max_pool2d, adaptive_avg_pool2d / mean (global), flatten,
-view / reshape, batch norm (inference), dropout / clone (identity); in-place variants (``relu_``,
-``hardtanh_``, ``add_``) alike.
+conv2d (grouped, depthwise), linear, relu, hardtanh (ReLU6), add, mul (of two tensors: squeeze-excitation; or by a
+constant), cat, max_pool2d, avg_pool2d (k x k), adaptive_avg_pool2d (global, or an output size that divides the
+input's: VGG's 7x7), mean (global), flatten, view / reshape, batch norm (inference), dropout / clone (identity), and
+the element-wise functions hardswish, hardsigmoid, silu, sigmoid, tanh (torch's formulas in float ops; the integer
+lowering makes each a lookup table over its quantized input); in-place variants (``relu_``, ``hardswish_``,
+``silu_``, ``add_``, ...) alike. An element-wise function or an average pool needs a dequantized input:
+X86InductorQuantizer fuses hardswish / SiLU into the conv before them and leaves their input in float (as it leaves
+DenseNet's last BN + ReLU before the pool); those stop with the node, the op and the float input
+(:meth:`_Importer._quantized`).
 
 torchao's standard quantizers (``X86InductorQuantizer``, ``XNNPACKQuantizer``; see
 ``qcompile.models.pt2e_quantizers``) write the same ops with: asymmetric uint8 / int8 activations (zero
@@ -57,6 +63,19 @@ def load_pt2(path: str):
 def _target_name(t) -> str:
     s = str(t)
     return s.split(".default")[0] if s.endswith(".default") else s
+
+
+def _op_short(node) -> str:
+    """``relu`` for ``aten.relu_.default`` (the op, in-place variants as their functional form)."""
+    s = str(node.target).split("aten.")[-1].split(".")[0]
+    return s[:-1] if s.endswith("_") and not s.startswith("_") else s
+
+
+# float ops whose outputs are not a quantized tensor (accumulators, sums, products, per-channel affine maps), and the
+# ops an element-wise function may look through to one
+_FLOAT_COMPUTE = frozenset({"conv2d", "linear", "add", "mul", "batch_norm", "_native_batch_norm_legit_no_training",
+                            "adaptive_avg_pool2d", "mean", "avg_pool2d"})
+_PASS_THROUGH = frozenset({"relu", "hardtanh", "dropout", "clone", "contiguous", "flatten", "view", "reshape"})
 
 
 class _Importer:
@@ -252,6 +271,105 @@ class _Importer:
 
     op_add_ = op_add
 
+    # element-wise functions: tables over the quantized input where a quantize/dequantize pair surrounds them
+    # (see LowerQDQToInteger); torch's own formulas in float ops
+    def _f32(self, v):
+        from tvm import relax
+
+        return relax.const(np.float32(v), "float32")
+
+    def _hardsigmoid(self, x, name):
+        """``relu6(x + 3) / 6`` (torch's hardsigmoid)."""
+        from tvm import relax
+
+        t = self.b.emit(relax.op.add(x, self._f32(3.0)), name + "_add3")
+        t = self.b.emit(relax.op.clip(t, 0.0, 6.0), name + "_relu6")
+        return self.b.emit(relax.op.divide(t, self._f32(6.0)), name)
+
+    def _quantized(self, node, x):
+        """The value of ``x``, an element-wise function's or an average pool's operand: a dequantized tensor (its
+        integer lowering is a lookup table over the quantized input, or an integer window sum). A float value (the
+        output of a conv or another float op that X86InductorQuantizer leaves unquantized before the function) has no
+        integer lowering: one error naming the node and the op."""
+        src = x
+        while getattr(src, "op", "") == "call_function" and src.args and (_op_short(src) in _PASS_THROUGH
+                                                                          or "getitem" in str(src.target)):
+            src = src.args[0]  # (a clamp or an identity of a dequantized tensor is still a function of it)
+        if getattr(src, "op", "") == "call_function" and _op_short(src) in _FLOAT_COMPUTE:
+            raise UnsupportedOpError(_target_name(node.target), node.name, f"its input '{x.name}' is the float output "
+                                     f"of '{src.name}' ({_target_name(src.target)}), not a quantized tensor; this op "
+                                     f"lowers to integers only on a dequantized input (XNNPACKQuantizer quantizes it)")
+        return self.val(x, node)
+
+    def op_hardsigmoid(self, node, x):
+        return self._hardsigmoid(self._quantized(node, x), node.name)
+
+    def op_hardswish(self, node, x):
+        """``x * hardsigmoid(x)``."""
+        from tvm import relax
+
+        v = self._quantized(node, x)
+        return self.b.emit(relax.op.multiply(v, self._hardsigmoid(v, node.name + "_hardsigmoid")), node.name)
+
+    def op_sigmoid(self, node, x):
+        from tvm import relax
+
+        return self.b.emit(relax.op.sigmoid(self._quantized(node, x)), node.name)
+
+    def op_tanh(self, node, x):
+        from tvm import relax
+
+        return self.b.emit(relax.op.tanh(self._quantized(node, x)), node.name)
+
+    def op_silu(self, node, x):
+        from tvm import relax
+
+        return self.b.emit(relax.op.nn.silu(self._quantized(node, x)), node.name)
+
+    op_hardsigmoid_, op_hardswish_, op_sigmoid_, op_tanh_, op_silu_ = (op_hardsigmoid, op_hardswish, op_sigmoid,
+                                                                      op_tanh, op_silu)
+
+    def op_mul(self, node, a, b):
+        """The product of two tensors (squeeze-and-excitation's channel scaling) or of a tensor and a constant."""
+        from tvm import relax
+
+        ins = []
+        for v in (a, b):
+            if isinstance(v, (int, float)):
+                ins.append(self._f32(v))
+            elif v.name in self.consts and v.name not in self.vals:
+                ins.append(self.b.const(np.asarray(self.consts[v.name], np.float32)))
+            else:
+                ins.append(self.val(v, node))
+        return self.b.emit(relax.op.multiply(ins[0], ins[1]), node.name)
+
+    op_mul_ = op_mul
+
+    def op_cat(self, node, xs, dim=0):
+        """Concatenation (DenseNet); of one tensor, the tensor itself."""
+        from tvm import relax
+
+        vs = [self.val(x, node) for x in xs]
+        if len(vs) == 1:
+            return vs[0]
+        return self.b.emit(relax.op.concat(vs, axis=int(dim)), node.name)
+
+    op_concat = op_cat
+
+    def op_avg_pool2d(self, node, x, k, stride=None, padding=(0, 0), ceil_mode=False, count_include_pad=True,
+                      divisor_override=None):
+        """A k x k average pool (DenseNet's 2x2 transition pool)."""
+        from tvm import relax
+
+        if divisor_override is not None:
+            raise UnsupportedOpError("avg_pool2d", node.name, f"divisor_override={divisor_override} is not supported")
+        pair = lambda v: [int(i) for i in v] * (2 // len(v)) if isinstance(v, (list, tuple)) else [int(v)] * 2  # noqa: E731
+        k = pair(k)
+        stride = pair(stride) if stride else k
+        p = pair(padding)
+        return self.b.emit(relax.op.nn.avg_pool2d(self._quantized(node, x), k, stride, [p[0], p[1], p[0], p[1]], [1, 1],
+                                                  bool(ceil_mode), bool(count_include_pad)), node.name)
+
     def op_max_pool2d(self, node, x, k, stride=None, padding=(0, 0), dilation=(1, 1), ceil_mode=False):
         k = list(k) if isinstance(k, (list, tuple)) else [k, k]
         stride = list(stride) if stride else k
@@ -262,12 +380,23 @@ class _Importer:
                                  dilation, ceil_mode, node.name)
 
     def op_adaptive_avg_pool2d(self, node, x, size):
-        if list(size) != [1, 1]:
-            raise UnsupportedOpError("adaptive_avg_pool2d", node.name, f"output size {list(size)} (only 1x1)")
-        return self.b.global_avg_pool(self.val(x, node), node.name)
+        """1x1: the global average; an output size that divides the input's (VGG's 7x7 adaptive pool): the fixed
+        average pool of kernel = stride = input / output."""
+        from tvm import relax
+
+        v = self._quantized(node, x)
+        size = [int(s) for s in (size if isinstance(size, (list, tuple)) else (size, size))]
+        if size == [1, 1]:
+            return self.b.global_avg_pool(v, node.name)
+        h, w = int(v.ty.shape[2]), int(v.ty.shape[3])
+        if len(size) != 2 or h % size[0] or w % size[1]:
+            raise UnsupportedOpError("adaptive_avg_pool2d", node.name, f"output size {size} of a {h}x{w} input (only "
+                                     f"1x1 or a size that divides the input's: a fixed pool)")
+        k = [h // size[0], w // size[1]]
+        return self.b.emit(relax.op.nn.avg_pool2d(v, k, k, [0, 0, 0, 0]), node.name)
 
     def op_mean(self, node, x, dims, keepdim=False, **kw):
-        v = self.val(x, node)
+        v = self._quantized(node, x)
         if sorted(d % 4 for d in dims) != [2, 3]:
             raise UnsupportedOpError("mean", node.name, f"over dims {list(dims)} (only H and W)")
         y = self.b.global_avg_pool(v, node.name)
@@ -297,6 +426,7 @@ class _Importer:
         return self.val(x, node)
 
     op_contiguous = op_clone
+    op_dropout_ = op_dropout
 
     def op__native_batch_norm_legit_no_training(self, node, x, w, b, mean, var, momentum, eps):
         y = self.b.batch_norm(self.val(x, node), self.const(w, node), self.const(b, node), self.const(mean, node),
