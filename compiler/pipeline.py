@@ -252,7 +252,8 @@ def cuda_pipeline(target) -> tvm.transform.Pass:
     from tvm.relax.backend.cuda import pipeline as cp
     from tvm.s_tir import dlight as dl
 
-    from qcompile.schedules.glue import ChannelsLastWindowReduction, GatherRowElementwise, VectorizedElementwise
+    from qcompile.schedules.glue import (ChannelsLastWindowReduction, GatherRowElementwise, Guarded,
+                                         VectorizedElementwise)
 
     @tvm.transform.module_pass(opt_level=0, name="qcompile.cuda_pipeline")
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -261,7 +262,7 @@ def cuda_pipeline(target) -> tvm.transform.Pass:
             # the last legalize pass is dlight's ApplyDefaultSchedule: put our glue rules first (element-wise, pools)
             legalize[-1] = dl.ApplyDefaultSchedule(GatherRowElementwise(), VectorizedElementwise(),
                                                    ChannelsLastWindowReduction(),
-                                                   dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                                   dl.gpu.Matmul(), Guarded(dl.gpu.GEMV()), dl.gpu.Reduction(),
                                                    dl.gpu.GeneralReduction(), dl.gpu.Fallback())
             seq = tvm.transform.Sequential(cp.library_dispatch_passes(target) + legalize
                                            + cp.dataflow_lower_passes(target) + cp.finalize_passes(target)

@@ -4,8 +4,8 @@
     python scripts/bench_cnn.py run [--models M ...] [--out DIR] [--jobs N]     # GPU host (qcompile, torch, nvcc)
     python scripts/bench_cnn.py table DIR/bench_cnn.json [MORE.json ...] [--write docs/BENCHMARKS.md]
 
-``run``, for each model (default: mobilenet_v2, mobilenet_v3_large, efficientnet_b0, densenet121, resnext50_32x4d;
-the ResNets may be named too):
+``run``, for each model (default: mobilenet_v2, mobilenet_v3_large, efficientnet_b0, densenet121, resnext50_32x4d,
+vgg16; the ResNets may be named too):
 
 1. ``qmodel NAME --bits 8 --batch 0`` writes its INT8 ONNX QDQ model (seeded random weights, onnxruntime's
    quantizer; dynamic batch);
@@ -43,10 +43,10 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from e2e_table import _version, add_table_command, write_block  # noqa: E402
 
-MODELS = ("mobilenet_v2", "mobilenet_v3_large", "efficientnet_b0", "densenet121", "resnext50_32x4d")
+MODELS = ("mobilenet_v2", "mobilenet_v3_large", "efficientnet_b0", "densenet121", "resnext50_32x4d", "vgg16")
 NAMES = {"mobilenet_v2": "MobileNetV2", "mobilenet_v3_large": "MobileNetV3-Large", "efficientnet_b0": "EfficientNet-B0",
          "densenet121": "DenseNet-121", "resnext50_32x4d": "ResNeXt-50 32x4d", "resnet18": "ResNet-18",
-         "resnet50": "ResNet-50"}
+         "resnet50": "ResNet-50", "vgg16": "VGG-16"}
 SIZE = 224
 CHECK_BATCHES = (1, 8)
 THROUGHPUT_BATCH = 256
@@ -236,7 +236,9 @@ def table(doc: dict, path: str) -> str:
     for r in doc["results"]:
         name = NAMES.get(r["model"], r["model"])
         if "error" in r:
-            rows.append(f"| {name} | failed: {r['error'].splitlines()[-1][:120]} |  |  |  |  |  |  |  |")
+            lines = r["error"].splitlines()
+            why = next((ln for ln in lines if "error" in ln.lower()), lines[-1]).split(": ", 1)[-1]
+            rows.append(f"| {name} | failed: {why[:120]} |  |  |  |  |  |  |  |")
             continue
         eq = ", ".join("yes" if c["equal"] else f"no ({c['differing']})" for c in r["checks"])
         ks = next((v.get("kernels", {}) for k, v in r["builds"].items() if k.startswith("cuda")), {})

@@ -369,7 +369,7 @@ def test_qbench_times_the_int8_input(models, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# cuda: the option builds (no GPU here; the comparison on a GPU is docs' command)
+# cuda: the option builds; on a GPU, the INT8-input build equals the float-input and llvm builds
 # ------------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.nvcc
@@ -385,3 +385,23 @@ def test_cuda_build_with_int8_nhwc_input(models, tmp_path):
 
     meta = check_module_file(so)
     assert meta["input_quant"] == res.meta["input_quant"]
+
+
+@pytest.mark.gpu
+@pytest.mark.nvcc
+def test_int8_input_on_the_gpu(models, tmp_path):
+    """On a CUDA GPU (sm_90 build; ``pytest -m gpu``): the INT8 NHWC-input build on the quantized images equals the
+    float-input CUDA build and the llvm build on the float images, and a torch CUDA tensor through DLPack gives the
+    same, as a torch CUDA tensor."""
+    torch = pytest.importorskip("torch")
+    so = {}
+    for name, kw in (("f", {}), ("i", dict(input_dtype="int8", input_layout="NHWC"))):
+        res = compile_model(models["tiny"], CompileOptions(target="cuda", arch="sm_90", layout="NHWC", **kw), **QUIET)
+        so[name] = str(tmp_path / f"{name}.so")
+        res.export(so[name])
+    f, i, cpu = Module(so["f"], "cuda"), Module(so["i"], "cuda"), build(models, "tiny")
+    x = fresh_images(f.meta["input_shape"], 13, spread=2.0)
+    q = i.quantize_input(x)
+    y = i(torch.from_numpy(q).cuda())
+    assert isinstance(y, torch.Tensor) and y.is_cuda
+    assert np.array_equal(f(x), cpu(x)) and np.array_equal(i(q), cpu(x)) and np.array_equal(y.cpu().numpy(), cpu(x))

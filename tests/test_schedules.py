@@ -1349,3 +1349,26 @@ def test_planned_kernel_fields_from_the_plan():
     assert pk4.w_expand and pk4.w_kperm == 0 and pk4.split_k > 1 and len(pk4.funcs) == 2
     assert plan_conv(s4, "sm_90", "implicit_gemm", a4.replace(agl=True)).w_kperm == 64
     assert plan_conv(spec, "sm_90", "implicit_gemm_t").w_expand is False
+
+
+def test_guarded_dlight_rule_yields_where_it_asserts():
+    """DenseNet-121 at batch 1 ends in a per-channel affine + global average pool whose spatial axes are all of extent
+    1: dlight's GEMV rule asserts on it. The CUDA pipeline wraps that rule in ``glue.Guarded``, which yields the
+    function to the next rule (the reduction rules schedule it)."""
+    from tvm import te
+    from tvm.s_tir import dlight as dl
+
+    from qcompile.schedules.glue import Guarded
+
+    C = 16
+    x = te.placeholder((1, 7, 7, C), "uint8", name="x")
+    m = te.placeholder((C,), "int64", name="m")
+    y = te.compute((1, 7, 7, C), lambda n, h, w, c: (x[n, h, w, c].astype("int64") - 136) * m[c], name="y")
+    r1, r2 = te.reduce_axis((0, 7), "r1"), te.reduce_axis((0, 7), "r2")
+    s = te.compute((1, 1, 1, C), lambda n, a, b, c: te.sum(y[n, r1, r2, c].astype("int32"), axis=[r1, r2]), name="s")
+    mod = tvm.IRModule({"main": te.create_prim_func([x, m, s])})
+    with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+        with pytest.raises(AssertionError):
+            dl.ApplyDefaultSchedule(dl.gpu.GEMV(), dl.gpu.Reduction())(mod)
+        out = dl.ApplyDefaultSchedule(Guarded(dl.gpu.GEMV()), dl.gpu.Reduction(), dl.gpu.GeneralReduction())(mod)
+    assert out["main"].attrs["tirx.is_scheduled"]
