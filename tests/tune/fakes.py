@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
+from qcompile.schedules import tuning as TU
 from qcompile.schedules.space import SPACES, KernelSpace
 from qcompile.schedules.spec import ConvSpec, GemmKnobs
 from qcompile.tune.common import BUILD_ERROR, MISMATCH, OK, Builder, Built, DeviceInfo, Measured, Runner
 from qcompile.tune.tasks import Task, estimate_ms
+
+
+
+@pytest.fixture
+def fresh_logs(monkeypatch, tmp_path):
+    """No packaged tuning logs and an empty log cache around each test (imported as an autouse fixture)."""
+    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path / "no_default_logs"))
+    TU.clear_cache()
+    yield
+    TU.clear_cache()
+
 
 _REAL_GEMM = SPACES["implicit_gemm"]  # (taken before a test puts the fake space in its place)
 DIMS = {"BM": (32, 64, 128, 256), "BN": (32, 64, 128, 256), "BK": (32, 64, 128), "stages": (2, 3, 4, 5)}

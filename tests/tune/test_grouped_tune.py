@@ -12,6 +12,7 @@ import warnings
 
 import numpy as np
 import pytest
+from fakes import fresh_logs  # noqa: F401  (the fixture)
 
 from qcompile.schedules import tuning as TU
 from qcompile.schedules.depthwise import DwConfig
@@ -35,13 +36,7 @@ SHAPES = {
                                  x_dtype="uint8", w_bits=4, out_dtype="uint4", lo=0, hi=15),
 }
 
-
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path / "no_default_logs"))
-    TU.clear_cache()
-    yield
-    TU.clear_cache()
+pytestmark = pytest.mark.usefixtures("fresh_logs")  # (no packaged logs, a fresh log cache: fakes.fresh_logs)
 
 
 def _strategy(spec):

@@ -6,19 +6,14 @@ import json
 import shutil
 
 import pytest
+from fakes import fresh_logs  # noqa: F401  (the fixture)
 from fakes import FakeBuilder, FakeRunner, Pending, fake_space, make_task
 
 from qcompile.schedules import tuning as TU
 from qcompile.tune.scheduler import Tuner
 from qcompile.tune.tasks import set_shares
 
-
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path / "no_default_logs"))
-    TU.clear_cache()
-    yield
-    TU.clear_cache()
+pytestmark = pytest.mark.usefixtures("fresh_logs")  # (no packaged logs, a fresh log cache: fakes.fresh_logs)
 
 
 def _tasks():

@@ -5,19 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from fakes import fresh_logs  # noqa: F401  (the fixture)
 from fakes import FakeBuilder, FakeRunner, cost_ms, fake_space, is_build_error, is_mismatch, make_task
 
 from qcompile.schedules import tuning as TU
 from qcompile.tune.scheduler import Tuner, format_summary
 from qcompile.tune.tasks import set_shares
 
-
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path / "no_default_logs"))
-    TU.clear_cache()
-    yield
-    TU.clear_cache()
+pytestmark = pytest.mark.usefixtures("fresh_logs")  # (no packaged logs, a fresh log cache: fakes.fresh_logs)
 
 
 def _tuner(tasks, log, runner=None, builder=None, **kw):

@@ -3,18 +3,13 @@ up, weighted by layers, with a roofline time share. Runs the pipeline up to the 
 from __future__ import annotations
 
 import pytest
+from fakes import fresh_logs  # noqa: F401  (the fixture)
 
 from qcompile.schedules import tuning as TU
 from qcompile.schedules.spec import ConvSpec
 from qcompile.tune.tasks import estimate_ms, set_shares, tasks_from_module
 
-
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch, tmp_path):
-    monkeypatch.setenv("QCOMPILE_TUNING_DIR", str(tmp_path / "no_default_logs"))
-    TU.clear_cache()
-    yield
-    TU.clear_cache()
+pytestmark = pytest.mark.usefixtures("fresh_logs")  # (no packaged logs, a fresh log cache: fakes.fresh_logs)
 
 
 def test_tasks_of_a_small_model_are_the_keys_qcompile_looks_up(tmp_path):
