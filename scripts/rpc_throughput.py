@@ -4,7 +4,8 @@ One batch of tuning candidates is built once (random legal points of a model's t
 then measured by qtune's rpc runner (``qcompile.tune.runners.RPCRunner``: every candidate checked bit for bit against
 the NumPy reference, then timed) against a tracker on loopback with 1 server, then 2 servers, ... -- one
 ``rpc_server`` per GPU (``CUDA_VISIBLE_DEVICES``), each started fresh for its run. The same candidates, the same
-seeds: the runs differ only in the number of GPUs measuring at once.
+seeds: the runs differ only in the number of GPUs measuring at once (and, with ``--check both``, in where the
+outputs are poisoned and compared: on the servers' devices, the runner's default, or back on this host).
 
     python scripts/rpc_throughput.py r50_int8.onnx --arch sm_90 --batch 64 --per-task 3 --servers 1 2 -o rpc.json
 
@@ -75,7 +76,7 @@ def build_batch(model: str, arch: str, batch: int, per_task: int, seed: int, job
 
 
 def measure_with(built: list, servers: int, key: str, server_args: list, seed: int, repeat: int,
-                 min_repeat_ms: int, problems) -> dict:
+                 min_repeat_ms: int, problems, device_check: bool = True) -> dict:
     """Start a tracker and ``servers`` rpc_servers (GPU i for server i), measure every candidate, stop them.
     ``problems``: the shapes' inputs and references, made before (``draw_problems``): the runs time the GPUs'
     work, not the NumPy references (which a tuning run makes once per shape, not per candidate)."""
@@ -101,11 +102,13 @@ def measure_with(built: list, servers: int, key: str, server_args: list, seed: i
 
         runner = RPCRunner("127.0.0.1", tp, key, seed=seed, repeat=repeat, min_repeat_ms=min_repeat_ms, log=log)
         runner.problems = problems
+        runner.device_check = device_check
         t = time.time()
         while runner.servers() < servers and time.time() - t < 120:
             time.sleep(0.3)
         if runner.servers() < servers:
             raise RuntimeError(f"only {runner.servers()} of {servers} servers registered at the tracker")
+        runner.prepare()  # (the device and the device helpers' build: once per tuning run, not timed)
         dev = runner.device()
         t0 = time.time()
         got = runner.measure(built)
@@ -128,7 +131,7 @@ def measure_with(built: list, servers: int, key: str, server_args: list, seed: i
     t0 = max(firsts.values(), default=0.0)
     after = [t for t, _ in stamps if t > t0]
     steady = 60 * len(after) / (after[-1] - t0) if after else None
-    return dict(servers=servers, device=dev.name, candidates=len(got), seconds=round(secs, 2),
+    return dict(servers=servers, device=dev.name, device_check=device_check, candidates=len(got), seconds=round(secs, 2),
                 per_minute=round(60 * len(got) / secs, 1),
                 per_minute_steady=round(steady, 1) if steady else None, status=status,
                 ms={m.candidate.key + "|" + json.dumps(m.candidate.knobs.__dict__ if m.candidate.knobs else None,
@@ -155,6 +158,9 @@ def main(argv=None) -> int:
     ap.add_argument("--servers", type=int, nargs="+", default=[1, 2], help="GPUs (servers) per run")
     ap.add_argument("--key", default="gpu")
     ap.add_argument("--server-args", default="--no-fork", help="extra rpc_server arguments (default: --no-fork)")
+    ap.add_argument("--check", choices=("device", "host", "both"), default="device",
+                    help="where the outputs are poisoned and compared: on the servers' devices (the rpc runner's "
+                         "default), on this host (every output sent back), or both, one after the other")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--min-repeat-ms", type=int, default=20)
@@ -173,23 +179,27 @@ def main(argv=None) -> int:
     out = dict(date=datetime.date.today().isoformat(), command="python scripts/rpc_throughput.py "
                + " ".join(map(shlex.quote, argv if argv is not None else sys.argv[1:])), model=os.path.basename(a.model),
                arch=a.arch, batch=a.batch, candidates=len(built), runs=[])
-    for n in a.servers:
-        r = measure_with(built, n, a.key, shlex.split(a.server_args), a.seed, a.repeat, a.min_repeat_ms, problems)
-        print(f"{n} server(s): {r['candidates']} candidates in {r['seconds']} s = {r['per_minute']}/min "
-              f"(after each server's first: {r['per_minute_steady']}/min) {r['status']}", flush=True)
-        out["runs"].append(r)
-        write_json(a.output, out)
-    base, base_s = out["runs"][0]["per_minute"], out["runs"][0]["per_minute_steady"]
-    for r in out["runs"]:
-        r["speedup"] = round(r["per_minute"] / base, 2)
-        r["speedup_steady"] = round(r["per_minute_steady"] / base_s, 2) if base_s and r["per_minute_steady"] else None
+    for check in (("host", "device") if a.check == "both" else (a.check,)):
+        for n in a.servers:
+            r = measure_with(built, n, a.key, shlex.split(a.server_args), a.seed, a.repeat, a.min_repeat_ms, problems,
+                             device_check=check == "device")
+            print(f"{n} server(s), {check} check: {r['candidates']} candidates in {r['seconds']} s = "
+                  f"{r['per_minute']}/min (after each server's first: {r['per_minute_steady']}/min) {r['status']}",
+                  flush=True)
+            out["runs"].append(r)
+            write_json(a.output, out)
+    for r in out["runs"]:  # (against the first run of the same check)
+        b = next(x for x in out["runs"] if x["device_check"] == r["device_check"])
+        r["speedup"] = round(r["per_minute"] / b["per_minute"], 2)
+        r["speedup_steady"] = (round(r["per_minute_steady"] / b["per_minute_steady"], 2)
+                               if b["per_minute_steady"] and r["per_minute_steady"] else None)
     same = [r["ms"] for r in out["runs"]]
     out["same_status"] = len({json.dumps(r["status"], sort_keys=True) for r in out["runs"]}) == 1
     out["same_candidates_ok"] = len({frozenset(m) for m in same}) == 1
     for r in out["runs"]:
         r.pop("ms")
     write_json(a.output, out)
-    print(json.dumps({r["servers"]: [r["speedup"], r["speedup_steady"]] for r in out["runs"]}))
+    print(json.dumps([[r["servers"], r["device_check"], r["speedup"], r["speedup_steady"]] for r in out["runs"]]))
     return 0
 
 

@@ -57,7 +57,8 @@ _SIGNED = {"int8": True, "uint8": False, "int4": True, "uint4": False, "int32": 
 _STORAGE = {"int8": "int8", "int4": "int8", "uint8": "uint8", "uint4": "uint8", "int32": "int32"}
 SPEC_DEFAULTS = dict(stride=1, padding=0, dilation=1, layout="NHWC", x_dtype="int8", w_bits=8, out_dtype="int8",
                      has_residual=False, zo=0, lo=-128, hi=127, pad_value=0, res_dtype="int8", zo2=0, lo2=-128,
-                     hi2=127, res_i32=False, shift_ge33=False, rq2_uniform=(), groups=1)
+                     hi2=127, res_i32=False, shift_ge33=False, rq2_uniform=(), groups=1,
+                     lut=0, lut_min=0)
 SPEC_REQUIRED = ("N", "H", "W", "C", "K", "R", "S")
 
 
@@ -565,13 +566,19 @@ def problem(entry: dict, seed: int, poison_seed: int | None = None, problems: Pr
                 rng=np.random.default_rng(seed if poison_seed is None else poison_seed))
 
 
+DEVICE_CHECK = "_device_check"  # a ``shared`` key: (module, partial counts) of the rpc runner's device helpers
+
+
 class Layer:
     """A candidate's kernels bound to device buffers in its calling convention (schedules/planned.py).
 
     ``shared``: a dict in which the device buffers of the shape's candidates are kept -- the inputs, the weights of
     each format, two poison buffers per output / workspace shape (drawn once per shape, copied on the device) -- so a
     candidate uploads nothing but its library (the local and offline runners per shape; the rpc runner per shape and
-    session). Without it every buffer is uploaded and the poisons are drawn per candidate."""
+    session). Without it every buffer is uploaded and the poisons are drawn per candidate. Where ``shared`` holds
+    the device helpers (``DEVICE_CHECK``: the rpc runner's, tune/device_check.py), the poisons are written and the
+    output compared with a device copy of the reference on the device: a check moves partial counts, not the output
+    (where they count a difference, the output comes back for the host's count)."""
 
     def __init__(self, mod, entry: dict, dev, prob: dict, shared: dict | None = None):
         import tvm
@@ -583,6 +590,7 @@ class Layer:
         self.shared = shared
         rng = prob["rng"]
         sh = shared if shared is not None else {}
+        self.chk, self.parts = sh.get(DEVICE_CHECK, (None, 0))  # (the helpers' module, its partial counts)
         put = lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev)
 
         def buf(name, make):
@@ -607,9 +615,32 @@ class Layer:
             self.skw = self._poisoned((words,), "int32", buf, rng)
         self.turn = 0
 
+    def _device_func(self, op: str, dtype: str, rank: int):
+        """The device helper ``qc_<op>_<dtype>_<rank>``, or None (no helpers, or none for that buffer)."""
+        if self.chk is None:
+            return None
+        try:
+            return self.chk[f"qc_{op}_{dtype}_{rank}"]
+        except (AttributeError, KeyError, RuntimeError):
+            return None
+
+    def _device_poison(self, t, shape, dtype) -> bool:
+        """Fill ``t`` on the device with a hash of a fresh seed; False where there is no helper for it."""
+        fill = self._device_func("fill", dtype, len(shape))
+        if fill is None:
+            return False
+        fill(t, int(self.prob["rng"].integers(0, 1 << 31)))
+        return True
+
     def _poisoned(self, shape, dtype, buf, rng):
-        """A new device buffer of ``shape`` filled with random bytes (a copy of the shape's first poison)."""
+        """A new device buffer of ``shape`` filled with random bytes (a copy of the shape's first poison, or
+        written by the device helper)."""
         shape = tuple(int(v) for v in shape)
+        if self.chk is not None:
+            t = self.tvm.runtime.empty(shape, dtype, self.dev)
+            if self._device_poison(t, shape, dtype):
+                self._poisons.append((t, shape, dtype))
+                return t
         if self.shared is None:
             t = self.tvm.runtime.tensor(poison(shape, dtype, rng), self.dev)
         else:
@@ -638,6 +669,8 @@ class Layer:
         """Poison the output (and the workspaces) again, with other bytes than last time."""
         self.turn += 1
         for t, shape, dtype in self._poisons:
+            if self.chk is not None and self._device_poison(t, shape, dtype):
+                continue
             if self.shared is None:
                 t.copyfrom(poison(shape, dtype, self.prob["rng"]))
             else:
@@ -648,6 +681,8 @@ class Layer:
         buffer compared byte for byte, and where it differs, value for value (a 4-bit output's padding nibble is
         not a value)."""
         spec, ref = self.prob["spec"], self.prob["ref"]
+        if self._device_equal(ref):
+            return int(bool(self.cnt is not None and self.cnt.numpy().any()))
         got = self.out.numpy()
         if got.shape == ref.shape and np.array_equal(got.view(np.uint8), ref.view(np.uint8)):
             bad = 0
@@ -658,6 +693,24 @@ class Layer:
         if self.cnt is not None and self.cnt.numpy().any():
             bad += 1
         return bad
+
+    def _device_equal(self, ref: np.ndarray) -> bool:
+        """Whether the device helpers find the output equal to the reference (its device copy uploaded once per
+        shape); False where they cannot tell (no helpers, another shape or dtype) or count a difference."""
+        out = self.out
+        if self.chk is None or tuple(out.shape) != ref.shape or str(out.dtype) != str(ref.dtype):
+            return False
+        count = self._device_func("count", str(ref.dtype), ref.ndim)
+        if count is None:
+            return False
+        sh = self.shared
+        if "ref" not in sh:
+            sh["ref"] = self.tvm.runtime.tensor(np.ascontiguousarray(ref), self.dev)
+        n = self.parts
+        if ("parts", n) not in sh:
+            sh[("parts", n)] = self.tvm.runtime.empty((n,), "int32", self.dev)
+        count(out, sh["ref"], sh[("parts", n)])
+        return not sh[("parts", n)].numpy().any()
 
     def time_ms(self, repeat: int, min_repeat_ms: float) -> list[float]:
         """Per kernel, the median ms of ``repeat`` timed repeats (time_evaluator)."""

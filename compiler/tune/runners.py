@@ -11,7 +11,9 @@ against the NumPy reference with poisoned outputs, then the time):
   of it is left for each candidate), and a shape's inputs stay on the server while its candidates follow one
   another; a candidate that fails at run time ends its session. The server kills a session at its limit: a
   candidate that hangs holds its server for at most that long, and is recorded run_error. Inputs are made here
-  and sent; the kernels' libraries are uploaded.
+  and sent; the kernels' libraries are uploaded. The outputs are poisoned and compared with the reference on the
+  server's device (tune/device_check.py: a small library built here per device, uploaded once per session), so
+  that a candidate's check moves partial counts over the socket, not its output.
 * ``offline`` -- for a GPU host that cannot reach this one: ``export(built, DIR)`` writes a self-contained batch
   (the libraries, manifest.json, measure.py, run.sh, README.txt); on the GPU host, with only NumPy and the TVM
   runtime, ``python measure.py . -o results.json``; ``import_results(results.json)`` reads the measurements back.
@@ -34,6 +36,7 @@ import time
 
 from qcompile.errors import QCompileError
 
+from . import device_check
 from . import measure as M
 from .common import BUILD_ERROR, OK, RUN_ERROR, Built, Candidate, DeviceInfo, Measured, Runner
 
@@ -248,6 +251,8 @@ class RPCRunner(Runner):
         self.seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
         self.priority, self.log = priority, log
         self._info = None
+        self._check_so = None  # (the device helpers' library, built at the first measure; "" where it failed)
+        self.device_check = True  # (False: every output back to the host, as the local and offline runners do)
         self.problems = M.Problems(keep=8)  # (the shapes' inputs and references, made here once per shape and seed)
 
     def _tracker(self):
@@ -267,6 +272,25 @@ class RPCRunner(Runner):
     def _session(self, tracker, span: float | None = None):
         return tracker.request(self.key, priority=self.priority, session_timeout=span or self.timeout)
 
+    def prepare(self) -> None:
+        """Ask the servers for their device and build the device helpers for it (once; ``measure`` does it)."""
+        self.device()
+        if self._check_so is None:
+            self._check_so = self._build_helpers(self._info) if self.device_check else ""
+
+    def _build_helpers(self, info: dict) -> str:
+        """The device helpers' library for the servers' device (cached beside the tuning cache), or "" where it
+        cannot be built (then the host compares)."""
+        try:
+            arch = info["arch"] if self.kind == "cuda" else None
+            from qcompile.schedules.build import default_cache_dir
+
+            return device_check.build(self.kind, arch, os.path.join(os.path.dirname(default_cache_dir()), "device_check"))
+        except Exception as ex:  # noqa: BLE001
+            if self.log:
+                self.log(f"rpc runner: cannot build the device-side check ({ex}); comparing on the host")
+            return ""
+
     def _remote_device(self, sess):
         return sess.cuda(0) if self.kind == "cuda" else sess.cpu(0)
 
@@ -282,6 +306,20 @@ class RPCRunner(Runner):
                     "server needs --load-library <tvm>/lib/libtvm_runtime_cuda.so --no-fork)")
             self._info = M.device_info(dev, self.kind, local=False)
         return _device_info(self._info)
+
+    def _helpers(self, sess) -> tuple:
+        """(module, partial counts) of the device helpers in session ``sess``, uploaded and loaded once per session
+        (kept on the session object); (None, 0) where that fails: the candidates are then checked on the host."""
+        if getattr(sess, "_qc_helpers", None) is None:
+            try:
+                name = os.path.basename(self._check_so)
+                sess.upload(self._check_so, name)
+                sess._qc_helpers = (sess.load_module(name), device_check.parts(self.kind))
+            except Exception as ex:  # noqa: BLE001  (the host comparison still works)
+                if self.log:
+                    self.log(f"rpc runner: device-side check unavailable ({ex}); comparing on the host")
+                sess._qc_helpers = (None, 0)
+        return sess._qc_helpers
 
     def _measure_one(self, sess, entry: dict, shared: dict) -> dict:
         """One candidate through the open session ``sess``; its failure (an exception) is a run_error record."""
@@ -319,6 +357,8 @@ class RPCRunner(Runner):
                     continue
             if M.spec_key(e) != shape:  # (a new shape: the last one's buffers freed on the server)
                 shared, shape = {}, M.spec_key(e)
+            if M.DEVICE_CHECK not in shared and self._check_so:  # (the session's device helpers, loaded once)
+                shared[M.DEVICE_CHECK] = self._helpers(sess)
             r = self._measure_one(sess, e, shared)
             if r["status"] == RUN_ERROR:  # (the session may be dead, or its device state spoiled)
                 sess, shared, shape = None, {}, None
@@ -330,7 +370,7 @@ class RPCRunner(Runner):
         entries = _entries(built, absolute=True)
         recs: dict = {}
         if entries:
-            self.device()
+            self.prepare()
             info = self._info
             n = self.sessions or max(1, self.servers())
             q: queue.Queue = queue.Queue()

@@ -116,6 +116,7 @@ def test_rpc_runner_on_loopback(built, runtime_only_tvm, tmp_path):  # noqa: F81
         assert runner.servers() == 2
         assert runner.device().arch == "cpu"
         _check(runner.measure(built), built)
+        assert runner._check_so  # (the device helpers, built for the servers' device and used)
         one = RN.RPCRunner("127.0.0.1", tp, "cpu-test", sessions=1, device="cpu", repeat=3, min_repeat_ms=1)
         one.device()
         opened = []
@@ -238,3 +239,31 @@ def test_rpc_worker_keeps_sessions_and_their_buffers(monkeypatch):
     # c7 starts session 3: session 2 opened at 5 s, and after c6 (36 s) 9 s of its 40 are left, less than a timeout
     assert seen == [("c0", 1, 1), ("c1", 1, 2), ("c2", 1, 3), ("c3", 1, 1), ("c4", 1, 1), ("c5", 2, 1), ("c6", 2, 2),
                     ("c7", 3, 1)]
+
+
+def test_device_check_poisons_and_compares_on_the_device(built, tmp_path):
+    """The rpc runner's device helpers (tune/device_check.py, here built for the CPU device): a candidate measured
+    with them is OK and its reference is kept on the device; a changed output byte is found by the device count and
+    counted on the host; the poisons written on the device change from run to run."""
+    import numpy as np
+    import tvm
+
+    from qcompile.tune import device_check
+    from qcompile.tune import measure as M
+
+    helpers = (tvm.runtime.load_module(device_check.build("cpu", None, str(tmp_path))), device_check.parts("cpu"))
+    for e in RN._entries(built[:2], absolute=True):
+        lib = tvm.runtime.load_module(e["so"])
+        shared = {M.DEVICE_CHECK: helpers}
+        rec = M.measure_entry(lib, e, tvm.cpu(), 1, repeat=1, min_repeat_ms=0, shared=shared)
+        assert rec["status"] == OK and "ref" in shared, rec
+        layer = M.Layer(lib, e, tvm.cpu(), M.problem(e, 1), shared)
+        layer.run()
+        assert layer.mismatches() == 0
+        got = layer.out.numpy()
+        got.reshape(-1).view(np.uint8)[0] ^= 1
+        layer.out.copyfrom(got)
+        assert layer.mismatches() == 1
+        before = layer.out.numpy().copy()
+        layer.repoison()
+        assert (layer.out.numpy() != before).mean() > 0.9
