@@ -5,9 +5,11 @@ Matches the same chains as :mod:`.dispatch_tensor_core` (``find_fusions``: a req
 quantized residual add fused into the conv whose output it alone reads), in NCHW or NHWC, and replaces each by a
 ``call_tir`` of one inner kernel for the whole module, whose fused epilogue computes the chain exactly: the one the
 codegen target enables (``cpu_conv.target_kernel``: ``cpu_direct_vnni``, ``cpu_direct_avxvnni``,
-``cpu_direct_avx2`` or ``cpu_direct_sdot``). The kernel reads and writes the graph's own layout (no layout transform
-in the graph); weights (and, for the dot-product kernels, the bias with the input flip folded in) are prepacked at
-compile time. The dense layer runs as a 1x1 conv over a 1x1 image (its (N, C) input reshaped to (N, 1, 1, C)).
+``cpu_direct_avx2`` or ``cpu_direct_sdot``; ``cpu_direct_amx`` for a target with AMX, whose layers that AMX does not
+take, ``cpu_conv_amx.applies_amx``, run ``cpu_direct_vnni``). The kernel reads and writes the graph's own layout
+(no layout transform in the graph); weights (and, for the dot-product kernels, the bias with the input flip folded
+in) are prepacked at compile time. The dense layer runs as a 1x1 conv over a 1x1 image (its (N, C) input reshaped
+to (N, 1, 1, C)).
 
 Left to TVM's generic lowering (correct, unscheduled): HWNC, grouped / depthwise convs, packed 4-bit operands, and
 any conv whose int32 accumulator could exceed int32 (the kernel adds the bias in int32; the bound is checked per
@@ -70,13 +72,24 @@ KERNELS = ("cpu_direct_avx2", "cpu_direct_vnni", "cpu_direct_avxvnni", "cpu_dire
 # ``schedules/cpu_conv_vnni_s4.py``) runs the 4-bit layers of a cpu_direct_vnni module whose weights are reused over
 # few output pixels (``cpu_conv_vnni_s4.worth``) and that no tuning record gives a tile (``layer_kernel``);
 # ``QCOMPILE_CPU_S4=0`` turns it off
-VARIANTS = {"cpu_direct_vnni_s4": "cpu_direct_vnni"}
+# cpu_direct_amx (AMX-INT8 tiles, ``schedules/cpu_conv_amx.py``) is the kernel of a target with AMX
+# (``cpu_conv.target_kernel``): it runs every layer it takes (``cpu_conv_amx.applies_amx``; automatic tiles, not a
+# tuning space), the others run its inner kernel cpu_direct_vnni (tiles from cpu_direct_vnni's records);
+# ``QCOMPILE_CPU_AMX=0`` puts every layer on cpu_direct_vnni
+VARIANTS = {"cpu_direct_vnni_s4": "cpu_direct_vnni", "cpu_direct_amx": "cpu_direct_vnni"}
 ENV_S4 = "QCOMPILE_CPU_S4"
+AMX = "cpu_direct_amx"
+ENV_AMX = "QCOMPILE_CPU_AMX"
 
 
 def s4_enabled() -> bool:
     """False where ``QCOMPILE_CPU_S4`` turns the packed 4-bit weight variant off (:func:`env_enabled`)."""
     return env_enabled(ENV_S4)
+
+
+def amx_enabled() -> bool:
+    """False where ``QCOMPILE_CPU_AMX`` turns the AMX kernel off (:func:`env_enabled`)."""
+    return env_enabled(ENV_AMX)
 
 
 def has_cpu_kernels(mod: tvm.IRModule) -> bool:
@@ -193,9 +206,18 @@ def layer_kernel(spec, kernel: str, bound: np.ndarray, source: str = "default") 
     weights packed two per byte (``cpu_direct_vnni_s4``) where no tuning record gives the layer a tile (``source`` is
     "default": a record's tile is measured on ``kernel`` and keeps it), the weights are 4-bit, few output pixels reuse
     them (``S4.worth``: the layer reads its weights from memory rather than computes), its accumulators (16 x the
-    sums, ``bound`` per output channel) fit int32 (``S4.fits``) and ``QCOMPILE_CPU_S4`` does not turn it off."""
+    sums, ``bound`` per output channel) fit int32 (``S4.fits``) and ``QCOMPILE_CPU_S4`` does not turn it off.
+    ``kernel`` ``cpu_direct_amx`` (a target with AMX): that kernel where it takes the layer
+    (``cpu_conv_amx.applies_amx``) and ``QCOMPILE_CPU_AMX`` does not turn it off, else the rule above for
+    ``cpu_direct_vnni``."""
     from qcompile.schedules import cpu_conv_vnni_s4 as S4
 
+    if kernel == AMX:
+        from qcompile.schedules.cpu_conv_amx import applies_amx
+
+        if amx_enabled() and applies_amx(spec) is None:
+            return AMX
+        kernel = VARIANTS[AMX]
     if (kernel == S4.ISA and source == "default" and s4_enabled() and S4.applies_s4(spec) is None
             and S4.worth(spec) and S4.fits(bound)):
         return S4.STRATEGY
@@ -204,9 +226,10 @@ def layer_kernel(spec, kernel: str, bound: np.ndarray, source: str = "default") 
 
 @mutator
 class _CPUDispatcher(PyExprMutator):
-    def __init__(self, mod, groups, residuals, plans, kernel: str, tuning_logs=(), device=None):
+    def __init__(self, mod, groups, residuals, plans, kernel: str, tuning_logs=(), device=None, amx=False):
         super().__init__(mod)
         self.groups, self.residuals, self.plans, self.kernel = groups, residuals, plans, kernel
+        self.amx = amx  # (a module of cpu_direct_amx: ``kernel`` is its inner kernel, cpu_direct_vnni)
         self.tuning_logs, self.device = tuple(tuning_logs or ()), device
         self.kernels: dict = {}  # kernel key -> GlobalVar (identical layers share one PrimFunc)
         self.chosen: list = []   # (conv output, kernel name)
@@ -224,9 +247,13 @@ class _CPUDispatcher(PyExprMutator):
     def _choose(self, name: str, spec, io: str, bound):
         """(kernel, tile) of one layer, the tile's source recorded: an NHWC layer's tile from the tuning records of the
         inner kernel (``tuned_tile``; the layer is planned: a tuner's task), an NCHW layer's automatic (the tuner
-        measures NHWC); the kernel from :func:`layer_kernel` (the variant takes its own tile)."""
+        measures NHWC); the kernel from :func:`layer_kernel` (the variant takes its own tile); an AMX layer has no
+        tile (and no tuning task)."""
         from qcompile.schedules.cpu_conv import CpuKnobs
 
+        if self.amx and layer_kernel(spec, AMX, bound) == AMX:
+            self.sources.append((name, "default"))
+            return AMX, CpuKnobs()
         if io == "NHWC":
             kn, source = tuned_tile(spec, self.kernel, self.tuning_logs, self.device)
             self.planned.append((name, CpuPlanned(spec, self.kernel, kn, source)))
@@ -238,8 +265,11 @@ class _CPUDispatcher(PyExprMutator):
 
     def _kernel(self, spec, io, w, bias, tile, kernel: str):
         """(PrimFunc, packed weights, bias) of one layer on ``kernel`` (the module's inner kernel or its variant)."""
-        from qcompile.schedules import cpu_conv, cpu_conv_vnni, cpu_conv_vnni_s4
+        from qcompile.schedules import cpu_conv, cpu_conv_amx, cpu_conv_vnni, cpu_conv_vnni_s4
 
+        if kernel == AMX:
+            w8, b = cpu_conv_amx.prepack_amx(spec, w, bias)
+            return cpu_conv_amx.make_cpu_conv_amx(spec, io), relax.const(w8, "int8"), b
         if kernel == cpu_conv_vnni_s4.STRATEGY:
             w4, b = cpu_conv_vnni_s4.prepack_s4(spec, w, bias)
             return cpu_conv_vnni_s4.make_cpu_conv_vnni_s4(spec, io), relax.const(w4, "int8"), b
@@ -277,15 +307,15 @@ class _CPUDispatcher(PyExprMutator):
 @tvm.transform.module_pass(opt_level=0, name="DispatchCPU")
 class DispatchCPU:
     """Replace requantized integer conv2d/dense in ``main`` (NCHW or NHWC) by the CPU kernel (see module docstring):
-    ``kernel`` (one of ``KERNELS``), by default :func:`dispatch_kernel`; ``tuning_logs`` / ``device``: where the
-    layers' tiles are looked up (:func:`tuned_tile`). After the pass: ``chosen`` (conv output, kernel) per dispatched
-    layer, ``fused`` (conv output, residual add output) per fused residual, ``skipped`` (conv output, reason) per
-    layer left to the generic path, ``sources`` (conv output, where its tile came from), ``planned`` (conv output,
-    CpuPlanned) per NHWC layer."""
+    ``kernel`` (one of ``KERNELS``, or ``cpu_direct_amx``), by default :func:`dispatch_kernel`; ``tuning_logs`` /
+    ``device``: where the layers' tiles are looked up (:func:`tuned_tile`). After the pass: ``chosen`` (conv output,
+    kernel) per dispatched layer, ``fused`` (conv output, residual add output) per fused residual, ``skipped`` (conv
+    output, reason) per layer left to the generic path, ``sources`` (conv output, where its tile came from),
+    ``planned`` (conv output, CpuPlanned) per NHWC layer."""
 
     def __init__(self, kernel: Optional[str] = None, tuning_logs=(), device: Optional[str] = None):
-        if kernel is not None and kernel not in KERNELS:
-            raise ValueError(f"DispatchCPU: unknown kernel {kernel!r} (one of {', '.join(KERNELS)})")
+        if kernel is not None and kernel not in KERNELS + (AMX,):
+            raise ValueError(f"DispatchCPU: unknown kernel {kernel!r} (one of {', '.join(KERNELS + (AMX,))})")
         self.kernel = kernel
         self.tuning_logs, self.device = tuple(tuning_logs or ()), device
         self.chosen: list = []
@@ -299,6 +329,8 @@ class DispatchCPU:
         kernel = self.kernel or dispatch_kernel()
         if kernel is None:
             raise ValueError("DispatchCPU: no CPU kernel for this target (the kernels need an x86 target with AVX2)")
+        amx = kernel == AMX
+        kernel = VARIANTS[AMX] if amx else kernel  # (the inner kernel: the accumulator bound, tiles, other layers)
         groups, residuals = find_fusions(mod["main"], layouts=("NCHW", "NHWC"))
         plans, skipped = {}, []
         for var, r in list(residuals.items()):  # a residual the kernel cannot take: its conv runs on its own
@@ -316,7 +348,7 @@ class DispatchCPU:
                 skipped.append((g.out.name, why))
             else:
                 plans[var] = plan
-        d = _CPUDispatcher(mod, groups, residuals, plans, kernel, self.tuning_logs, self.device)
+        d = _CPUDispatcher(mod, groups, residuals, plans, kernel, self.tuning_logs, self.device, amx)
         func = d.visit_expr(mod["main"])
         self.chosen, self.fused, self.skipped = d.chosen, d.fused, skipped
         self.sources, self.planned = d.sources, d.planned

@@ -27,8 +27,8 @@ build target carries it (``schedules.cpu_conv.cpu_target``).
 
 This module also decides the CPU kernels' targets for every inner kernel: :func:`cpu_target` (the build target of a
 plain llvm target on this host: the best of AVX-512 VNNI, AVX-VNNI, AVX2) and :func:`target_kernel` (the inner
-kernel a target's features enable); the dot-product kernels (VNNI, Arm sdot) are in :mod:`.cpu_conv_vnni`, and run
-where the host has them instead of this one.
+kernel a target's features enable); the dot-product kernels (VNNI, Arm sdot) are in :mod:`.cpu_conv_vnni`, the AMX
+tile kernel in :mod:`.cpu_conv_amx`, and run where the target has them instead of this one.
 """
 from __future__ import annotations
 
@@ -335,10 +335,12 @@ def _is_aarch64(triple: str) -> bool:
 
 def target_kernel(target: tvm.target.Target) -> str | None:
     """The inner kernel the CPU kernels use for ``target`` (its ``mtriple`` / ``mcpu`` / ``mattr``, as LLVM sees
-    them), or None (the generic path): on x86 with AVX2, ``cpu_direct_vnni`` (zmm ``vpdpbusd``) where AVX-512 VNNI
-    and BW are enabled, ``cpu_direct_avxvnni`` (ymm ``vpdpbusd``) where AVX-VNNI is, else ``cpu_direct_avx2``
-    (``vpmaddwd``); on aarch64 with dotprod, ``cpu_direct_sdot``. On this repository's AVX-512 VNNI host the zmm
-    kernel measures faster than the ymm one (docs/BENCHMARKS.md)."""
+    them), or None (the generic path): on x86 with AVX2, ``cpu_direct_amx`` (AMX-INT8 tiles, ``cpu_conv_amx``; its
+    layers that AMX does not take run ``cpu_direct_vnni``) where AMX-TILE, AMX-INT8, AVX-512 VNNI and BW are enabled
+    (e.g. ``-mcpu=sapphirerapids``; :func:`cpu_target` never enables AMX for a plain llvm target),
+    ``cpu_direct_vnni`` (zmm ``vpdpbusd``) where AVX-512 VNNI and BW are, ``cpu_direct_avxvnni`` (ymm ``vpdpbusd``)
+    where AVX-VNNI is, else ``cpu_direct_avx2`` (``vpmaddwd``); on aarch64 with dotprod, ``cpu_direct_sdot``. On
+    this repository's AVX-512 VNNI host the zmm kernel measures faster than the ymm one (docs/BENCHMARKS.md)."""
     if target.kind.name != "llvm":
         return None
     triple = str(target.attrs.get("mtriple", "")) or str(tvm.target.codegen.llvm_get_system_triple())
@@ -348,7 +350,7 @@ def target_kernel(target: tvm.target.Target) -> str | None:
     if not target_has_avx2(target):
         return None
     if has("avx512vnni") and has("avx512bw"):
-        return "cpu_direct_vnni"
+        return "cpu_direct_amx" if has("amx-tile") and has("amx-int8") else "cpu_direct_vnni"
     if has("avxvnni"):
         return "cpu_direct_avxvnni"
     return STRATEGY

@@ -138,10 +138,12 @@ def flips_input(spec: ConvSpec, isa: str) -> bool:
     return (ConvSpec.storage(spec.x_dtype) == "int8") == ISAS[isa].unsigned_x
 
 
-def prepack(spec: ConvSpec, w: np.ndarray, bias: np.ndarray, isa: str = "cpu_direct_vnni"):
+def prepack(spec: ConvSpec, w: np.ndarray, bias: np.ndarray, isa: str = "cpu_direct_vnni",
+            flip: Optional[bool] = None):
     """Logical weights [K, R, S, C] and bias [K] -> (int8 [ceil(K/lanes), R, S, ceil(C/4), 4 lanes], int32 bias with
     the input flip folded in: ``-128 sum(w[k])`` for a signed input read as unsigned, ``+128 sum(w[k])`` for an
-    unsigned input read as signed)."""
+    unsigned input read as signed). ``flip``: whether the kernel flips the input (None: :func:`flips_input`; False
+    for ``cpu_conv_amx``, whose tile products take either sign)."""
     lanes = ISAS[isa].lanes
     K, R, S, C = w.shape
     kb, c4 = -(-K // lanes), -(-C // 4)
@@ -149,7 +151,7 @@ def prepack(spec: ConvSpec, w: np.ndarray, bias: np.ndarray, isa: str = "cpu_dir
     p[:K, :, :, :C] = w
     p = p.reshape(kb, lanes, R, S, c4, 4).transpose(0, 2, 3, 4, 1, 5)
     b = np.asarray(bias, np.int64)
-    if flips_input(spec, isa):
+    if flips_input(spec, isa) if flip is None else flip:
         sign = -1 if ConvSpec.storage(spec.x_dtype) == "int8" else 1
         b = b + sign * 128 * np.asarray(w, np.int64).reshape(K, -1).sum(axis=1)
     b = ((b + (1 << 31)) % (1 << 32) - (1 << 31)).astype(np.int32)  # int32, wrapping
