@@ -18,6 +18,12 @@ is fused into that conv's kernel as a second epilogue stage (y1 never reaches me
 in the epilogue). 4-bit activations produced by a kernel stay packed (two per byte, low nibble first)
 when every consumer is a kernel (data or residual operand); other consumers read bytes.
 
+On CUDA a lookup-table activation after a kernel's final value q (``find_luts``: a chain of element-wise integer ops
+of q alone holding a ``take`` of a constant table -- hardswish as HardSigmoid x Mul, SiLU, a squeeze-excite gate --
+whose one result used elsewhere is an 8-bit tensor) is evaluated at compile time on all 256 values of q's type; the
+kernel takes that table (``ConvSpec.lut``) and writes ``table[q - qmin]``, and the chain leaves the graph. Kernels
+of strategies without a table (``schedules.LUT_STRATEGIES``; the CUDA-core kernels take one) leave the chain as glue.
+
 Grouped convs (NHWC, groups > 1) run on CUDA-core kernels instead (``schedules.grouped.plan_grouped``): ``depthwise``
 where groups == C == K, else ``grouped``; they read 4-bit inputs one value per byte (so a producer whose consumers
 include one writes bytes) and write packed 4-bit outputs where the kernel holds whole bytes.
@@ -297,11 +303,165 @@ def find_fusions(func: relax.Function, packed_pools: bool = False, layouts=("NHW
     return groups, residuals
 
 
+# element-wise integer ops a lookup-table chain may hold (each a function of the conv's output alone)
+_LUT_OPS = ("relax.astype", "relax.add", "relax.subtract", "relax.multiply", "relax.right_shift", "relax.left_shift",
+            "relax.clip", "relax.take", "relax.minimum", "relax.maximum")
+_NP_BINARY = {"relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply,
+              "relax.right_shift": np.right_shift, "relax.left_shift": np.left_shift, "relax.minimum": np.minimum,
+              "relax.maximum": np.maximum}
+
+
+@dataclass
+class _Lut:
+    """A lookup-table chain after a conv kernel's final value ``q``: element-wise integer ops of ``q`` alone (scalar
+    constants; at least one ``take`` of a constant table) whose only value used outside the chain is its result
+    ``out``, an 8-bit tensor of ``q``'s shape. The kernel writes ``out`` = ``table[q - lut_min]`` and the chain leaves
+    the graph."""
+    out: relax.Var          # the chain's result
+    chain: tuple            # the chain's binding vars (``out`` included), in order
+    table: np.ndarray       # ``out`` for every value of ``q``'s storage type, ``lut_min`` first (256 entries)
+    lut_min: int
+    takes: int              # table lookups (take) the chain holds
+
+
+def _int_dtype(dtype: str) -> bool:
+    return dtype.startswith("int") or dtype.startswith("uint")
+
+
+def _lut_operand(a, op: str, i: int) -> bool:
+    """Whether a non-variable argument ``a`` (position ``i`` of ``op``) keeps the chain a function of one tensor: a
+    scalar integer constant (a shift amount within its type), a clip bound, a take's 1-D constant table."""
+    if op == "relax.clip":
+        return i > 0 and isinstance(a, tvm.tirx.IntImm)
+    c = _const(a)
+    if c is None or not _int_dtype(str(c.dtype)):
+        return False
+    if op == "relax.take":
+        return i == 0 and c.ndim == 1
+    if c.size != 1:
+        return False
+    return op not in ("relax.right_shift", "relax.left_shift") or 0 <= int(c.reshape(())) < 8 * c.itemsize
+
+
+def _lut_step(call, var, env: dict) -> Optional[np.ndarray]:
+    """NumPy value of binding ``var = call`` (a ``_LUT_OPS`` call) from the values in ``env``, with relax's integer
+    semantics (wrapping casts and arithmetic, arithmetic right shift, ``clip`` = max(min(x, hi), lo), ``take`` in its
+    index mode); None where it has none here (a clip bound outside the type, a take mode other than clip / wrap)."""
+    dt = np.dtype(str(var.ty.dtype))
+    op = call.op.name
+    val = lambda a: env[a] if isinstance(a, relax.Var) else _const(a).reshape(())
+    with np.errstate(over="ignore"):
+        if op == "relax.astype":
+            return val(call.args[0]).astype(dt)
+        if op == "relax.clip":
+            lo, hi = int(call.args[1].value), int(call.args[2].value)
+            x = val(call.args[0])
+            if not (np.iinfo(x.dtype).min <= lo <= hi <= np.iinfo(x.dtype).max):
+                return None
+            return np.maximum(np.minimum(x, hi), lo).astype(dt)
+        if op == "relax.take":
+            table, idx = _const(call.args[0]), val(call.args[1]).astype(np.int64)
+            mode, n = str(call.attrs.mode), table.shape[0]
+            axis = call.attrs.axis  # (None: the flattened table, the same for a 1-D one)
+            if (table is None or table.ndim != 1 or (axis is not None and int(axis) != 0)
+                    or mode not in ("clip", "wrap") or table.dtype != dt):
+                return None
+            return table[np.clip(idx, 0, n - 1) if mode == "clip" else np.mod(idx, n)]
+        return _NP_BINARY[op](val(call.args[0]).astype(dt), val(call.args[1]).astype(dt)).astype(dt)
+
+
+def _var_uses(func: relax.Function) -> dict:
+    """var -> the binding vars whose values name it (None: the function's result names it)."""
+    users: dict = {}
+    for block in func.body.blocks:
+        for b in block.bindings:
+            for v in relax.analysis.free_vars(b.value):
+                users.setdefault(v, []).append(b.var)
+    for v in relax.analysis.free_vars(func.body.body):
+        users.setdefault(v, []).append(None)
+    return users
+
+
+def _lut_chain(q: relax.Var, later: list, users: dict) -> Optional[_Lut]:
+    """The lookup-table chain of kernel output ``q`` (a :class:`_Lut`), or None. ``later``: the bindings after q's.
+    1. Gather, in binding order, every element-wise integer call (``_LUT_OPS``) of q's shape whose variable arguments
+       are all q or gathered values and whose other arguments are scalar constants / clip bounds / a take's table.
+    2. The result: the latest gathered 8-bit value whose needed calls (back to q) are used only by each other -- q
+       and every intermediate value has no use outside them; the result's own uses stay in the graph.
+    3. The table (``_lut_table``): those calls evaluated in NumPy on every value of q's storage type, where they hold
+       a take."""
+    shape = [int(d) for d in q.ty.shape]
+    members, order = {q}, []
+    for b in later:
+        c = b.value
+        if not isinstance(c, relax.Call):
+            continue
+        vs = [a for a in c.args if isinstance(a, relax.Var)]
+        if not vs or not all(a in members for a in vs):
+            continue
+        if not (isinstance(c.op, tvm.ir.Op) and c.op.name in _LUT_OPS) or (  # (shift amounts: constants only)
+                c.op.name.endswith("_shift") and isinstance(c.args[1], relax.Var)) \
+                or not isinstance(b.var.ty, relax.TensorType) or not _int_dtype(str(b.var.ty.dtype)) \
+                or [int(d) if isinstance(d, tvm.tirx.IntImm) else -1 for d in b.var.ty.shape] != shape:
+            continue
+        if all(_lut_operand(a, c.op.name, i) for i, a in enumerate(c.args) if not isinstance(a, relax.Var)):
+            members.add(b.var)
+            order.append(b)
+    by_var = {b.var: b for b in order}
+    for b in reversed(order):  # (the latest result first: the longest chain)
+        if str(b.var.ty.dtype) not in ("int8", "uint8"):
+            continue
+        need, todo = {b.var}, [b.var]  # the calls b's value needs, and q
+        while todo:
+            for a in by_var[todo.pop()].value.args:
+                if isinstance(a, relax.Var) and a not in need:
+                    need.add(a)
+                    if not a.same_as(q):
+                        todo.append(a)
+        if all(u in need for m in need if not m.same_as(b.var) for u in users.get(m, [])):
+            return _lut_table(q, [c for c in order if c.var in need])
+    return None
+
+
+def _lut_table(q: relax.Var, chain: list) -> Optional[_Lut]:
+    """The :class:`_Lut` of ``chain`` (bindings; the last one's value is the result): its calls evaluated on every
+    value of q's 8-bit storage type, where it holds a take."""
+    takes = sum(b.value.op.name == "relax.take" for b in chain)
+    qdt = np.dtype(str(q.ty.dtype))
+    if not takes or qdt.itemsize != 1:
+        return None
+    info = np.iinfo(qdt)
+    env = {q: np.arange(info.min, info.max + 1).astype(qdt)}
+    for b in chain:
+        env[b.var] = _lut_step(b.value, b.var, env)
+        if env[b.var] is None:
+            return None
+    return _Lut(chain[-1].var, tuple(b.var for b in chain), env[chain[-1].var], int(info.min), takes)
+
+
+def find_luts(func: relax.Function, groups: dict, residuals: dict) -> dict:
+    """Kernel output var (a conv's requantized output, or its fused residual add's) -> its :class:`_Lut`, where an
+    element-wise lookup-table chain is that output's only consumer (``_lut_chain``)."""
+    outs = {r.out for r in residuals.values()} | {g.out for g in groups.values() if not g.fused}
+    users = _var_uses(func)
+    luts = {}
+    for block in func.body.blocks:
+        bindings = list(block.bindings)
+        for i, b in enumerate(bindings):
+            if b.var in outs and str(b.var.ty.dtype) in ("int8", "uint8"):
+                lut = _lut_chain(b.var, bindings[i + 1:], users)
+                if lut is not None:
+                    luts[b.var] = lut
+    return luts
+
+
 @mutator
 class _Dispatcher(PyExprMutator):
     def __init__(self, mod, groups, residuals, arch, log, target_kind="cuda", s2d=None, expand_w4=True,
-                 tuning_logs=(), device=None):
+                 tuning_logs=(), device=None, luts=None):
         super().__init__(mod)
+        self.luts = dict(luts or {})  # kernel output var -> _Lut: the chains its kernel's epilogue applies
+        self.lut_skip = {v for lut in self.luts.values() for v in lut.chain}  # their bindings: not emitted
         self.tuning_logs, self.device = tuple(tuning_logs), device
         self.mod_, self.groups, self.arch, self.log, self.kind = mod, groups, arch, log, target_kind
         self.s2d = target_kind == "cuda" if s2d is None else s2d
@@ -356,6 +516,8 @@ class _Dispatcher(PyExprMutator):
         return True
 
     def visit_var_binding_(self, binding):
+        if binding.var in self.lut_skip:  # (a lookup-table chain: its kernel wrote the result, remapped there)
+            return
         if self._pool4(binding.var, binding.value):
             return
         r = self.residuals.get(binding.var)
@@ -367,6 +529,28 @@ class _Dispatcher(PyExprMutator):
         if g.groups != 1:  # (CUDA kernels only; the te-compute check on a CPU leaves grouped convs as they are)
             return self._emit_grouped(binding.var, g, r) if self.kind == "cuda" else super().visit_var_binding_(binding)
         self._emit_kernel(binding.var, g, r)
+
+    def _lut_spec(self, var, spec, applies: bool):
+        """(spec, lut): ``spec`` with the lookup table of ``var``'s chain (``ConvSpec.lut``: the table's 256 entries of
+        the chain result's type, indexed by the final value minus its type's minimum) where the layer's kernel applies
+        one (``applies``), else ``spec`` and None -- the chain then stays in the graph. The table changes no tuning
+        key: the layer looks up the record of the same conv without it (the table costs each output a byte load from
+        a 256-byte table, beside the conv's own work)."""
+        lut = self.luts.get(var)
+        if lut is None:
+            return spec, None
+        if not applies:
+            del self.luts[var]
+            self.lut_skip.difference_update(lut.chain)
+            return spec, None
+        return spec.replace(out_dtype=str(lut.out.ty.dtype), lut=len(lut.table), lut_min=lut.lut_min), lut
+
+    def _lut_planned(self, name: str, pk, lut, out_dtype: str):
+        """Record layer ``name``'s PlannedKernel; with a table, the spec of the same conv without it (what its tuning
+        task measures and its record serves)."""
+        if lut is not None:
+            pk = pk.replace(spec=pk.spec.replace(lut=0, lut_min=0, out_dtype=out_dtype))
+        self.planned.append((name, pk))
 
     def _emit_grouped(self, var, g: _Group, r: Optional[_Residual]):
         """A grouped / depthwise conv (NHWC) on its CUDA-core kernel (``schedules.grouped.plan_grouped``), with the
@@ -390,19 +574,21 @@ class _Dispatcher(PyExprMutator):
                         dilation=tuple(int(v) for v in a.dilation), layout="NHWC", x_dtype=str(g.x.ty.dtype),
                         w_bits=g.w_bits, out_dtype=out_dtype, zo=g.zo, lo=g.lo, hi=g.hi, pad_value=g.pad_value,
                         shift_ge33=bool(33 <= np.min(g.S) and np.max(g.S) <= 62), groups=g.groups, **res)
+        spec, lut = self._lut_spec(var, spec, True)  # (both CUDA-core kernels apply a table)
         pk = self._grouped_knobs(spec)
-        self.planned.append((g.out.name, pk))
+        self._lut_planned(g.out.name, pk, lut, out_dtype)
         self.sources.append((g.out.name, pk.source))
-        if pk.spec.out_dtype != out_dtype:  # (a 4-bit output the kernel cannot pack: one value per byte)
-            out_dtype = pk.spec.out_dtype
+        out_dtype = pk.spec.out_dtype  # (a 4-bit output the kernel cannot pack: one value per byte; a table's type)
         fname = f"qconv_{g.out.name}" + ("_resadd" if r is not None else "")
         func = pk.funcs[0].with_attr("op_pattern", 8).with_attr("tirx.is_scheduled", True)
         gv = self.builder_.add_func(func.with_attr("global_symbol", fname), fname)
-        self.chosen.append((g.out.name, pk.label))
+        self.chosen.append((g.out.name, pk.label + ("+lut" if lut is not None else "")))
         epi = [relax.const(g.bias, "int32"), relax.const(g.M, "int32"), relax.const(g.S, "int32")]
         if r is not None:
             self.fused.append((g.out.name, var.name))
             epi += [self._data(r.res, res["res_dtype"], 3), relax.const(r.rq2, "int32")]
+        if lut is not None:
+            epi.append(relax.const(lut.table, out_dtype))
         _, _, out_shape = pk.spec.shapes()
         out = self.builder_.emit(relax.call_tir(gv, [self.visit_expr(g.x), relax.const(pk.weights(g.w), "int8"), *epi],
                                                 relax.TensorType(list(out_shape), ConvSpec.storage(out_dtype))),
@@ -410,7 +596,7 @@ class _Dispatcher(PyExprMutator):
         if out_dtype in ("int4", "uint4"):
             self.packed[var] = out
             out = self.builder_.emit(unpack_int4(out, 3, out_dtype == "int4"), var.name + "_unpack")
-        self.set_var_remap(var, out)
+        self.set_var_remap(var if lut is None else lut.out, out)
 
     def _grouped_knobs(self, spec):
         """The GroupedPlanned of a grouped layer (``spec.groups`` > 1): its strategy's (``depthwise`` / ``grouped``)
@@ -468,12 +654,18 @@ class _Dispatcher(PyExprMutator):
         s2d = space_to_depth(spec) if self.s2d else None  # (the stem: 7x7/2 on 4 channels -> 4x4/1 on 16)
         if s2d is not None:
             w, spec0, spec = space_to_depth_weights(w, spec), spec, s2d
+        lut = None
         if self.kind == "cuda":
+            from qcompile.schedules import LUT_STRATEGIES
+
             strategy = select_strategy(spec, self.arch)
+            base_dtype = spec.out_dtype
+            spec, lut = self._lut_spec(var, spec, strategy in LUT_STRATEGIES)
+            out_dtype = spec.out_dtype
             # (4-bit weights kept packed: a w8 kernel runs as the register-A kernel that unpacks B itself)
             pk = plan_conv(spec, self.arch, strategy, packed_weights=not self.expand_w4,
                            tuning_logs=self.tuning_logs, device=self.device)
-            self.planned.append((g.out.name, pk))
+            self._lut_planned(g.out.name, pk, lut, base_dtype)
             funcs = list(pk.funcs)
             if strategy == "implicit_gemm":  # (the strategy whose knobs tuning records hold)
                 self.sources.append((g.out.name, pk.source))
@@ -493,7 +685,8 @@ class _Dispatcher(PyExprMutator):
                 func = func.with_attr(STATE_INPUT_ATTR, True)
                 self.state_funcs.add(fname)
             gvs.append(self.builder_.add_func(func.with_attr("global_symbol", fname), fname))
-        self.chosen.append((g.out.name, pk.strategy + ("+s2d" if s2d is not None else "") + pk.label[len(pk.strategy):]))
+        self.chosen.append((g.out.name, pk.strategy + ("+s2d" if s2d is not None else "") + pk.label[len(pk.strategy):]
+                            + ("+lut" if lut is not None else "")))
         if r is not None:
             self.fused.append((g.out.name, var.name))
         x = self._data(g.x, x_dtype, 1 if g.dense else 3)  # (dense: [N, C])
@@ -513,6 +706,8 @@ class _Dispatcher(PyExprMutator):
         epi = [relax.const(g.bias, "int32"), relax.const(g.M, "int32"), relax.const(g.S, "int32")]
         if r is not None:
             epi += [self._data(r.res, res["res_dtype"], 3), relax.const(r.rq2, "int32")]
+        if lut is not None:  # (the table after [res, rq2]: planned.py's calling convention)
+            epi.append(relax.const(lut.table, out_dtype))
         _, _, out_shape = spec.shapes()
         out_ty = relax.TensorType(list(out_shape), ConvSpec.storage(out_dtype))
         sk = pk.streamk
@@ -532,9 +727,10 @@ class _Dispatcher(PyExprMutator):
         if out_dtype in ("int4", "uint4"):
             self.packed[var] = out
             out = self.builder_.emit(unpack_int4(out, 3, out_dtype == "int4"), var.name + "_unpack")
+        res_var = var if lut is None else lut.out  # (with a table the kernel writes the chain's result)
         if g.dense:
-            out = self.builder_.emit(relax.op.reshape(out, [int(s) for s in var.ty.shape]), var.name)
-        self.set_var_remap(var, out)
+            out = self.builder_.emit(relax.op.reshape(out, [int(s) for s in res_var.ty.shape]), res_var.name)
+        self.set_var_remap(res_var, out)
 
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchTensorCore")
@@ -561,8 +757,10 @@ class DispatchTensorCore:
     @keeps_user_errors
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         groups, residuals = find_fusions(mod["main"], packed_pools=self.kind == "cuda")
+        # (the CUDA kernels apply lookup tables; the CPU check of this pass, te-compute, leaves the chains as they are)
+        luts = find_luts(mod["main"], groups, residuals) if self.kind == "cuda" else {}
         d = _Dispatcher(mod, groups, residuals, self.arch, self.log, self.kind, self.s2d, self.expand_w4,
-                        self.tuning_logs, self.device)
+                        self.tuning_logs, self.device, luts)
         func = d.visit_expr(mod["main"])
         self.chosen, self.fused, self.sources, self.pooled4 = d.chosen, d.fused, d.sources, d.pooled4
         self.planned, self.state_funcs = d.planned, d.state_funcs

@@ -25,6 +25,7 @@ from .spec import DEFAULT_KNOBS, MMA_SHAPES, ArchMMA, ConvSpec, GemmKnobs, MMASh
 from .tuning import knobs_for, tuned_knobs, tuning_key
 
 STRATEGIES = ("direct_hwnc", "direct_halo", "implicit_gemm_t", "implicit_gemm", "fallback")  # (select_strategy's order)
+LUT_STRATEGIES = ("direct_hwnc", "implicit_gemm")  # the strategies whose kernels apply ConvSpec.lut (and split-K's)
 
 
 # ---- dlight-style rules: each returns a PrimFunc, or None when it does not apply ----------------
@@ -148,6 +149,8 @@ def _planned(spec: ConvSpec, arch: str, strategy, knobs, allow_split: bool, pack
 
     strategy, knobs, source = _resolve(spec, arch, strategy, knobs, packed_weights, tuning_logs, device, sms)
     fail = ValueError(f"strategy {strategy} does not apply to {spec} on {arch}")
+    if spec.lut and strategy not in LUT_STRATEGIES:
+        raise ValueError(f"strategy {strategy} takes no output lookup table (ConvSpec.lut)")
     if strategy in ("implicit_gemm", "direct_hwnc"):
         r = _gemm_planned(spec, arch, knobs, "HWNC" if strategy == "direct_hwnc" else "NHWC", allow_split, sms)
         if r is None:

@@ -35,6 +35,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from .fallback import epilogue_value, residual_value
+from .planned import lut_buffer, lut_value, with_lut_param
 from .spec import ConvSpec, arch_info
 
 MIN_BLOCKS_PER_SM = 2  # automatic config: shrink the per-thread tile until the grid has this many blocks per SM
@@ -100,9 +101,12 @@ def dp4a_operands(spec: ConvSpec, cpw: int) -> Dp4aOperands:
 
 
 def epilogue_fns(spec: ConvSpec, o_st: str):
-    """``(y_of, packed)`` of both dp4a kernels: the shared epilogue of one accumulator (``fallback.epilogue_value``
-    with the residual stage), and a column's output element e -- a value, or two 4-bit values packed low nibble first."""
+    """``(y_of, packed, lut)`` of both dp4a kernels: the shared epilogue of one accumulator (``fallback.epilogue_value``
+    with the residual stage), a column's output element e -- a value, its entry in the output lookup table
+    (``spec.lut``), or two 4-bit values packed low nibble first -- and the table's buffer (None without one; the kernel
+    takes it as a parameter before out: ``planned.with_lut_param``)."""
     has_res = spec.has_residual
+    lut = lut_buffer(spec)
 
     def y_of(acc, n, p, q, k, bias, Mq, Sq, res, rq2):
         rv = residual_value(spec, res, (n, p, q), k) if has_res else None
@@ -111,8 +115,10 @@ def epilogue_fns(spec: ConvSpec, o_st: str):
     def packed(yv, e):
         if spec.out_bits == 4:
             return T.Cast(o_st, T.bitwise_or(T.bitwise_and(yv[2 * e], 15), T.shift_left(T.bitwise_and(yv[2 * e + 1], 15), 4)))
+        if lut is not None:
+            return lut_value(spec, lut, yv[e])
         return T.Cast(o_st, yv[e])
-    return y_of, packed
+    return y_of, packed, lut
 
 
 @dataclass(frozen=True)
@@ -206,7 +212,7 @@ def make_depthwise(spec: ConvSpec, groups: int, cfg: DwConfig | None = None, arc
     has_res = spec.has_residual
     res_shape = spec.res_shape() if has_res else (1,)
     res_st = ConvSpec.storage(spec.res_dtype) if has_res else "int8"
-    y_of, packed = epilogue_fns(spec, o_st)
+    y_of, packed, lut = epilogue_fns(spec, o_st)
 
     def x_word(x, xw, n, ih, iw, cv, v):
         if CPW == 4:
@@ -272,17 +278,18 @@ def make_depthwise(spec: ConvSpec, groups: int, cfg: DwConfig | None = None, arc
                                     out[n, p, qb * QT + qq, cv * OE + e0 * OCH + e1] = ob[e0 * OCH + e1]
 
     if has_res:
-        @T.prim_func
+        @T.prim_func(check_well_formed=False)  # (checked by with_lut_param)
         def depthwise(x: T.Buffer(xs, x_st), w: T.Buffer((R, S, C), "int8"), bias: T.Buffer((C,), "int32"),
                       Mq: T.Buffer((C,), "int32"), Sq: T.Buffer((C,), "int32"), res: T.Buffer(res_shape, res_st),
                       rq2: T.Buffer((5, C), "int32"), out: T.Buffer(os_, o_st)):
             T.func_attr({"tir.noalias": True})
             body(x, w, bias, Mq, Sq, res, rq2, out)
     else:
-        @T.prim_func
+        @T.prim_func(check_well_formed=False)  # (checked by with_lut_param)
         def depthwise(x: T.Buffer(xs, x_st), w: T.Buffer((R, S, C), "int8"), bias: T.Buffer((C,), "int32"),
                       Mq: T.Buffer((C,), "int32"), Sq: T.Buffer((C,), "int32"), out: T.Buffer(os_, o_st)):
             T.func_attr({"tir.noalias": True})
             body(x, w, bias, Mq, Sq, None, None, out)
 
+    depthwise = with_lut_param(depthwise, lut, len(depthwise.params) - 1)  # (the table before out)
     return depthwise.with_attr("qcompile.strategy", "depthwise").with_attr("qcompile.knobs", repr(cfg))

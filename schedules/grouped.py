@@ -37,7 +37,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from .depthwise import dp4a_constraints, dp4a_operands, dp4a_tile_legal, epilogue_fns, shrink_tile
-from .planned import PlannedKernel
+from .planned import PlannedKernel, with_lut_param
 from .spec import ConvSpec, arch_info
 
 MIN_BLOCKS_PER_SM = 2  # automatic config: shrink the per-thread tile until the grid has this many blocks per SM
@@ -143,7 +143,7 @@ def make_grouped(spec: ConvSpec, groups: int, cfg: GroupedConfig | None = None, 
     has_res = spec.has_residual
     res_shape = spec.res_shape() if has_res else (1,)
     res_st = ConvSpec.storage(spec.res_dtype) if has_res else "int8"
-    y_of, packed = epilogue_fns(spec, o_st)
+    y_of, packed, lut = epilogue_fns(spec, o_st)
 
     def x_word(x, xw, n, ih, iw, g, cw):
         if CPW == 4:
@@ -197,19 +197,20 @@ def make_grouped(spec: ConvSpec, groups: int, cfg: GroupedConfig | None = None, 
                                     out[n, p, qb * QT + qq, kb * OE + e0 * OCH + e1] = ob[e0 * OCH + e1]
 
     if has_res:
-        @T.prim_func
+        @T.prim_func(check_well_formed=False)  # (checked by with_lut_param)
         def grouped(x: T.Buffer(xs, x_st), w: T.Buffer(ws, "int8"), bias: T.Buffer((K,), "int32"),
                     Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), res: T.Buffer(res_shape, res_st),
                     rq2: T.Buffer((5, K), "int32"), out: T.Buffer(os_, o_st)):
             T.func_attr({"tir.noalias": True})
             body(x, w, bias, Mq, Sq, res, rq2, out)
     else:
-        @T.prim_func
+        @T.prim_func(check_well_formed=False)  # (checked by with_lut_param)
         def grouped(x: T.Buffer(xs, x_st), w: T.Buffer(ws, "int8"), bias: T.Buffer((K,), "int32"),
                     Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), out: T.Buffer(os_, o_st)):
             T.func_attr({"tir.noalias": True})
             body(x, w, bias, Mq, Sq, None, None, out)
 
+    grouped = with_lut_param(grouped, lut, len(grouped.params) - 1)  # (the table before out)
     return grouped.with_attr("qcompile.strategy", "grouped").with_attr("qcompile.knobs", repr(cfg))
 
 

@@ -6,11 +6,14 @@ attributes):
 
 * ``funcs``: the PrimFuncs in launch order, with their calling convention (``calls``):
 
-  - one kernel (``split_k == 1``, no ``streamk``): ``conv(x, w, bias, M, S, [res, rq2], out)``;
+  - one kernel (``split_k == 1``, no ``streamk``): ``conv(x, w, bias, M, S, [res, rq2], [lut], out)``;
   - split-K pair (``split_k > 1``): ``gemm(x, w, ws)`` with ``ws`` int32 ``workspace_shape(spec, split_k)``, then
-    ``epilogue(ws, bias, M, S, [res, rq2], out)`` (schedules/splitk.py);
-  - stream-K (``streamk = (counters, words)``): ``conv(x, w, bias, M, S, [res, rq2], cnt, out, ws)`` with ``cnt``
-    int32[counters] zeros (the kernel leaves them zero) and ``ws`` an int32[words] scratch output.
+    ``epilogue(ws, bias, M, S, [res, rq2], [lut], out)`` (schedules/splitk.py);
+  - stream-K (``streamk = (counters, words)``): ``conv(x, w, bias, M, S, [res, rq2], [lut], cnt, out, ws)`` with
+    ``cnt`` int32[counters] zeros (the kernel leaves them zero) and ``ws`` an int32[words] scratch output.
+
+  ``lut`` (``spec.lut`` > 0): the output lookup table, ``spec.lut`` entries of the output's storage type (ConvSpec).
+  The kernels' epilogues read it through ``lut_buffer``; ``with_lut_param`` makes it a parameter.
 
 * ``weights(w)``: the weight buffer the kernels take, from the layer's logical integer weights (OHWI for NHWC, HWOI
   for HWNC; values, not packed): packed two per byte for 4-bit, or expanded to 8 bits (``w_expand``: the ``w8``
@@ -70,3 +73,34 @@ class PlannedKernel:
 
     def replace(self, **kw) -> "PlannedKernel":
         return dataclasses.replace(self, **kw)
+
+
+def lut_buffer(spec: ConvSpec):
+    """The output lookup table's buffer of a kernel for ``spec`` (None without ``spec.lut``). The epilogue pieces
+    read it as a free buffer (the kernel's prim_func is parsed without the well-formedness check, which would refuse
+    it) and ``with_lut_param`` makes it a parameter of the finished PrimFunc."""
+    if not spec.lut:
+        return None
+    import tvm
+
+    return tvm.tirx.decl_buffer((spec.lut,), ConvSpec.storage(spec.out_dtype), name="lut")
+
+
+def lut_value(spec: ConvSpec, lut, y):
+    """The table entry of final value ``y`` (int32): ``lut[y - lut_min]``; ``y`` lies in the table's domain (the
+    epilogue's clip range, which ConvSpec checks)."""
+    return lut[y - spec.lut_min] if spec.lut_min else lut[y]
+
+
+def with_lut_param(func, lut, before: int):
+    """``func`` with buffer ``lut`` inserted as a parameter ahead of its ``before``-th one (None: ``func`` as it is),
+    checked well-formed as TVMScript's parser checks a prim_func (its callers parse without the check)."""
+    import tvm
+
+    if lut is not None:
+        params = list(func.params)
+        params.insert(before, lut)
+        func = tvm.tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)
+    tvm.s_tir.analysis.verify_well_formed(tvm.IRModule.from_expr(func))
+    tvm.tirx.analysis.verify_tirx_well_formed(func)
+    return func

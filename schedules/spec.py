@@ -13,9 +13,13 @@ class ConvSpec:
     """One quantized conv2d layer (see docs/SCHEDULES.md for the exact math).
 
     Tensors (PrimFunc params, in this order): x, w, bias int32[K], M int32[K], S int32[K],
-    [res, rq2 int32[5, K]], out.
+    [res, rq2 int32[5, K]], [lut], out.
       NHWC: x[N,H,W,Cs], w OHWI [K,R,S,Cs], out/res [N,P,Q,Ks]
       HWNC: x[H,W,N,Cs], w HWOI [R,S,K,Cs], out/res [P,Q,N,Ks]
+    With ``lut`` (entries of a lookup table, 0: none) the table is one more input, ``lut[lut]`` of the output's
+    storage type, after [res, rq2]: the kernel writes ``lut[y - lut_min]`` in place of the final value y (the
+    element-wise activation of the graph that follows the conv, ``take(table, y - lut_min)``); y's clip range lies in
+    the table's domain ``lut_min .. lut_min + lut - 1`` and the output is 8-bit. Not part of the tuning key.
     4-bit tensors are packed two per byte along the innermost (channel) axis (Cs = C/2): element 2i in
     the low nibble, 2i+1 in the high nibble; signed nibbles are sign-extended. Storage dtypes:
     int8/int4 -> "int8" buffers, uint8/uint4 -> "uint8" buffers. Padding positions read ``pad_value``
@@ -57,6 +61,15 @@ class ConvSpec:
     shift_ge33: bool = False  # every S[k] >= 33: stage 1 in int32 from the product's high word (mul.hi)
     rq2_uniform: tuple = ()  # (c1, M1, c2, M2, S2) when rq2 is the same for every channel: compiled in
     groups: int = 1  # conv groups (> 1: the CUDA-core ``depthwise`` / ``grouped`` kernels; w is [K, R, S, C / groups])
+    lut: int = 0  # entries of the output lookup table (0: none; see above)
+    lut_min: int = 0  # the final value that indexes the table's first entry
+
+    def __post_init__(self):
+        if self.lut:
+            lo, hi = (self.lo2, self.hi2) if self.has_residual else (self.lo, self.hi)
+            if self.out_dtype not in ("int8", "uint8") or not self.lut_min <= lo <= hi < self.lut_min + self.lut:
+                raise ValueError(f"ConvSpec: a {self.lut}-entry output table from {self.lut_min} needs an 8-bit output "
+                                 f"and the final clip range [{lo}, {hi}] inside its domain (out_dtype {self.out_dtype})")
 
     # ---- derived -------------------------------------------------------------------------
     @property

@@ -38,7 +38,7 @@ def workspace_shape(spec: ConvSpec, split: int):
 
 
 def make_splitk_epilogue(spec: ConvSpec, split: int, target_kind: str = "cuda", threads: int = 256):
-    """PrimFunc (ws int32[split, M, K], bias, M, S, [res, rq2], out) -> out, ConvSpec's epilogue of sum_z ws."""
+    """PrimFunc (ws int32[split, M, K], bias, M, S, [res, rq2], [lut], out) -> out, ConvSpec's epilogue of sum_z ws."""
     _, _, os_ = spec.shapes()
     K = spec.K
     ws = te.placeholder(workspace_shape(spec, split), "int32", name="ws")
@@ -56,8 +56,12 @@ def make_splitk_epilogue(spec: ConvSpec, split: int, target_kind: str = "cuda", 
         return epilogue_value(spec, acc[a, b, c, k], k, bias, Mq, Sq, residual_value(spec, res, (a, b, c), k), rq2)
 
     y = te.compute(acc.shape, y_f, name="y")
+    lut = te.placeholder((spec.lut,), ConvSpec.storage(spec.out_dtype), name="lut") if spec.lut else None
+    if lut is not None:  # the output lookup table's entry of each final value (ConvSpec.lut)
+        y0 = y
+        y = te.compute(acc.shape, lambda a, b, c, k: lut[y0[a, b, c, k] - spec.lut_min].astype("int32"), name="y_lut")
     out = output_compute(spec, y, os_)
-    args = [ws, bias, Mq, Sq] + ([res, rq2] if res is not None else []) + [out]
+    args = [ws, bias, Mq, Sq] + ([res, rq2] if res is not None else []) + ([lut] if lut is not None else []) + [out]
     func = te.create_prim_func(args)
     if target_kind != "cuda":
         return func.with_attr("qcompile.strategy", "splitk_epilogue")
@@ -67,6 +71,8 @@ def make_splitk_epilogue(spec: ConvSpec, split: int, target_kind: str = "cuda", 
     # 3. the split reduction computed per thread in registers
     sch = s_tir.Schedule(func)
     sch.compute_inline(sch.get_sblock("y"))
+    if lut is not None:
+        sch.compute_inline(sch.get_sblock("y_lut"))
     out_b = sch.get_sblock("out")
     fused = sch.fuse(*sch.get_loops(out_b))
     bx, tx = sch.split(fused, [None, threads])

@@ -242,8 +242,11 @@ def table(doc: dict, path: str) -> str:
             continue
         eq = ", ".join("yes" if c["equal"] else f"no ({c['differing']})" for c in r["checks"])
         ks = next((v.get("kernels", {}) for k, v in r["builds"].items() if k.startswith("cuda")), {})
-        special = ", ".join(f"{k} {v}" for k, v in sorted(ks.items()) if k in ("depthwise", "grouped", "generic",
-                                                                                "fallback")) or "-"
+        base: dict = {}  # (kernel labels without the "+lut" of an epilogue with a table)
+        for k, v in ks.items():
+            base[k.replace("+lut", "")] = base.get(k.replace("+lut", ""), 0) + v
+        special = ", ".join(f"{k} {v}" for k, v in sorted(base.items()) if k in ("depthwise", "grouped", "generic",
+                                                                                  "fallback")) or "-"
         q, t = THROUGHPUT_BATCH * 1e3 / r["qcompile_b256"]["ms"], THROUGHPUT_BATCH * 1e3 / r["torch_fp16_b256"]["ms"]
         l1, t1 = r["qcompile_b1"]["p50_ms"], r["torch_fp16_b1"]["p50_ms"]
         rows.append(f"| {name} | {eq} | {special} | {q:,.0f} | {t:,.0f} | {q / t:.2f}x | {l1:.3f} | {t1:.3f} | "
@@ -258,11 +261,15 @@ def table(doc: dict, path: str) -> str:
 
 
 def cmd_table(a) -> int:
-    """One table from one or more results files (runs split by ``--models``: rows in file order; the caption, device
-    and date from the first file, every file and command named)."""
+    """One table from one or more results files (runs split by ``--models``: rows in file order, a model of a later
+    file replacing its row of an earlier one; the caption, device and date from the first file, every file and
+    command named)."""
     docs = [json.loads(pathlib.Path(p).read_text()) for p in a.results]
-    doc = dict(docs[0], results=[r for d in docs for r in d["results"]],
-               command=" and ".join(dict.fromkeys(d["command"] for d in docs)))
+    rows: dict = {}  # (a model measured again in a later file: the later run's row, in the first one's place)
+    for d in docs:
+        for r in d["results"]:
+            rows[r["model"]] = r
+    doc = dict(docs[0], results=list(rows.values()), command=" and ".join(dict.fromkeys(d["command"] for d in docs)))
     write_block(a.name, table(doc, ", ".join(a.results)), a.write)
     return 0
 

@@ -1372,3 +1372,21 @@ def test_guarded_dlight_rule_yields_where_it_asserts():
             dl.ApplyDefaultSchedule(dl.gpu.GEMV(), dl.gpu.Reduction())(mod)
         out = dl.ApplyDefaultSchedule(Guarded(dl.gpu.GEMV()), dl.gpu.Reduction(), dl.gpu.GeneralReduction())(mod)
     assert out["main"].attrs["tirx.is_scheduled"]
+
+
+@pytest.mark.nvcc
+def test_gemm_grid_m_over_the_y_limit():
+    """More M tiles than gridDim.y allows (65535; VGG-16's 224x224 convs at batch 256: 100352 tiles of 128 rows): the
+    M tiles go on blockIdx.x and the N tiles on blockIdx.y; below the limit the usual x = N, y = M."""
+    from qcompile.schedules.gemm.plan import GRID_YZ_MAX, make_plan
+
+    big = ConvSpec(N=256, H=224, W=224, C=64, K=64, R=3, S=3, padding=1, layout="NHWC")
+    p = make_plan(big, "sm_90")
+    assert p.GRID_M > GRID_YZ_MAX and p.M_ON_X and not p.STREAM
+    small = ConvSpec(N=8, H=224, W=224, C=64, K=64, R=3, S=3, padding=1, layout="NHWC")
+    ps = make_plan(small, "sm_90")
+    assert ps.GRID_M <= GRID_YZ_MAX and not ps.M_ON_X
+    text = conv2d_int_kernel(big, "sm_90").script()
+    extents = dict(re.findall(r'launch_thread\("(blockIdx\.[xyz])", (\d+)\)', text))
+    assert extents == {"blockIdx.x": str(p.GRID_M), "blockIdx.y": str(p.GRID_N), "blockIdx.z": "1"}, extents
+    _src(big, "sm_90")  # (it builds)

@@ -83,9 +83,13 @@ def knobs_dict(knobs) -> dict | None:
     return None if knobs is None else {f.name: getattr(knobs, f.name) for f in dataclasses.fields(knobs)}
 
 
+_LATER_SPEC_FIELDS = ("lut", "lut_min")  # ConvSpec fields left out of an id at their default: ids stay as they were
+
+
 def candidate_id(cand: Candidate, target: str, mode: str) -> str:
     """A content key: the same candidate built the same way gets the same id."""
-    blob = json.dumps([target, mode, cand.arch, cand.strategy, dataclasses.asdict(cand.spec), knobs_dict(cand.knobs),
+    spec = {k: v for k, v in dataclasses.asdict(cand.spec).items() if not (k in _LATER_SPEC_FIELDS and v == 0)}
+    blob = json.dumps([target, mode, cand.arch, cand.strategy, spec, knobs_dict(cand.knobs),
                        type(cand.knobs).__name__], sort_keys=True, default=str)
     return "k" + hashlib.sha1(blob.encode()).hexdigest()[:12]
 

@@ -55,6 +55,11 @@ def _funcs(dtype: str, rank: int, gpu: bool) -> dict:
     def prod(shape):
         return functools.reduce(lambda x, y: x * y, shape)
 
+    # (expressions, never assigned names: a name assigned in TVMScript is a variable, which a host function that
+    # launches a kernel passes to it as a pointer to host memory)
+    def flat(i, bx, tx):
+        return i * P + bx * TH + tx
+
     def unravel(j, shape):  # (row-major indices of flat index j)
         idx = []
         for d in reversed(shape[1:]):
@@ -71,27 +76,24 @@ def _funcs(dtype: str, rank: int, gpu: bool) -> dict:
     def fill(a: T.handle, seed: T.int32):
         shape = [T.int64() for _ in range(rank)]
         A = T.match_buffer(a, shape, dtype)
-        n = prod(shape)
         for bx in outer(G):
             for tx in inner(TH):
-                for i in range((n + P - 1) // P):
-                    j = i * P + bx * TH + tx
-                    if j < n:
-                        A[unravel(j, shape)] = hashed(j, seed)
+                for i in range((prod(shape) + P - 1) // P):
+                    if flat(i, bx, tx) < prod(shape):
+                        A[unravel(flat(i, bx, tx), shape)] = hashed(flat(i, bx, tx), seed)
 
     @T.prim_func
     def count(a: T.handle, b: T.handle, part: T.Buffer((P,), "int32")):
         shape = [T.int64() for _ in range(rank)]
         A = T.match_buffer(a, shape, dtype)
         B = T.match_buffer(b, shape, dtype)
-        n = prod(shape)
         for bx in outer(G):
             for tx in inner(TH):
                 part[bx * TH + tx] = 0
-                for i in range((n + P - 1) // P):
-                    j = i * P + bx * TH + tx
-                    if j < n:
-                        part[bx * TH + tx] = part[bx * TH + tx] + T.Select(A[unravel(j, shape)] != B[unravel(j, shape)], 1, 0)
+                for i in range((prod(shape) + P - 1) // P):
+                    if flat(i, bx, tx) < prod(shape):
+                        part[bx * TH + tx] = part[bx * TH + tx] + T.Select(
+                            A[unravel(flat(i, bx, tx), shape)] != B[unravel(flat(i, bx, tx), shape)], 1, 0)
 
     return {func_name("fill", dtype, rank): fill, func_name("count", dtype, rank): count}
 

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 from tvm.script import tirx as T
 
+from ..planned import lut_buffer, lut_value
 from .plan import GemmPlan
 
 
@@ -13,8 +14,9 @@ def make_epilogue_parts(p: GemmPlan, h: SimpleNamespace) -> SimpleNamespace:
     spec, WG, K, Mtot, BM, NTH, WTM, WTN, EV = p.spec, p.WG, p.K, p.Mtot, p.BM, p.NTH, p.WTM, p.WTN, p.EV
     o_st, OB, HAS_RES, RB, olo, ohi, CS_IT, LPR = p.o_st, p.OB, p.HAS_RES, p.RB, p.olo, p.ohi, p.CS_IT, p.LPR
     PV, RBV, RW, PREF, RPB, RES_OFF, RSM, RIT = p.PV, p.RBV, p.RW, p.PREF, p.RPB, p.RES_OFF, p.RSM, p.RIT
-    OUT_VEC, OSV = p.OUT_VEC, p.OSV
+    OUT_VEC, OSV, LUT = p.OUT_VEC, p.OSV, p.LUT
     wtile, rp_at, res_base = h.wtile, h.rp_at, h.res_base
+    lut = lut_buffer(spec)  # the output lookup table (LUT; the kernel's parameter: kernel.py)
 
     @T.macro
     def load_params(bias, Mq, Sq, pb, pm, ps, k):
@@ -125,6 +127,10 @@ def make_epilogue_parts(p: GemmPlan, h: SimpleNamespace) -> SimpleNamespace:
                                                   T.shift_left(T.bitwise_and(yb[2 * e + 1], 15), 4)))
             for e in T.vectorized(OUT_VEC):
                 of[(m * K + k) // 2 + e] = ob[e]
+        elif LUT > 0:  # each final value's table entry: a byte load from a table of LUT bytes (L1-resident)
+            for e in T.unroll(EV):
+                ob[e] = lut_value(spec, lut, yb[e])
+            store16(of, m * K + k, ob, OUT_VEC, OSV)
         else:
             for e in T.unroll(EV):
                 ob[e] = T.Cast(o_st, yb[e])
@@ -132,13 +138,15 @@ def make_epilogue_parts(p: GemmPlan, h: SimpleNamespace) -> SimpleNamespace:
 
 
     return SimpleNamespace(load_params=load_params, res_to_smem=res_to_smem, res_prefetch=res_prefetch,
-                           load_residual=load_residual, nib_word=nib_word, store16=store16, store_out=store_out)
+                           load_residual=load_residual, nib_word=nib_word, store16=store16, store_out=store_out,
+                           lut=lut)
 
 
 def make_epilogue(p: GemmPlan, h: SimpleNamespace, ep: SimpleNamespace) -> SimpleNamespace:
     """The fused epilogue of one output tile for plan ``p``, and stream-K's tile end."""
     WG, SPLIT, K, Mtot, WTM, WTN, NT, GIF, EMT = p.WG, p.SPLIT, p.K, p.Mtot, p.WTM, p.WTN, p.NT, p.GIF, p.EMT
     NK, EV, CSP, OB, HAS_RES, ERQ, ERQ4, CPB, PP = p.NK, p.EV, p.CSP, p.OB, p.HAS_RES, p.ERQ, p.ERQ4, p.CPB, p.PP
+    LUT = p.LUT
     NACC, C_OFF, CS_IT, LPR, HOIST, PV, PREF = p.NACC, p.C_OFF, p.CS_IT, p.LPR, p.HOIST, p.PV, p.PREF
     RP_ALL = p.RP_ALL
     cs_col, wtile, requant1, requant2, requant = h.cs_col, h.wtile, h.requant1, h.requant2, h.requant
@@ -217,10 +225,10 @@ def make_epilogue(p: GemmPlan, h: SimpleNamespace, ep: SimpleNamespace) -> Simpl
                 elif ERQ:  # the staged 8-bit values: residual stage / 4-bit pack / plain copy out
                     if m < Mtot and k < K:
                         T.evaluate(ld_staged(sb, T.address_of(Cb[cbase + row * CPB + cc])))
-                        if OB == 8 and not HAS_RES:  # the staged bytes are the output
+                        if OB == 8 and not HAS_RES and not LUT:  # the staged bytes are the output
                             for e in T.vectorized(EV // 4):
                                 ofw[(m * K + k) // 4 + e] = sb[e]
-                        else:
+                        else:  # (LUT: the staged values' table entries, through store_out)
                             load_residual(rq2, rfw, rf, q2, rb, rbw, rpre, m, k, it, i)
                             for e in T.unroll(EV):
                                 yb[e] = requant2(staged(sb, e), q2, e, res_value(rb, rbw, e))

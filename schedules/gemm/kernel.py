@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from tvm.script import tirx as T
 
+from ..planned import with_lut_param
 from .epilogue import make_epilogue, make_epilogue_parts
 from .helpers import make_helpers
 from .loaders import make_loaders
@@ -42,6 +43,7 @@ def _conv_func(p: GemmPlan, h: SimpleNamespace, ep: SimpleNamespace, epi: Simple
     RBV, RW, PREF, RPN, RSM, OUT_VEC, ACC_T, PIPE = p.RBV, p.RW, p.PREF, p.RPN, p.RSM, p.OUT_VEC, p.ACC_T, p.PIPE
     NFB, res_shape, MINB, MINB_ON, R_SIZE = p.NFB, p.res_shape, p.MINB, p.MINB_ON, p.R_SIZE
     wtile, smem_desc, k_span = h.wtile, h.smem_desc, h.k_span
+    AX_N, AX_M = ("blockIdx.y", "blockIdx.x") if p.M_ON_X else ("blockIdx.x", "blockIdx.y")  # (plan.M_ON_X)
     epilogue = epi.epilogue
     res_to_smem = ep.res_to_smem
     persist_areg_loop, persist_loop, pp_loop = lp.persist_areg_loop, lp.persist_loop, lp.pp_loop
@@ -50,8 +52,8 @@ def _conv_func(p: GemmPlan, h: SimpleNamespace, ep: SimpleNamespace, epi: Simple
 
     @T.macro
     def body(x, w, bias, Mq, Sq, rf, rfw, rq2, of, ofw, skc=None, skw=None):
-        bxn = T.launch_thread("blockIdx.x", GP if STREAM else GRID_N)  # (persist, pp: the block index)
-        bxm = T.launch_thread("blockIdx.y", 1 if STREAM else GRID_M)
+        bxn = T.launch_thread(AX_N, GP if STREAM else GRID_N)  # (persist, pp: the block index)
+        bxm = T.launch_thread(AX_M, 1 if STREAM else GRID_M)
         bz = T.launch_thread("blockIdx.z", SPLIT)  # K-split index (extent 1 without split-K)
         tid = T.launch_thread("threadIdx.x", NTH)
         if MINB_ON:  # __launch_bounds__(NTH, minb): nvcc caps the registers so that minb blocks fit per SM
@@ -150,6 +152,8 @@ def _conv_func(p: GemmPlan, h: SimpleNamespace, ep: SimpleNamespace, epi: Simple
             of = T.decl_buffer((SPLIT * Mtot * K,), "int32", data=wsp.data)
             body(x, w, None, None, None, None, None, None, of, None)
     else:
+        # (parsed unchecked: with a table its buffer is free in the body until with_lut_param adds it, and checks the
+        # result either way)
         @T.macro
         def run_res(x, w, bias, Mq, Sq, res, rq2_, out, skc, skw):  # flat views of the residual-add kernel's buffers
             rf = T.decl_buffer((R_SIZE,), r_st, data=res.data)
@@ -167,7 +171,7 @@ def _conv_func(p: GemmPlan, h: SimpleNamespace, ep: SimpleNamespace, epi: Simple
 
         # (sk: + skc int32[tiles] before out, zeros on entry and exit, and the workspace skw after it, a second output)
         if SK and HAS_RES:
-            @T.prim_func
+            @T.prim_func(check_well_formed=False)
             def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
                      Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), res: T.Buffer(res_shape, r_st),
                      rq2_: T.Buffer((5, K), "int32"), skc: T.Buffer((NTILES,), "int32"), out: T.Buffer(os_, o_st),
@@ -175,25 +179,27 @@ def _conv_func(p: GemmPlan, h: SimpleNamespace, ep: SimpleNamespace, epi: Simple
                 T.func_attr({"tir.noalias": True})
                 run_res(x, w, bias, Mq, Sq, res, rq2_, out, skc, skw)
         elif SK:
-            @T.prim_func
+            @T.prim_func(check_well_formed=False)
             def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
                      Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), skc: T.Buffer((NTILES,), "int32"),
                      out: T.Buffer(os_, o_st), skw: T.Buffer((SK_WORDS,), "int32")):
                 T.func_attr({"tir.noalias": True})
                 run_plain(x, w, bias, Mq, Sq, out, skc, skw)
         elif HAS_RES:
-            @T.prim_func
+            @T.prim_func(check_well_formed=False)
             def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
                      Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), res: T.Buffer(res_shape, r_st),
                      rq2_: T.Buffer((5, K), "int32"), out: T.Buffer(os_, o_st)):
                 T.func_attr({"tir.noalias": True})
                 run_res(x, w, bias, Mq, Sq, res, rq2_, out, None, None)
         else:
-            @T.prim_func
+            @T.prim_func(check_well_formed=False)
             def conv(x: T.Buffer(xs, x_st), w: T.Buffer(ws, w_st), bias: T.Buffer((K,), "int32"),
                      Mq: T.Buffer((K,), "int32"), Sq: T.Buffer((K,), "int32"), out: T.Buffer(os_, o_st)):
                 T.func_attr({"tir.noalias": True})
                 run_plain(x, w, bias, Mq, Sq, out, None, None)
+
+        conv = with_lut_param(conv, ep.lut, len(conv.params) - (3 if SK else 1))  # (before cnt, out, ws / out)
 
     if W8 and UNPACK_LD:
         conv = conv.with_attr("qcompile.w8", 1)

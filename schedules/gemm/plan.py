@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..spec import ArchMMA, ConvSpec, GemmKnobs, MMAShape, arch_info, tile_grid
 
+GRID_YZ_MAX = 65535  # CUDA's limit on gridDim.y and gridDim.z (gridDim.x: 2^31 - 1)
 
 
 class NotApplicable(Exception):
@@ -124,7 +125,7 @@ class GemmPlan:
       agl needs w8 + awarp (or the register-A ping-pong), NHWC and whole K-chunks; wsp is 4-bit only, no areg;
     * ping-pong: one warpgroup tile, stages <= 5, no split-K; stream-K: its index arithmetic within int32;
       persistent / stream-K grids: their blocks fit one SM together;
-    * the epilogue: 4-bit output needs an even K."""
+    * the epilogue: 4-bit output needs an even K; an output table (``spec.lut``) an 8-bit output (ConvSpec checks)."""
 
     spec: ConvSpec
     arch: str
@@ -231,6 +232,7 @@ class GemmPlan:
     ws: tuple
     os_: tuple
     OB: int
+    LUT: int
     HAS_RES: bool
     r_st: str
     RB: int
@@ -269,6 +271,7 @@ class GemmPlan:
     TOTIT: int
     GP: int
     STREAM: bool
+    M_ON_X: bool
     PPD: int
     PP_REGS: tuple
     NACC: int
@@ -516,6 +519,9 @@ def _plan_grid(v: dict) -> dict:
     if W8:
         ws = ws[:-1] + (C,)
     OB = spec.out_bits
+    # the output lookup table's entries (0: none): the epilogue stores lut[y - lut_min] for the final value y, an 8-bit
+    # output (ConvSpec checks), never the staged bytes themselves (erq)
+    LUT = spec.lut
     HAS_RES = spec.has_residual
     r_st = ConvSpec.storage(spec.res_dtype)
     RB = spec.res_bits
@@ -587,6 +593,11 @@ def _plan_grid(v: dict) -> dict:
     GP = (min(TOTIT, kn.sk * ai.sms) if SK else min(NTILES, kn.persist * ai.sms)) if PERSIST else (
         min(NTILES, ai.sms) if PP else 0)
     STREAM = PERSIST or PP  # the block's K-chunks are one stream across its tiles
+    # the M tiles on blockIdx.y unless there are more than its limit (65535; VGG's 224x224 layers at batch 256: 100352
+    # tiles of 128 rows): then on blockIdx.x (2^31 - 1) and the N tiles on blockIdx.y
+    M_ON_X = not STREAM and GRID_M > GRID_YZ_MAX
+    if GRID_N > GRID_YZ_MAX and M_ON_X or SPLIT > GRID_YZ_MAX:
+        raise NotApplicable(f"a grid of {GRID_M} x {GRID_N} x {SPLIT} tiles exceeds CUDA's grid limits")
     PPD = STG - 1 - GIF  # pp: chunks the producer has in flight before it publishes one
     # pp: registers per thread of the producer / the consumers (setmaxnreg; 128 x 56 + 256 x 224 <= 64K): the 168 of
     # __launch_bounds__(384, 1) left a 128x128 consumer with erq spilling

@@ -267,3 +267,28 @@ def test_device_check_poisons_and_compares_on_the_device(built, tmp_path):
         before = layer.out.numpy().copy()
         layer.repoison()
         assert (layer.out.numpy() != before).mean() > 0.9
+
+
+@pytest.mark.nvcc
+def test_device_check_kernels_take_sizes_by_value():
+    """The device helpers' CUDA kernels take their buffers and the element count by value: no pointer to a host
+    variable (a TVMScript name assigned in the host part of a PrimFunc reaches a kernel as one, and the kernel
+    crashes the server reading it)."""
+    import re
+
+    import tvm
+
+    from qcompile.tune import device_check
+
+    funcs = {n: f.with_attr("global_symbol", n) for n, f in device_check._funcs("int8", 4, True).items()}
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host="llvm")
+    srcs, todo = [], list(tvm.compile(tvm.IRModule(funcs), target=target).mod.imports)
+    while todo:  # (every CUDA module: one per kernel, nested, where qcompile's nvcc build is registered)
+        m = todo.pop()
+        srcs.append(m.inspect_source() if m.kind == "cuda" else "")
+        todo += list(m.imports)
+    src = "\n".join(srcs)
+    for name in ("qc_fill_int8_4_kernel", "qc_count_int8_4_kernel"):
+        sig = re.search(name + r"\(([^)]*)\)", src, re.S)
+        assert sig, (name, src)
+        assert "int64_t*" not in sig.group(1) and "int64_t" in sig.group(1), sig.group(1)
