@@ -150,8 +150,10 @@ def time_torch(model: str, batch: int, number: int, repeat: int, calls: int) -> 
     return r
 
 
-def measure(model: str, builds: dict, a) -> dict:
-    row = {"model": model, "builds": {f"{t}_b{b}": v for (t, b), v in builds.items()}}
+def measure(row: dict, builds: dict, a) -> dict:
+    """Fill ``row`` (the model's, with its builds) in place: the checks, then the timings (a failure part way keeps
+    what was measured before it)."""
+    model = row["model"]
     row["checks"] = [check_equal(builds, b, secrets.randbits(32)) for b in CHECK_BATCHES]
     log(f"{model}: GPU == llvm " + ", ".join(f"b{c['batch']} {'yes' if c['equal'] else 'NO (%d)' % c['differing']}"
                                              for c in row["checks"]))
@@ -212,12 +214,13 @@ def cmd_run(a) -> int:
             continue
         took = ", ".join(f"{t} b{b} {v['seconds']:.0f} s" for (t, b), v in builds.items())
         log(f"{m}: built ({took}); cuda kernels {next(v['kernels'] for (t, _), v in builds.items() if t == 'cuda')}")
+        row = {"model": m, "builds": {f"{t}_b{b}": v for (t, b), v in builds.items()}}
         try:
-            doc["results"].append(measure(m, builds, a))
-        except Exception as e:  # noqa: BLE001
+            measure(row, builds, a)
+        except Exception as e:  # noqa: BLE001  (the row keeps the checks made before the failure)
             log(f"{m}: failed: {e}")
-            doc["results"].append({"model": m, "builds": {f"{t}_b{b}": v for (t, b), v in builds.items()},
-                                   "error": str(e)[-2000:]})
+            row["error"] = str(e)[-2000:]
+        doc["results"].append(row)
         doc["elapsed_s"] = round(time.perf_counter() - t0, 1)
         write_json(res_path, doc)
         log(f"wrote {res_path} ({doc['elapsed_s']:.0f} s so far)")
@@ -229,18 +232,19 @@ def cmd_run(a) -> int:
 
 # ---------------- the table ----------------
 
-def table(doc: dict, path: str) -> str:
+def table(doc: dict, paths: list, commands: list) -> str:
     rows = ["| model | GPU == llvm (b1, b8) | kernels of the grouped convs | qcompile INT8 b256 img/s | PyTorch fp16 "
             "b256 img/s | speed-up | qcompile INT8 b1 p50 ms | PyTorch fp16 b1 p50 ms | speed-up |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         name = NAMES.get(r["model"], r["model"])
+        eq = ", ".join("yes" if c["equal"] else f"no ({c['differing']})" for c in r.get("checks", [])) or "-"
         if "error" in r:
             lines = r["error"].splitlines()
-            why = next((ln for ln in lines if "error" in ln.lower()), lines[-1]).split(": ", 1)[-1]
-            rows.append(f"| {name} | failed: {why[:120]} |  |  |  |  |  |  |  |")
+            why = next((ln for ln in lines if "error" in ln.lower() or "failed" in ln), lines[-1]).split(": ", 1)[-1]
+            why = re.sub(r"'[^']*/([^/']+)'", r"\1", " ".join(why.split()))  # (file names without their folder)
+            rows.append(f"| {name} | {eq} | failed: {why[:120]} |  |  |  |  |  |  |")
             continue
-        eq = ", ".join("yes" if c["equal"] else f"no ({c['differing']})" for c in r["checks"])
         ks = next((v.get("kernels", {}) for k, v in r["builds"].items() if k.startswith("cuda")), {})
         base: dict = {}  # (kernel labels without the "+lut" of an epilogue with a table)
         for k, v in ks.items():
@@ -255,8 +259,9 @@ def table(doc: dict, path: str) -> str:
     cap = (f"{doc['device']}, {doc['date']} ({soft}); INT8 ONNX QDQ from `qmodel NAME --bits 8` (seeded random "
            f"weights, {doc['input']}), `qcompile --target cuda --arch sm_90`; PyTorch fp16: the same float network "
            f"(cuDNN, channels_last, CUDA graph) in the same process. Throughput: calls queued back to back; latency: "
-           f"single synchronized calls, input on the GPU. Results: `{pathlib.PurePath(path).as_posix()}`; command: "
-           f"`{doc['command']}`.")
+           f"single synchronized calls, input on the GPU. Results: "
+           + ", ".join(f"`{pathlib.PurePath(p).as_posix()}`" for p in paths) + "; "
+           + ("commands: " if len(commands) > 1 else "command: ") + " and ".join(f"`{c}`" for c in commands) + ".")
     return cap + "\n\n" + "\n".join(rows)
 
 
@@ -269,8 +274,8 @@ def cmd_table(a) -> int:
     for d in docs:
         for r in d["results"]:
             rows[r["model"]] = r
-    doc = dict(docs[0], results=list(rows.values()), command=" and ".join(dict.fromkeys(d["command"] for d in docs)))
-    write_block(a.name, table(doc, ", ".join(a.results)), a.write)
+    doc = dict(docs[0], results=list(rows.values()))
+    write_block(a.name, table(doc, a.results, list(dict.fromkeys(d["command"] for d in docs))), a.write)
     return 0
 
 
