@@ -131,7 +131,12 @@ def measure_with(built: list, servers: int, key: str, server_args: list, seed: i
     t0 = max(firsts.values(), default=0.0)
     after = [t for t, _ in stamps if t > t0]
     steady = 60 * len(after) / (after[-1] - t0) if after else None
-    return dict(servers=servers, device=dev.name, device_check=device_check, candidates=len(got), seconds=round(secs, 2),
+    phases: dict = {}  # (mean seconds per candidate of each phase on this side: load = upload + load_module)
+    for ph in runner.phases:
+        for k, v in ph.items():
+            phases.setdefault(k, []).append(v)
+    return dict(servers=servers, device=dev.name, device_check=device_check, candidates=len(got),
+                phase_mean_s={k: round(sum(v) / len(v), 4) for k, v in phases.items()}, seconds=round(secs, 2),
                 per_minute=round(60 * len(got) / secs, 1),
                 per_minute_steady=round(steady, 1) if steady else None, status=status,
                 ms={m.candidate.key + "|" + json.dumps(m.candidate.knobs.__dict__ if m.candidate.knobs else None,
@@ -184,8 +189,8 @@ def main(argv=None) -> int:
             r = measure_with(built, n, a.key, shlex.split(a.server_args), a.seed, a.repeat, a.min_repeat_ms, problems,
                              device_check=check == "device")
             print(f"{n} server(s), {check} check: {r['candidates']} candidates in {r['seconds']} s = "
-                  f"{r['per_minute']}/min (after each server's first: {r['per_minute_steady']}/min) {r['status']}",
-                  flush=True)
+                  f"{r['per_minute']}/min (after each server's first: {r['per_minute_steady']}/min) {r['status']}; "
+                  f"mean s per candidate and phase: {r['phase_mean_s']}", flush=True)
             out["runs"].append(r)
             write_json(a.output, out)
     for r in out["runs"]:  # (against the first run of the same check)

@@ -725,23 +725,35 @@ def measure_entry(mod, entry: dict, dev, seed: int, repeat: int = 7, min_repeat_
                   poison_seed: int | None = None, problems: Problems | None = None,
                   shared: dict | None = None) -> dict:
     """Check one loaded candidate bit for bit on ``dev`` (two poisoned runs), time it, check it again; a result
-    record: status, ms (None unless ok), kernel_ms, detail, seed, distinct (values in the reference output)."""
+    record: status, ms (None unless ok), kernel_ms, detail, seed, distinct (values in the reference output), and
+    ``phases``: seconds of this side spent in the layer's set-up (buffers), the two checked runs, the timing and the
+    last check."""
+    t = [time.perf_counter()]
     prob = problem(entry, seed, poison_seed, problems)
     size = int(np.prod(prob["spec"].shapes()[2][:-1])) * prob["spec"].K
-    rec = dict(id=entry["id"], seed=seed, distinct=prob["distinct"], ms=None, kernel_ms=None, detail="")
+    rec = dict(id=entry["id"], seed=seed, distinct=prob["distinct"], ms=None, kernel_ms=None, detail="", phases={})
+
+    def phase(name):
+        t.append(time.perf_counter())
+        rec["phases"][name] = round(t[-1] - t[-2], 4)
+
     layer = Layer(mod, entry, dev, prob, shared)
+    phase("setup")
     bad = 0
     for i in range(2):  # two poisons: every output byte is written, each time
         if i:
             layer.repoison()
         layer.run()
         bad += layer.mismatches()
+    phase("check")
     if bad:
         return dict(rec, status=MISMATCH, detail=f"{bad} of {2 * size} outputs differ from the reference "
                                                  f"(seed {seed})")
     layer.repoison()
     kms = layer.time_ms(repeat, min_repeat_ms)
+    phase("time")
     bad = layer.mismatches()  # (the last timed launch's output)
+    phase("recheck")
     if bad:
         return dict(rec, status=MISMATCH, detail=f"{bad} of {size} outputs differ after the timing runs "
                                                  f"(seed {seed})")

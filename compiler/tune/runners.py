@@ -253,6 +253,7 @@ class RPCRunner(Runner):
         self._info = None
         self._check_so = None  # (the device helpers' library, built at the first measure; "" where it failed)
         self.device_check = True  # (False: every output back to the host, as the local and offline runners do)
+        self.phases: list = []  # (per measured candidate: seconds of this side per phase, measure.measure_entry)
         self.problems = M.Problems(keep=8)  # (the shapes' inputs and references, made here once per shape and seed)
 
     def _tracker(self):
@@ -326,10 +327,14 @@ class RPCRunner(Runner):
         seed = M.shape_seed(self.seed, entry)
         try:
             name = entry["id"] + ".so"
+            t0 = time.perf_counter()
             sess.upload(entry["so"], name)
-            rec = M.measure_entry(sess.load_module(name), entry, self._remote_device(sess), seed, self.repeat,
+            lib = sess.load_module(name)
+            load = round(time.perf_counter() - t0, 4)
+            rec = M.measure_entry(lib, entry, self._remote_device(sess), seed, self.repeat,
                                   self.min_repeat_ms, poison_seed=M.candidate_seed(self.seed, entry["id"]),
                                   problems=self.problems, shared=shared)
+            rec["phases"] = {"load": load, **rec.get("phases", {})}
         except Exception as e:  # noqa: BLE001  (the candidate's failure; the caller drops the session)
             rec = _run_error(entry, seed, e)
         return dict(rec, candidate=M.candidate_info(entry))
@@ -398,6 +403,8 @@ class RPCRunner(Runner):
             def done(r):
                 with lock:
                     recs[r["id"]] = r
+                    if r.get("phases"):
+                        self.phases.append(r["phases"])
                 if self.log:
                     self.log(M._line(r))
 

@@ -117,6 +117,8 @@ def test_rpc_runner_on_loopback(built, runtime_only_tvm, tmp_path):  # noqa: F81
         assert runner.device().arch == "cpu"
         _check(runner.measure(built), built)
         assert runner._check_so  # (the device helpers, built for the servers' device and used)
+        assert len(runner.phases) == 2 and all(set(p) == {"load", "setup", "check", "time", "recheck"}
+                                               and min(p.values()) >= 0 for p in runner.phases)
         one = RN.RPCRunner("127.0.0.1", tp, "cpu-test", sessions=1, device="cpu", repeat=3, min_repeat_ms=1)
         one.device()
         opened = []
