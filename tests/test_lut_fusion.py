@@ -434,3 +434,48 @@ def test_lut_models_gpu_equal_llvm(tiny_models, name, batch, tmp_path):
         want, got = cpu(x), gpu(x)
         assert len(np.unique(want)) > 5
         assert np.array_equal(got, want), f"GPU output differs from the llvm build in {np.sum(got != want)} elements"
+
+
+
+def _chain_of(build, also_return_q: bool = False):
+    """``_lut_chain`` of a function ``q -> build(bb, q)`` (q: int8 [1, 4, 4, 8]); ``also_return_q``: the function
+    returns q as well (a use outside the chain)."""
+    from tvm import relax
+
+    from qcompile.relay_passes import dispatch_tensor_core as D
+
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((1, 4, 4, 8), "int8"))
+    with bb.function("main", [q]):
+        with bb.dataflow():
+            y = build(bb, q)
+            gv = bb.emit_output(relax.Tuple([y, q]) if also_return_q else y)
+        bb.emit_func_output(gv)
+    f = bb.get()["main"]
+    return D._lut_chain(f.params[0], list(f.body.blocks[0].bindings), D._var_uses(f))
+
+
+def test_chain_matcher_takes_and_refuses():
+    """The matcher on hand-built chains: ``take(table, q + 128)`` gives the table itself (axis 0 or None); a take in
+    "fast" mode, a 2-D table, q used outside the chain, a per-channel (non-scalar) constant: no table."""
+    from tvm import relax
+
+    table = np.random.default_rng(0).integers(-128, 128, 256).astype("int8")
+
+    def lookup(axis=0, mode="clip", t=table, pre=None):
+        def build(bb, q):
+            x = bb.emit(pre(q)) if pre else q
+            i = bb.emit(relax.op.subtract(relax.op.astype(x, "int32"), relax.const(-128, "int32")))
+            return bb.emit(relax.op.take(relax.const(t), i, axis=axis, mode=mode))
+        return build
+
+    for axis in (0, None):
+        lut = _chain_of(lookup(axis=axis))
+        assert lut is not None and lut.lut_min == -128 and np.array_equal(lut.table, table) and lut.takes == 1
+    assert _chain_of(lookup(mode="fast")) is None
+    assert _chain_of(lookup(t=table.reshape(16, 16))) is None
+    assert _chain_of(lookup(), also_return_q=True) is None
+    assert _chain_of(lookup(pre=lambda q: relax.op.add(q, relax.const(np.arange(8, dtype="int8"))))) is None
+    shifted = _chain_of(lookup(pre=lambda q: relax.op.add(q, relax.const(3, "int8"))))  # (int8 wrap-around)
+    assert shifted is not None and np.array_equal(
+        shifted.table, table[(np.arange(-128, 128) + 3).astype(np.int8).astype(np.int64) + 128])
