@@ -379,6 +379,24 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(p).reshape(kb, R, S, c2, 2 * LANES)
 
 
+def output_fns(spec: ConvSpec, nchw: bool, acc_shift: int = 0) -> tuple:
+    """The CPU kernels' output indexing and epilogue: ``out_index(n, p, q, k)`` (NCHW or NHWC) and ``epi(acc, k,
+    bias, M, S, res, rq2, n, p, q)``, the requantize of ``fallback.epilogue_value`` (the residual read at the output's
+    index) on the accumulator shifted right by ``acc_shift``, cast to the output's storage."""
+    o_st, resid = ConvSpec.storage(spec.out_dtype), spec.has_residual
+
+    def out_index(n, p, q, k):
+        return (n, k, p, q) if nchw else (n, p, q, k)
+
+    def epi(acc_v, k, bias, M, S, res, rq2, n, p, q):
+        rv = res[out_index(n, p, q, k)].astype("int32") if resid else None
+        if acc_shift:
+            acc_v = tirx.shift_right(acc_v, tirx.const(acc_shift, "int32"))
+        return epilogue_value(spec, acc_v, k, bias, M, S, rv, rq2 if resid else None).astype(o_st)
+
+    return out_index, epi
+
+
 def make_cpu_conv(spec: ConvSpec, io_layout: str = "NHWC", tile: CpuKnobs | None = None) -> tvm.tirx.PrimFunc:
     """The kernel for ``spec`` (its NHWC geometry; x, res and out in ``io_layout``, NHWC or NCHW); ``tile``: the
     register tile (default and 0 x 0: QT x KT; :func:`tile_legal` refuses the others before any TIR)."""
@@ -424,12 +442,7 @@ def make_cpu_conv(spec: ConvSpec, io_layout: str = "NHWC", tile: CpuKnobs | None
         return tirx.bitwise_or(tirx.bitwise_and(lo, tirx.const(0xFFFF, "int32")),
                                tirx.shift_left(hi, tirx.const(16, "int32")))
 
-    def out_index(n, p, q, k):
-        return (n, k, p, q) if nchw else (n, p, q, k)
-
-    def epi(acc_v, k, bias, M, S, res, rq2, n, p, q):
-        rv = res[out_index(n, p, q, k)].astype("int32") if resid else None
-        return epilogue_value(spec, acc_v, k, bias, M, S, rv, rq2 if resid else None).astype(o_st)
+    out_index, epi = output_fns(spec, nchw)
 
     @T.prim_func(private=True)
     def kernel(x: T.Buffer(x_shape, x_st), w16: T.Buffer((KB, R, S_, C2, 2 * LANES), "int16"),

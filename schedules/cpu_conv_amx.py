@@ -63,9 +63,8 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_conv import applies
+from .cpu_conv import applies, output_fns
 from .cpu_conv_vnni import _fill_xp, prepack
-from .fallback import epilogue_value
 from .spec import ConvSpec
 
 STRATEGY = "cpu_direct_amx"
@@ -327,12 +326,7 @@ def make_cpu_conv_amx(spec: ConvSpec, io_layout: str = "NHWC", plan: AmxPlan | N
         idx = pl.a_index(n, run, j, r, s, ch)
         return T.address_of(x[idx]) if pl.direct else T.address_of(xp[idx])
 
-    def out_index(n, p, q, k):
-        return (n, k, p, q) if nchw else (n, p, q, k)
-
-    def epi(acc_v, k, bias, M, S, res, rq2, n, p, q):
-        rv = res[out_index(n, p, q, k)].astype("int32") if resid else None
-        return epilogue_value(spec, acc_v, k, bias, M, S, rv, rq2 if resid else None).astype(o_st)
+    out_index, epi = output_fns(spec, nchw)
 
     @T.prim_func(private=True)
     def kernel(x: T.Buffer(x_shape, x_st), w8: T.Buffer((KB, R, S_, C4, 4 * LANES), "int8"),

@@ -55,8 +55,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_conv import CpuKnobs, applies, tile_legal
-from .fallback import epilogue_value
+from .cpu_conv import CpuKnobs, applies, output_fns, tile_legal
 from .spec import ConvSpec
 
 @dataclass(frozen=True)
@@ -253,8 +252,7 @@ def make_cpu_conv_vnni(spec: ConvSpec, io_layout: str = "NHWC", tile: VnniTile |
     vi32 = f"int32x{L}"
     vop = f"int8x{4 * L}" if isa.byte_operands else vi32  # the multiplicands' type in LLVM's declaration
 
-    def out_index(n, p, q, k):
-        return (n, k, p, q) if nchw else (n, p, q, k)
+    out_index, epi = output_fns(spec, nchw, form.acc_shift)
 
     # NCHW: a task's outputs (one row, kt * L channels) are staged in ``ob`` [q, channel] and stored channel by
     # channel (Q contiguous bytes) once the row is done; NHWC: stored in place (kt * L contiguous channels a pixel)
@@ -265,11 +263,6 @@ def make_cpu_conv_vnni(spec: ConvSpec, io_layout: str = "NHWC", tile: VnniTile |
             return T.buffer_store(ob, v, [q, kk])
         return T.buffer_store(out, v, [n, p, q, k0 + kk])
 
-    def epi(acc_v, k, bias, M, S, res, rq2, n, p, q):
-        rv = res[out_index(n, p, q, k)].astype("int32") if resid else None
-        if form.acc_shift:
-            acc_v = tirx.shift_right(acc_v, tirx.const(form.acc_shift, "int32"))
-        return epilogue_value(spec, acc_v, k, bias, M, S, rv, rq2 if resid else None).astype(o_st)
 
     @T.prim_func(private=True)
     def kernel(x: T.Buffer(x_shape, x_st), w8: T.Buffer((KB, R, S_, CG, 4 * L), "int8"),

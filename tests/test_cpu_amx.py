@@ -31,7 +31,7 @@ from qcompile.schedules import reference as RF
 from qcompile.schedules.spec import ConvSpec
 
 from qdq_models import tiny_resnet_qdq
-from test_cpu_kernels import ASM, SPECS, U8, _random
+from test_cpu_kernels import ASM, SPECS, U8, _random, run_built
 
 X86_HOST = tvm.target.codegen.llvm_get_system_triple().startswith("x86_64")
 HOST_AMX = {"amx_tile", "amx_int8"} <= CC.host_flags()
@@ -420,17 +420,7 @@ def _run_amx(spec: ConvSpec, io: str, x, w, bias, M, S, res):
     f = AMX.make_cpu_conv_amx(spec, io)
     assert str(f.attrs["qcompile.strategy"]) == "cpu_direct_amx"
     w8, b = AMX.prepack_amx(spec, w, bias)
-    lib = tvm.compile(tvm.IRModule({"k": f.with_attr("global_symbol", "k")}), target=SPR)
-    lay = (lambda a: np.ascontiguousarray(np.transpose(a, (0, 3, 1, 2)))) if io == "NCHW" else (lambda a: a)
-    args = [lay(x).astype(ConvSpec.storage(spec.x_dtype)), w8, b, M, S]
-    if res is not None:
-        args += [lay(res[0]).astype(ConvSpec.storage(spec.res_dtype)), np.ascontiguousarray(res[1], np.int32)]
-    oshape = lay(np.zeros((spec.N, spec.P, spec.Q, spec.K), np.int8)).shape
-    poison = np.iinfo(ConvSpec.storage(spec.out_dtype)).max
-    out = tvm.runtime.tensor(np.full(oshape, poison, ConvSpec.storage(spec.out_dtype)))
-    lib["k"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], out)
-    y = out.numpy().astype(np.int64)
-    return np.ascontiguousarray(np.transpose(y, (0, 2, 3, 1))) if io == "NCHW" else y
+    return run_built(f, SPR, spec, io, x, w8, b, M, S, res)
 
 
 @needs_amx

@@ -111,7 +111,13 @@ def _make(kernel: str, spec: ConvSpec, io: str, w, bias):
 def _run_kernel(kernel: str, spec: ConvSpec, io: str, x, w, bias, M, S, res):
     f, wp, bias = _make(kernel, spec, io, w, bias)
     assert str(f.attrs["qcompile.strategy"]) == kernel
-    lib = tvm.compile(tvm.IRModule({"k": f.with_attr("global_symbol", "k")}), target=KERNEL_TARGET[kernel])
+    return run_built(f, KERNEL_TARGET[kernel], spec, io, x, wp, bias, M, S, res)
+
+
+def run_built(f, target, spec: ConvSpec, io: str, x, wp, bias, M, S, res):
+    """Build kernel ``f`` for ``target``, run it on the logical NHWC operands (laid out as ``io``; ``wp``, ``bias``
+    already in the kernel's format) into a poisoned output; the output as NHWC int64."""
+    lib = tvm.compile(tvm.IRModule({"k": f.with_attr("global_symbol", "k")}), target=target)
     lay = (lambda a: np.ascontiguousarray(np.transpose(a, (0, 3, 1, 2)))) if io == "NCHW" else (lambda a: a)
     args = [lay(x).astype(ConvSpec.storage(spec.x_dtype)), wp, bias, M, S]
     if res is not None:
