@@ -500,6 +500,58 @@ class _Lowering:
         table = relax.const(q.astype(qt.storage), qt.storage)
         return self.emit(relax.op.take(table, self._table_index(f), axis=0, mode="clip"), name)
 
+    @staticmethod
+    def exact_affine(x: np.ndarray, r: np.ndarray, q: np.ndarray, qmin: int, qmax: int) -> Optional[tuple]:
+        """A fixed-point form ``(dtype, M, C, shift, even)`` of ``q = clip(round(r), qmin, qmax)`` at every input
+        ``x`` (the whole input domain; ``r``: the real values, affine in ``x``, float64), or None: with
+        ``t = x * M + C`` in ``dtype`` (int32 where it fits, else int64; never overflowing), ``q = clip(round(t /
+        2^shift))`` rounding ties half up, or half to even with ``even``. Checked equal to ``q`` at every input."""
+        x = np.asarray(x, np.int64)
+        q = np.asarray(q, np.int64)
+        r = np.asarray(r, np.float64)
+        if x.size < 2 or not np.all(np.isfinite(r)):
+            return None
+        a = (r[-1] - r[0]) / float(x[-1] - x[0])
+        c = r[0] - a * float(x[0])
+        if not np.allclose(a * x + c, r, rtol=0, atol=1e-6 * max(1.0, float(np.max(np.abs(r))))):
+            return None
+        xmax = int(np.max(np.abs(x)))
+        for dtype, limit, shifts in (("int32", 2**31, range(30, 7, -1)), ("int64", 2**62, range(52, 30, -1))):
+            for shift in shifts:
+                M, C = int(round(a * 2.0**shift)), int(round(c * 2.0**shift))
+                half = 1 << (shift - 1)
+                if xmax * abs(M) + abs(C) + 2 * half >= limit:
+                    continue
+                t = x * M + C
+                for even in (False, True):
+                    got = (t + half - 1 + ((t >> shift) & 1)) >> shift if even else (t + half) >> shift
+                    if np.array_equal(np.clip(got, qmin, qmax), q):
+                        return dtype, M, C, shift, even
+        return None
+
+    def affine_requantize(self, f: Func, s_out: float, zp: int, qt: QType, name: str):
+        """``lookup(f, ...)`` in integer arithmetic (multiply, add, shift) where that equals the table at every input
+        value (:meth:`exact_affine`: the QDQ float semantics kept exactly), else None. A requantize of a quantized
+        tensor to other parameters (a concatenation's parts) is affine; its element-wise ops fuse into the consumer
+        where a table lookup does not."""
+        y = self._table_values(f)
+        with np.errstate(all="ignore"):
+            q = np.clip(np.rint(y / s_out) + zp, qt.qmin, qt.qmax)
+        x = np.arange(f.qt.qmin, f.qt.qmax + 1, dtype=np.int64)
+        fit = self.exact_affine(x, y / s_out + zp, q.astype(np.int64), qt.qmin, qt.qmax)
+        if fit is None:
+            return None
+        dtype, M, C, shift, even = fit
+        k = lambda v: relax.const(v, dtype)
+        t = relax.op.add(relax.op.multiply(relax.op.astype(f.expr, dtype), k(M)), k(C))
+        if even:  # (t + 2^(s-1) - 1 + bit s of t) >> s: ties to the even neighbour
+            odd = relax.op.bitwise_and(relax.op.right_shift(t, k(shift)), k(1))
+            t = relax.op.add(relax.op.add(t, k((1 << (shift - 1)) - 1)), odd)
+        else:
+            t = relax.op.add(t, k(1 << (shift - 1)))
+        v = relax.op.right_shift(t, k(shift))
+        return self.emit(relax.op.astype(relax.op.clip(v, qt.qmin, qt.qmax), qt.storage), name)
+
     def _as_func(self, v, op: str, name: str) -> Func:
         """``v`` as a function of one quantized tensor, or an UnsupportedOpError."""
         if isinstance(v, Func):
@@ -524,8 +576,10 @@ class _Lowering:
 
     def concat(self, c: Cat, s_out: float, zp: int, qt: QType, name: str):
         """Each part requantized to the output's scale and zero point, then concatenated. A part that is a quantized
-        tensor (or a function of one) with other parameters is requantized by a table, exactly as the QDQ float
-        semantics round it (half to even); one with the output's parameters is used as it is."""
+        tensor (or a function of one) with other parameters is requantized exactly as the QDQ float semantics round
+        it (half to even): by an int32 multiply, add and shift where that equals the table at every input value (it
+        fuses into the concatenation's kernel), else by the table; one with the output's parameters is used as it
+        is."""
         parts = []
         for i, p in enumerate(c.parts):
             pname = f"{name}_in{i}"
@@ -534,7 +588,8 @@ class _Lowering:
                 and int(-p.terms[0].offset) == zp
             f = None if same else self._func_of(p)
             if f is not None:
-                parts.append(self.lookup(f, s_out, zp, qt, pname))
+                part = self.affine_requantize(f, s_out, zp, qt, pname)
+                parts.append(part if part is not None else self.lookup(f, s_out, zp, qt, pname))
             elif isinstance(p, Lin):
                 parts.append(self.requantize(p, s_out, zp, qt, pname))
             else:

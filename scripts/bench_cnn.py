@@ -233,11 +233,11 @@ def cmd_run(a) -> int:
 # ---------------- the table ----------------
 
 def table(doc: dict, paths: list, commands: list) -> str:
-    rows = ["| model | GPU == llvm (b1, b8) | kernels of the grouped convs | qcompile INT8 b256 img/s | PyTorch fp16 "
-            "b256 img/s | speed-up | qcompile INT8 b1 p50 ms | PyTorch fp16 b1 p50 ms | speed-up |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | measured | GPU == llvm (b1, b8) | kernels of the grouped convs | qcompile INT8 b256 img/s | "
+            "PyTorch fp16 b256 img/s | speed-up | qcompile INT8 b1 p50 ms | PyTorch fp16 b1 p50 ms | speed-up |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
-        name = NAMES.get(r["model"], r["model"])
+        name = f"{NAMES.get(r['model'], r['model'])} | {r.get('date', doc['date'])}"
         eq = ", ".join("yes" if c["equal"] else f"no ({c['differing']})" for c in r.get("checks", [])) or "-"
         if "error" in r:
             lines = r["error"].splitlines()
@@ -256,7 +256,7 @@ def table(doc: dict, paths: list, commands: list) -> str:
         rows.append(f"| {name} | {eq} | {special} | {q:,.0f} | {t:,.0f} | {q / t:.2f}x | {l1:.3f} | {t1:.3f} | "
                     f"{t1 / l1:.2f}x |")
     soft = f"PyTorch {doc.get('torch')}, cuDNN {_version('cudnn', doc.get('cudnn'))}, TVM {doc.get('tvm')}"
-    cap = (f"{doc['device']}, {doc['date']} ({soft}); INT8 ONNX QDQ from `qmodel NAME --bits 8` (seeded random "
+    cap = (f"{doc['device']} ({soft}); INT8 ONNX QDQ from `qmodel NAME --bits 8` (seeded random "
            f"weights, {doc['input']}), `qcompile --target cuda --arch sm_90`; PyTorch fp16: the same float network "
            f"(cuDNN, channels_last, CUDA graph) in the same process. Throughput: calls queued back to back; latency: "
            f"single synchronized calls, input on the GPU. Results: "
@@ -267,13 +267,13 @@ def table(doc: dict, paths: list, commands: list) -> str:
 
 def cmd_table(a) -> int:
     """One table from one or more results files (runs split by ``--models``: rows in file order, a model of a later
-    file replacing its row of an earlier one; the caption, device and date from the first file, every file and
-    command named)."""
+    file replacing its row of an earlier one; each row with its file's date; the caption and device from the first
+    file, every file and command named)."""
     docs = [json.loads(pathlib.Path(p).read_text()) for p in a.results]
     rows: dict = {}  # (a model measured again in a later file: the later run's row, in the first one's place)
     for d in docs:
         for r in d["results"]:
-            rows[r["model"]] = r
+            rows[r["model"]] = dict(r, date=d["date"])
     doc = dict(docs[0], results=list(rows.values()))
     write_block(a.name, table(doc, a.results, list(dict.fromkeys(d["command"] for d in docs))), a.write)
     return 0
