@@ -8,8 +8,8 @@ against the NumPy reference with poisoned outputs, then the time):
   candidates go to every server of the key at once, one thread per server: N GPUs measure N candidates in
   parallel. Each thread keeps its session (a server process) for as many candidates as fit in the session's time
   limit, ``RPCRunner.SESSION_SPAN`` times ``--measure-timeout`` (a new session starts while at least one timeout
-  of it is left for each candidate), and a shape's inputs stay on the server while its candidates follow one
-  another; a candidate that fails at run time ends its session. The server kills a session at its limit: a
+  of it is left for each candidate); the candidates go to the threads by shape (:class:`ShapeQueue`), and a shape's
+  inputs stay on the server while its candidates follow one another; a candidate that fails at run time ends its session. The server kills a session at its limit: a
   candidate that hangs holds its server for at most that long, and is recorded run_error. Inputs are made here
   and sent; the kernels' libraries are uploaded. The outputs are poisoned and compared with the reference on the
   server's device (tune/device_check.py: a small library built here per device, uploaded once per session), so
@@ -28,11 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import shutil
 import tempfile
 import threading
 import time
+from collections import deque
 
 from qcompile.errors import QCompileError
 
@@ -237,9 +237,41 @@ def _run_error(entry: dict, seed: int, e: Exception) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # rpc
 # ---------------------------------------------------------------------------------------------------------------
+class ShapeQueue:
+    """The rpc runner's candidates, handed to its sessions by shape. A session's shape costs an upload (inputs,
+    weights, reference: tens of MB at large batches, slower through RPC than the candidate's measurement), so a session
+    keeps taking its shape's candidates; then the first shape no session works on; only when every shape left has a
+    session does it join the one with the most candidates left."""
+
+    def __init__(self, entries: list, key):
+        self._lock = threading.Lock()
+        self._groups: dict = {}  # shape -> its candidates, shapes in order of first appearance
+        for e in entries:
+            self._groups.setdefault(key(e), deque()).append(e)
+        self._sessions: dict = {k: 0 for k in self._groups}  # shape -> sessions working on it
+        self._key = key
+
+    def take(self, current=None):
+        """The next candidate for a session that works on shape ``current`` (None: on none), or None: all taken."""
+        with self._lock:
+            g = self._groups.get(current)
+            if g:
+                return g.popleft()
+            if current in self._sessions:
+                self._sessions[current] -= 1
+            left = [k for k, g in self._groups.items() if g]
+            if not left:
+                return None
+            k = next((k for k in left if not self._sessions[k]), None)
+            if k is None:
+                k = max(left, key=lambda k: len(self._groups[k]))
+            self._sessions[k] += 1
+            return self._groups[k].popleft()
+
+
 class RPCRunner(Runner):
     """The servers of ``key`` at the tracker ``host:port``: one thread per server (or ``sessions``), each taking
-    candidates from a shared queue through one session at a time (module docstring)."""
+    candidates through one session at a time from a :class:`ShapeQueue` (module docstring)."""
 
     SESSION_SPAN = 4  # a session's time limit, in --measure-timeout units (a --no-fork session is a fresh process)
 
@@ -339,18 +371,18 @@ class RPCRunner(Runner):
             rec = _run_error(entry, seed, e)
         return dict(rec, candidate=M.candidate_info(entry))
 
-    def _worker(self, q: queue.Queue, prefetch, done) -> None:
+    def _worker(self, q: ShapeQueue, prefetch, done) -> None:
         """One thread: candidates from ``q`` through a session kept while at least ``timeout`` seconds of its limit
         (``SESSION_SPAN`` timeouts) remain, a shape's device buffers kept between its candidates; ``done(record)``
         for each."""
         tracker = self._tracker()
         span = self.timeout * self.SESSION_SPAN
-        sess, opened, shared, shape = None, 0.0, {}, None
+        sess, opened, shared, shape, mine = None, 0.0, {}, None, None
         while True:
-            try:
-                e = q.get_nowait()
-            except queue.Empty:
+            e = q.take(mine)
+            if e is None:
                 return
+            mine = M.spec_key(e)
             prefetch(e)
             if sess is not None and time.monotonic() - opened + self.timeout > span:
                 sess, shared, shape = None, {}, None
@@ -378,10 +410,8 @@ class RPCRunner(Runner):
             self.prepare()
             info = self._info
             n = self.sessions or max(1, self.servers())
-            q: queue.Queue = queue.Queue()
             entries = sorted(entries, key=M.spec_key)  # (a shape's candidates in a row: its problem made once)
-            for e in entries:
-                q.put(e)
+            q = ShapeQueue(entries, M.spec_key)
             firsts, seen = [], set()
             for e in entries:
                 if M.spec_key(e) not in seen:

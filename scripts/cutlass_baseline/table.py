@@ -86,6 +86,11 @@ def batch_totals(results: list, qt: dict) -> list:
         q_txt = (f"{sum(qtimes[n] for n in names) / 1e3:.3f} ms" if names and all(n in qtimes for n in names)
                  else "-")
         lines.append(f"batch {batch}: {len(names)} conv layers, CUTLASS sum {c_txt}, qcompile sum {q_txt}")
+        if names and all(n in qtimes for n in names):  # (each layer on the faster of the two kernels)
+            best = sum(min(qtimes[n], cut.get(n, qtimes[n])) for n in names)
+            wins = sum(1 for n in names if cut.get(n, qtimes[n]) < qtimes[n])
+            lines.append(f"batch {batch}: each layer on the faster of the two: {best / 1e3:.3f} ms (CUTLASS faster on "
+                         f"{wins} of {len(names)} layers)")
     return lines
 
 

@@ -205,8 +205,6 @@ def test_rpc_worker_keeps_sessions_and_their_buffers(monkeypatch):
     """RPCRunner._worker with a fake tracker and sessions: one session serves candidates while a whole timeout of its
     limit (SESSION_SPAN timeouts) is left, then a new one starts; a run_error ends the session; a shape's buffers
     (``shared``) are kept across its candidates, dropped at a new shape and after a mismatch."""
-    import queue
-
     from qcompile.tune.common import MISMATCH, RUN_ERROR
 
     clock = [0.0]
@@ -230,9 +228,8 @@ def test_rpc_worker_keeps_sessions_and_their_buffers(monkeypatch):
     monkeypatch.setattr(r, "_measure_one", measure_one)
     monkeypatch.setattr(RN.M, "spec_key", lambda e: e["shape"])
     monkeypatch.setattr(RN.M, "shape_seed", lambda seed, e: 0)
-    q = queue.Queue()
-    for i, (shape, status, secs) in enumerate(plan):
-        q.put(dict(id=f"c{i}", shape=shape, status=status, secs=secs))
+    q = RN.ShapeQueue([dict(id=f"c{i}", shape=shape, status=status, secs=secs)
+                       for i, (shape, status, secs) in enumerate(plan)], lambda e: e["shape"])
     done = []
     r._worker(q, lambda e: None, done.append)
     assert [d["id"] for d in done] == [f"c{i}" for i in range(len(plan))]
@@ -241,6 +238,47 @@ def test_rpc_worker_keeps_sessions_and_their_buffers(monkeypatch):
     # c7 starts session 3: session 2 opened at 5 s, and after c6 (36 s) 9 s of its 40 are left, less than a timeout
     assert seen == [("c0", 1, 1), ("c1", 1, 2), ("c2", 1, 3), ("c3", 1, 1), ("c4", 1, 1), ("c5", 2, 1), ("c6", 2, 2),
                     ("c7", 3, 1)]
+
+
+def test_shape_queue_keeps_a_session_on_its_shape():
+    """ShapeQueue: a session takes its shape's candidates in order; a session without one takes the first shape no
+    session works on; when every shape left has a session, it joins the one with the most left; each candidate is
+    handed out once, and None ends a session."""
+    entries = [dict(id=f"{k}{i}", shape=k) for k, n in (("a", 3), ("b", 2), ("c", 4)) for i in range(n)]
+    q = RN.ShapeQueue(entries, lambda e: e["shape"])
+    s1 = q.take()["id"]
+    s2 = q.take()["id"]
+    assert (s1, s2) == ("a0", "b0")  # (two sessions: two shapes, not one shape's two candidates)
+    assert q.take("a")["id"] == "a1" and q.take("b")["id"] == "b1"
+    assert q.take("b")["id"] == "c0"  # (b is done: the first shape no session works on)
+    assert q.take("a")["id"] == "a2"
+    assert q.take("a")["id"] == "c1"  # (a is done, every shape left has a session: join the one with most left)
+    got = [q.take("c"), q.take("c"), q.take("c")]
+    assert [e["id"] for e in got[:2]] == ["c2", "c3"] and got[2] is None
+    assert q.take(None) is None
+
+
+def test_shape_queue_with_many_sessions_hands_out_each_candidate_once():
+    import random
+    import threading
+
+    entries = [dict(id=f"{k}{i}", shape=k) for k in "abcdefgh" for i in range(random.Random(k).randint(1, 9))]
+    q = RN.ShapeQueue(entries, lambda e: e["shape"])
+    got, lock = [], threading.Lock()
+
+    def session():
+        mine = None
+        while (e := q.take(mine)) is not None:
+            mine = e["shape"]
+            with lock:
+                got.append(e["id"])
+
+    threads = [threading.Thread(target=session) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == sorted(e["id"] for e in entries)
 
 
 def test_device_check_poisons_and_compares_on_the_device(built, tmp_path):
