@@ -36,7 +36,8 @@ from .errors import QCompileError
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class QType:
-    """A quantized storage type: ``bits`` wide, signed or not, held in ``storage`` (int8/uint8)."""
+    """A quantized storage type: ``bits`` wide, signed or not, held in ``storage`` (int8/uint8; the lowering's own
+    grids of a float value, ``FINE*`` of qcompile.relay_passes.lower_qdq_to_integer, in 16 or 32 bits)."""
 
     name: str
     bits: int
@@ -44,7 +45,7 @@ class QType:
 
     @property
     def storage(self) -> str:
-        return "int8" if self.signed else "uint8"
+        return ("int" if self.signed else "uint") + ("8" if self.bits <= 8 else "16" if self.bits <= 16 else "32")
 
     @property
     def qmin(self) -> int:

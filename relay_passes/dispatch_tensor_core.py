@@ -118,7 +118,10 @@ def _term(e, var2val):
 
 
 def _requant_tail(v, var2val):
-    """astype(clip([((x + 2^(S-1)) >> S) + zo], lo, hi)) -> (x, S, zo, lo, hi), else None."""
+    """astype(clip([((x + 2^(S-1)) >> S) + zo], lo, hi)) -> (x, S, zo, lo, hi) for an 8-bit (or 4-bit) result,
+    else None (a 16- or 32-bit grid of a float value stays glue after an int32 kernel output)."""
+    if str(v.attrs.dtype) not in ("int8", "uint8"):
+        return None
     clip = _call(v.args[0], var2val, "clip")
     if clip is None:
         return None

@@ -27,6 +27,14 @@ where ReLU (and any float clip) becomes the bound ``lo`` (``hi``). When every te
 multipliers, chosen so that nothing can overflow. Input zero points are exact: the
 input is padded with its zero point explicitly and ``-zp * sum(w)`` goes into the offset.
 
+An element-wise function (sigmoid, hardswish, SiLU, ...) of a quantized tensor is a table over its 2^bits values
+(``lookup``; exact in the QDQ float semantics). Of a float value that is no quantized tensor (a conv's output with no
+quantize before the function, as X86InductorQuantizer leaves hardswish and SiLU) it is a requantize of that value to
+a 16-bit grid over the inputs where the quantized output varies, then a table over the grid (``fine_lookup``); a
+product of such values (squeeze-excitation) and a pool of one put each on a grid over its whole range (``_fine``:
+2^15 steps, 2^23 beside an 8-bit operand or under a pool, the accumulator's range from the weights). Those are
+within one output step of the float semantics, not exact.
+
 The pass emits every integer op directly in ``layout`` (NCHW, NHWC or HWNC; weights OIHW, OHWI, HWOI).
 The only layout transforms are on the quantized network input and, where a 4-D tensor is returned or
 flattened with spatial extent > 1, at the output. The network input quantize is
@@ -114,6 +122,32 @@ class Func:
 
 
 @dataclass
+class AccFunc:
+    """``fn(y)``: an element-wise function of a float value ``base`` that is not a quantized tensor (a conv's output
+    before any quantize: X86InductorQuantizer applies hardswish / SiLU there). ``base`` is a ``Lin`` without clamp;
+    ``fn`` maps its real values (float64) to real values. Quantized, it becomes a requantize of ``base`` to a 16-bit
+    grid over the inputs where the quantized output varies, then a table over that grid
+    (:meth:`_Lowering.fine_lookup`)."""
+
+    base: "Lin"
+    fn: Callable
+    rank: int
+    name: str = ""
+
+    def then(self, g: Callable, name: str) -> "AccFunc":
+        f = self.fn
+        return AccFunc(self.base, lambda y: g(f(y)), self.rank, name)
+
+
+FINE = QType("uint16", 16, False)  # the grid an AccFunc's input is requantized to before its table
+FINE_S = QType("int16", 16, True)  # a float operand of a product or pool, on a grid symmetric about zero,
+FINE_S_MAX = (1 << 14) - 1  # within +-FINE_S_MAX where the other operand is one too (their product fits int32),
+FINE_L = QType("int32", 32, True)  # in int32 with up to FINE_L_MAX steps each side where the other operand is 8-bit
+FINE_L_MAX = (1 << 22) - 1  # (255 x 2^22 < 2^30) or the value is summed by a pool (window x steps < 2^30)
+FINE_SETTLE = 1 << 21  # grid points over which fine_lookup finds where the quantized output varies
+
+
+@dataclass
 class Cat:
     """A concatenation along the channels of values (``Lin`` / ``Func``) with their own scales; quantized, each part
     is requantized to the output's parameters and the integer tensors are concatenated."""
@@ -176,6 +210,7 @@ class _Lowering:
         self.var2val = relax.analysis.get_var2val(func)
         self.env: dict = {}
         self.qts: dict = {}  # integer tensor -> its quantized type (its range), for the lookup tables
+        self.int_range: dict = {}  # conv / dense accumulator -> (lo, hi) per output channel: the bounds of its values
         self.input = func.params[0]
 
     # ------------------------------------------------------------------------------------------
@@ -302,7 +337,7 @@ class _Lowering:
         """ReLU / clip: the requantize's bounds for a linear value, part of the table for a function."""
         if isinstance(v, Cat):
             return Cat([self._clamp(p, lo, hi, op, name) for p in v.parts], v.sizes, v.rank, name)
-        if isinstance(v, Func):
+        if isinstance(v, (Func, AccFunc)):
             return v.then(lambda x: np.clip(x, lo, hi), name)
         if not isinstance(v, Lin):
             raise UnsupportedOpError(op, name)
@@ -328,6 +363,8 @@ class _Lowering:
         lin = self.get(src, qname)
         if isinstance(lin, Func):
             return self.lookup(lin, s, zp, qt, qname)
+        if isinstance(lin, AccFunc):
+            return self.fine_lookup(lin, s, zp, qt, qname)
         if isinstance(lin, Cat):
             return self.concat(lin, s, zp, qt, qname)
         if not isinstance(lin, Lin):
@@ -572,7 +609,104 @@ class _Lowering:
         """``g`` (float64 NumPy) applied element-wise: to a concatenation part by part, else as a table."""
         if isinstance(v, Cat):
             return Cat([self._unary(p, g, op, name) for p in v.parts], v.sizes, v.rank, name)
-        return self._as_func(v, op, name).then(g, name)
+        return self._as_fn(v, op, name).then(g, name)
+
+    def _as_fn(self, v, op: str, name: str):
+        """``v`` as a function of one quantized tensor (``Func``) where it is one, else, for a float value that is
+        not (a conv's output before any quantize), as an ``AccFunc`` of it; else an UnsupportedOpError."""
+        if isinstance(v, AccFunc):
+            return v
+        f = self._func_of(v)
+        if f is not None:
+            return f
+        if isinstance(v, Lin) and v.terms:
+            if v.bias is not None and np.size(v.bias) > 1 and (v.lo > -math.inf or v.hi < math.inf):
+                raise UnsupportedOpError(op, name, "an element-wise function of a clamped value with a per-channel "
+                                         "bias is not supported")
+            lo, hi = v.lo, v.hi
+            return AccFunc(Lin(v.terms, v.rank, name=v.name, bias=v.bias), lambda y: np.clip(y, lo, hi), v.rank, name)
+        return self._as_func(v, op, name)
+
+    def _acc_view(self, v):
+        """``(term, f)`` for a value that is a per-tensor function ``f`` of ``(expr + offset) * scale`` of ONE term of
+        an integer tensor (a ``Lin`` of one term with per-tensor bias, or an ``AccFunc`` of one), else None."""
+        if isinstance(v, AccFunc):
+            base, f = v.base, v.fn
+        elif isinstance(v, Lin):
+            lo, hi = v.lo, v.hi
+            base, f = v, (lambda y: np.clip(y, lo, hi))
+        else:
+            return None
+        if len(base.terms) != 1 or (base.bias is not None and np.size(base.bias) > 1):
+            return None
+        b = 0.0 if base.bias is None else float(np.asarray(base.bias).reshape(()))
+        return base.terms[0], (lambda y: f(y + b))
+
+    def _acc_product(self, a, b, name):
+        """``a * b`` for two float values that are functions of the same integer tensor (hardswish as ``x *
+        hardsigmoid(x)`` on a conv's float output): an ``AccFunc`` of ``a``'s term, or None. ``b``'s term must be
+        ``a``'s up to a per-tensor affine map: the same scale ratio on every channel, offsets that differ by the
+        same real amount within one accumulator step (the offset of a constant added to an accumulator is rounded
+        to whole steps per channel)."""
+        va, vb = self._acc_view(a), self._acc_view(b)
+        if va is None or vb is None or va[0].expr is not vb[0].expr:
+            return None
+        (ta, fa), (tb, fb) = va, vb
+        sa, sb = np.asarray(ta.scale, np.float64), np.asarray(tb.scale, np.float64)
+        r = sb / sa
+        if not np.allclose(r, np.ravel(r)[0], rtol=1e-6, atol=0):
+            return None
+        c = (np.asarray(tb.offset, np.float64) - np.asarray(ta.offset, np.float64)) * sb
+        if np.ptp(np.broadcast_to(c, np.broadcast(c, sb).shape)) > 2 * float(np.max(np.abs(sb))):
+            return None
+        r0, c0 = float(np.ravel(r)[0]), float(np.mean(c))
+        base = Lin([ta], a.rank, name=name)
+        return AccFunc(base, lambda y: fa(y) * fb(r0 * y + c0), a.rank, name)
+
+    def fine_lookup(self, af: AccFunc, s_out: float, zp: int, qt: QType, name: str):
+        """``quantize(fn(base))`` for a float ``base`` that is not a quantized tensor: ``base`` requantized to the
+        16-bit grid ``FINE`` over the interval of inputs where the quantized output varies (found on ``FINE_SETTLE``
+        points; outside it the output is the interval's end value), then a table over the grid's 65,536 values
+        (``lookup``). A value's grid step is ``1/65534`` of that interval (a small fraction of an output step for a
+        saturating function), so the result is the QDQ float semantics' but for an input within half a grid step of
+        an output rounding boundary, which can land one output step away."""
+        g = af.fn
+
+        def qof(y):
+            with np.errstate(all="ignore"):
+                return np.clip(np.rint(np.asarray(g(y), np.float64) / s_out) + zp, qt.qmin, qt.qmax)
+
+        span = 256.0 * s_out
+        for _ in range(48):  # 1. grow the interval until the output is constant beyond it on both sides
+            far = np.geomspace(span, span * 1024, 64)
+            lo_q, hi_q = qof(-far), qof(far)
+            if np.all(lo_q == lo_q[0]) and np.all(hi_q == hi_q[0]):
+                break
+            span *= 2
+        else:
+            raise UnsupportedOpError("quantize", name, "the quantized output of the element-wise function of a float "
+                                     "value does not settle to a constant for large inputs")
+        y = np.linspace(-span, span, FINE_SETTLE)  # 2. where it varies
+        q = qof(y)
+        if np.any(np.isnan(q)):
+            raise QCompileError(f"node '{name}': the element-wise function is NaN for some input value")
+        moves = np.nonzero(q[1:] != q[:-1])[0]
+        if moves.size == 0:
+            ylo, yhi = -s_out, s_out
+        else:
+            ylo, yhi = float(y[moves[0]]), float(y[moves[-1] + 1])
+        try:  # (no finer than needed: the base's own values, where the accumulator's range is known)
+            blo, bhi = self._value_range(af.base)
+            if blo < bhi and max(ylo, blo) < min(yhi, bhi):
+                ylo, yhi = max(ylo, blo), min(yhi, bhi)
+        except UnsupportedOpError:
+            pass
+        # 3. the grid: index u = round(y / s_fine) + z, its ends a step or more beyond [ylo, yhi] (where the output is
+        # its constant end value: an input beyond them, clipped to an end, keeps that value)
+        s_fine = (yhi - ylo) / (FINE.qmax - 4)
+        z = int(math.ceil(-ylo / s_fine)) + 1
+        u = self.requantize(af.base, s_fine, z, FINE, name + "_fine")
+        return self.lookup(Func(u, FINE, lambda v: g((v - z) * s_fine), af.rank, name), s_out, zp, qt, name)
 
     def concat(self, c: Cat, s_out: float, zp: int, qt: QType, name: str):
         """Each part requantized to the output's scale and zero point, then concatenated. A part that is a quantized
@@ -669,7 +803,66 @@ class _Lowering:
         # zp-padded, so its zero-point correction is -zp times the sum of its own weights)
         offset = -zp * w.q.sum(axis=(1, 2, 3)) if zp else np.zeros(w.q.shape[0], np.int64)
         scale = t.scale * np.broadcast_to(w.scale, (w.q.shape[0],))
+        self._record_range(acc, w.q.reshape(w.q.shape[0], -1), x.qt)
         return Lin([Term(acc, offset.astype(np.int64), scale)], 4, name=name)
+
+    def _record_range(self, acc, w: np.ndarray, xqt: QType):
+        """The bounds of accumulator ``acc = sum(w * x)`` per output channel (rows of ``w``) over inputs ``x`` in
+        ``xqt``'s range (a float value built on it that is no quantized tensor is put on a grid over these:
+        :meth:`_fine`)."""
+        w = np.asarray(w, np.int64)
+        lo = np.where(w > 0, w * xqt.qmin, w * xqt.qmax).sum(axis=1)
+        hi = np.where(w > 0, w * xqt.qmax, w * xqt.qmin).sum(axis=1)
+        self.int_range[acc] = (lo, hi)
+
+    def _value_range(self, v) -> tuple:
+        """Bounds ``(lo, hi)`` of the real values of ``v`` (a ``Lin``, ``Func`` or ``AccFunc``) over all inputs."""
+        if isinstance(v, Func):
+            y = self._table_values(v)
+            return float(np.min(y)), float(np.max(y))
+        if isinstance(v, AccFunc):
+            lo, hi = self._value_range(v.base)
+            with np.errstate(all="ignore"):
+                y = np.asarray(v.fn(np.linspace(lo, hi, FINE_SETTLE)), np.float64)
+            return float(np.nanmin(y)), float(np.nanmax(y))
+        lo = hi = 0.0
+        for t in v.terms:
+            qt = self.qts.get(t.expr)
+            r = self.int_range.get(t.expr) if qt is None else (np.asarray(qt.qmin), np.asarray(qt.qmax))
+            if r is None:
+                raise UnsupportedOpError("value", v.name, "the range of a float value that is no quantized tensor is "
+                                         "not known; quantize it first")
+            a = (np.asarray(r[0], np.float64) + t.offset) * t.scale
+            b = (np.asarray(r[1], np.float64) + t.offset) * t.scale
+            lo, hi = lo + np.minimum(a, b), hi + np.maximum(a, b)
+        if v.bias is not None:
+            lo, hi = lo + v.bias, hi + v.bias
+        return float(max(np.min(lo), v.lo)), float(min(np.max(hi), v.hi))
+
+    def _fine(self, v, name: str, steps: int) -> Lin:
+        """A float value that is no quantized tensor (a conv's output before any quantize, a function of it, a batch
+        norm of a quantized tensor) as an integer tensor on a grid symmetric about zero over its whole range,
+        ``steps`` each side (a relative error of ``1 / (2 steps)`` of the range), for a product or a pool: int16
+        (``FINE_S``) up to ``FINE_S_MAX`` steps, else int32 (``FINE_L``)."""
+        qt = FINE_S if steps <= FINE_S_MAX else FINE_L
+        lo, hi = self._value_range(v)
+        s = max(abs(lo), abs(hi)) / steps or 1.0
+        if isinstance(v, Func):
+            u = self.lookup(v, s, 0, qt, name + "_fine")
+        elif isinstance(v, AccFunc):
+            u = self.fine_lookup(v, s, 0, qt, name + "_fine")
+        else:
+            u = self.requantize(v, s, 0, qt, name + "_fine")
+        self.qts[u] = qt
+        return Lin([Term(u, np.zeros((), np.int64), np.asarray(s, np.float64))], v.rank, qt=qt, name=name)
+
+    def _plain_or_fine(self, v, op: str, name: str, steps: int = FINE_L_MAX) -> Lin:
+        """A quantized tensor as it is; a float value that is not one on its grid of ``steps`` (:meth:`_fine`)."""
+        if isinstance(v, Lin) and v.plain():
+            return v
+        if isinstance(v, (Lin, Func, AccFunc)):
+            return self._fine(v, name, steps)
+        raise UnsupportedOpError(op, name, "the data operand must be a dequantized (quantized) tensor")
 
     def op_permute_dims(self, call, name):
         w = self.get(call.args[0], name)
@@ -688,6 +881,7 @@ class _Lowering:
         if w.qt.bits < 8:
             wT = self.emit(relax.op.clip(wT, w.qt.qmin, w.qt.qmax), name + "_w")
         acc = self.emit(relax.op.matmul(t.expr, wT, out_dtype="int32"), name)
+        self._record_range(acc, w.q, x.qt)
         offset = -zp * w.q.sum(axis=1) if zp else np.zeros(w.q.shape[0], np.int64)
         scale = t.scale * np.broadcast_to(w.scale, (w.q.shape[0],))
         return Lin([Term(acc, offset.astype(np.int64), scale)], 2, name=name)
@@ -697,10 +891,12 @@ class _Lowering:
         folded into the integer offset (in accumulator steps, far finer than the output's); on quantized 8-bit
         tensors (batch norm after a concat or a pool) it stays a real bias that the requantize adds with its
         fixed-point precision. A per-tensor affine map of one quantized tensor is a function of it (a table)."""
-        if isinstance(lin, (Func, Cat)):
+        if isinstance(lin, (Func, AccFunc, Cat)):
             return self._affine_fn(lin, mul, add, name)
         if lin.lo > -math.inf or lin.hi < math.inf:
             if lin.bias is None and self._fn_ok(lin, mul, add):
+                return self._affine_fn(lin, mul, add, name)
+            if np.size(mul) <= 1 and np.size(add) <= 1:  # (a per-tensor map of a clamped float value: a function)
                 return self._affine_fn(lin, mul, add, name)
             raise UnsupportedOpError("add/multiply", name, "a per-channel affine op after ReLU/clip cannot be folded")
         terms = list(lin.terms)
@@ -748,7 +944,7 @@ class _Lowering:
                                      "function of a quantized tensor (only per-tensor constants are supported)")
         m = 1.0 if mul is None else float(np.asarray(mul).reshape(()))
         a = 0.0 if add is None else float(np.asarray(add).reshape(()))
-        return self._as_func(v, "add/multiply", name).then(lambda x: x * m + a, name)
+        return self._as_fn(v, "add/multiply", name).then(lambda x: x * m + a, name)
 
     @staticmethod
     def _per_channel(c: np.ndarray, rank: int, name: str) -> np.ndarray:
@@ -833,7 +1029,7 @@ class _Lowering:
     def _channels(self, v) -> int:
         if isinstance(v, Cat):
             return int(sum(v.sizes))
-        e = v.expr if isinstance(v, Func) else v.terms[0].expr
+        e = v.expr if isinstance(v, Func) else (v.base if isinstance(v, AccFunc) else v).terms[0].expr
         return int(e.ty.shape[self.caxis if v.rank == 4 else 1])
 
     def op_multiply(self, call, name):
@@ -842,11 +1038,20 @@ class _Lowering:
             a, b = b, a
         if isinstance(a, (Lin, Func, Cat)) and isinstance(b, FloatConst):
             return self._affine(a, mul=self._per_channel(b.value, a.rank, name), name=name)
-        if isinstance(a, (Lin, Func)) and isinstance(b, (Lin, Func)):
+        if isinstance(a, (Lin, Func, AccFunc)) and isinstance(b, (Lin, Func, AccFunc)):
             # x * f(x) (SiLU, hardswish left unquantized in between): a function of the one tensor
             fa, fb = self._func_of(a), self._func_of(b)
             if fa is not None and fb is not None and fa.expr is fb.expr:
                 return Func(fa.expr, fa.qt, lambda q: fa.fn(q) * fb.fn(q), fa.rank, name)
+            if fa is None and fb is None:  # (the same on a float value: a conv's output before any quantize)
+                prod = self._acc_product(a, b, name)
+                if prod is not None:
+                    return prod
+            pa, pb = (isinstance(v, Lin) and v.plain() and v.qt.bits <= 8 for v in (a, b))
+            if not (pa and pb):  # (float operands: squeeze-excitation on a conv's output, as X86InductorQuantizer
+                # leaves it: each on a grid, finer where the other operand is an 8-bit tensor)
+                a = self._plain_or_fine(a, "multiply", name + "_a", FINE_L_MAX if pb else FINE_S_MAX)
+                b = self._plain_or_fine(b, "multiply", name + "_b", FINE_L_MAX if pa else FINE_S_MAX)
             return self._product(a, b, call, name)
         raise UnsupportedOpError("multiply", name, "only a product of two quantized tensors or a multiplication by a "
                                  "per-channel constant (batch norm) is supported")
@@ -928,9 +1133,9 @@ class _Lowering:
     def op_nn_avg_pool2d(self, call, name):
         """A k x k average pool: the window sums of ``q - zp`` exactly in int32 (k*k strided slices of the input, padded
         with its zero point), at scale ``s / (k*k)``; the quantize that follows is one requantize."""
-        x = self._q_operand(call.args[0], "avg_pool2d", name)
         a = call.attrs
         k = [int(p) for p in a.pool_size]
+        x = self._plain_or_fine(self.get(call.args[0], name), "avg_pool2d", name, min(FINE_L_MAX, 2**30 // (k[0] * k[1])))
         st = [int(v) for v in a.strides]
         dil = [int(v) for v in a.dilation]
         pad = [int(p) for p in a.padding]  # top, left, bottom, right
@@ -975,12 +1180,12 @@ class _Lowering:
         return Lin([Term(y, t.offset, t.scale)], 4, qt=x.qt, name=name)
 
     def op_mean(self, call, name):
-        x = self._q_operand(call.args[0], "mean", name)
+        hw = int(call.args[0].ty.shape[2]) * int(call.args[0].ty.shape[3])
+        x = self._plain_or_fine(self.get(call.args[0], name), "mean", name, min(FINE_L_MAX, 2**30 // hw))
         axes = sorted(int(ax) for ax in call.attrs.axis)
         if axes != [2, 3] or not call.attrs.keepdims:
             raise UnsupportedOpError("mean", name, "only a global average pool over H and W is supported")
         t = x.terms[0]
-        hw = int(call.args[0].ty.shape[2]) * int(call.args[0].ty.shape[3])
         s = self.emit(relax.op.sum(relax.op.astype(t.expr, "int32"), axis=list(self.hw_axes), keepdims=True), name)
         return Lin([Term(s, t.offset * hw, t.scale / hw)], 4, name=name)
 

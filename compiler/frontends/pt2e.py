@@ -9,10 +9,9 @@ constant), cat, max_pool2d, avg_pool2d (k x k), adaptive_avg_pool2d (global, or 
 input's: VGG's 7x7), mean (global), flatten, view / reshape, batch norm (inference), dropout / clone (identity), and
 the element-wise functions hardswish, hardsigmoid, silu, sigmoid, tanh (torch's formulas in float ops; the integer
 lowering makes each a lookup table over its quantized input); in-place variants (``relu_``, ``hardswish_``,
-``silu_``, ``add_``, ...) alike. An element-wise function or an average pool needs a dequantized input:
-X86InductorQuantizer fuses hardswish / SiLU into the conv before them and leaves their input in float (as it leaves
-DenseNet's last BN + ReLU before the pool); those stop with the node, the op and the float input
-(:meth:`_Importer._quantized`).
+``silu_``, ``add_``, ...) alike. X86InductorQuantizer fuses hardswish / SiLU into the conv before them and leaves
+their input in float (as it leaves squeeze-excitation's product and DenseNet's last BN + ReLU before the pool): the
+integer lowering puts such a float value on a 16-bit grid first (``LowerQDQToInteger.fine_lookup``, ``_fine``).
 
 torchao's standard quantizers (``X86InductorQuantizer``, ``XNNPACKQuantizer``; see
 ``qcompile.models.pt2e_quantizers``) write the same ops with: asymmetric uint8 / int8 activations (zero
@@ -63,19 +62,6 @@ def load_pt2(path: str):
 def _target_name(t) -> str:
     s = str(t)
     return s.split(".default")[0] if s.endswith(".default") else s
-
-
-def _op_short(node) -> str:
-    """``relu`` for ``aten.relu_.default`` (the op, in-place variants as their functional form)."""
-    s = str(node.target).split("aten.")[-1].split(".")[0]
-    return s[:-1] if s.endswith("_") and not s.startswith("_") else s
-
-
-# float ops whose outputs are not a quantized tensor (accumulators, sums, products, per-channel affine maps), and the
-# ops an element-wise function may look through to one
-_FLOAT_COMPUTE = frozenset({"conv2d", "linear", "add", "mul", "batch_norm", "_native_batch_norm_legit_no_training",
-                            "adaptive_avg_pool2d", "mean", "avg_pool2d"})
-_PASS_THROUGH = frozenset({"relu", "hardtanh", "dropout", "clone", "contiguous", "flatten", "view", "reshape"})
 
 
 class _Importer:
@@ -286,45 +272,30 @@ class _Importer:
         t = self.b.emit(relax.op.clip(t, 0.0, 6.0), name + "_relu6")
         return self.b.emit(relax.op.divide(t, self._f32(6.0)), name)
 
-    def _quantized(self, node, x):
-        """The value of ``x``, an element-wise function's or an average pool's operand: a dequantized tensor (its
-        integer lowering is a lookup table over the quantized input, or an integer window sum). A float value (the
-        output of a conv or another float op that X86InductorQuantizer leaves unquantized before the function) has no
-        integer lowering: one error naming the node and the op."""
-        src = x
-        while getattr(src, "op", "") == "call_function" and src.args and (_op_short(src) in _PASS_THROUGH
-                                                                          or "getitem" in str(src.target)):
-            src = src.args[0]  # (a clamp or an identity of a dequantized tensor is still a function of it)
-        if getattr(src, "op", "") == "call_function" and _op_short(src) in _FLOAT_COMPUTE:
-            raise UnsupportedOpError(_target_name(node.target), node.name, f"its input '{x.name}' is the float output "
-                                     f"of '{src.name}' ({_target_name(src.target)}), not a quantized tensor; this op "
-                                     f"lowers to integers only on a dequantized input (XNNPACKQuantizer quantizes it)")
-        return self.val(x, node)
-
     def op_hardsigmoid(self, node, x):
-        return self._hardsigmoid(self._quantized(node, x), node.name)
+        return self._hardsigmoid(self.val(x, node), node.name)
 
     def op_hardswish(self, node, x):
         """``x * hardsigmoid(x)``."""
         from tvm import relax
 
-        v = self._quantized(node, x)
+        v = self.val(x, node)
         return self.b.emit(relax.op.multiply(v, self._hardsigmoid(v, node.name + "_hardsigmoid")), node.name)
 
     def op_sigmoid(self, node, x):
         from tvm import relax
 
-        return self.b.emit(relax.op.sigmoid(self._quantized(node, x)), node.name)
+        return self.b.emit(relax.op.sigmoid(self.val(x, node)), node.name)
 
     def op_tanh(self, node, x):
         from tvm import relax
 
-        return self.b.emit(relax.op.tanh(self._quantized(node, x)), node.name)
+        return self.b.emit(relax.op.tanh(self.val(x, node)), node.name)
 
     def op_silu(self, node, x):
         from tvm import relax
 
-        return self.b.emit(relax.op.nn.silu(self._quantized(node, x)), node.name)
+        return self.b.emit(relax.op.nn.silu(self.val(x, node)), node.name)
 
     op_hardsigmoid_, op_hardswish_, op_sigmoid_, op_tanh_, op_silu_ = (op_hardsigmoid, op_hardswish, op_sigmoid,
                                                                       op_tanh, op_silu)
@@ -367,7 +338,7 @@ class _Importer:
         k = pair(k)
         stride = pair(stride) if stride else k
         p = pair(padding)
-        return self.b.emit(relax.op.nn.avg_pool2d(self._quantized(node, x), k, stride, [p[0], p[1], p[0], p[1]], [1, 1],
+        return self.b.emit(relax.op.nn.avg_pool2d(self.val(x, node), k, stride, [p[0], p[1], p[0], p[1]], [1, 1],
                                                   bool(ceil_mode), bool(count_include_pad)), node.name)
 
     def op_max_pool2d(self, node, x, k, stride=None, padding=(0, 0), dilation=(1, 1), ceil_mode=False):
@@ -384,7 +355,7 @@ class _Importer:
         average pool of kernel = stride = input / output."""
         from tvm import relax
 
-        v = self._quantized(node, x)
+        v = self.val(x, node)
         size = [int(s) for s in (size if isinstance(size, (list, tuple)) else (size, size))]
         if size == [1, 1]:
             return self.b.global_avg_pool(v, node.name)
@@ -396,7 +367,7 @@ class _Importer:
         return self.b.emit(relax.op.nn.avg_pool2d(v, k, k, [0, 0, 0, 0]), node.name)
 
     def op_mean(self, node, x, dims, keepdim=False, **kw):
-        v = self._quantized(node, x)
+        v = self.val(x, node)
         if sorted(d % 4 for d in dims) != [2, 3]:
             raise UnsupportedOpError("mean", node.name, f"over dims {list(dims)} (only H and W)")
         y = self.b.global_avg_pool(v, node.name)
