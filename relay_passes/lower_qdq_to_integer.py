@@ -32,8 +32,9 @@ An element-wise function (sigmoid, hardswish, SiLU, ...) of a quantized tensor i
 quantize before the function, as X86InductorQuantizer leaves hardswish and SiLU) it is a requantize of that value to
 a 16-bit grid over the inputs where the quantized output varies, then a table over the grid (``fine_lookup``); a
 product of such values (squeeze-excitation) and a pool of one put each on a grid over its whole range (``_fine``:
-2^15 steps, 2^23 beside an 8-bit operand or under a pool, the accumulator's range from the weights). Those are
-within one output step of the float semantics, not exact.
+2^23 steps, fewer under a pool so that its sums fit int32; a conv's range from its weights; a product of two grids
+in int64, requantized with narrower multipliers). Those are within one output step of the float semantics, not
+exact.
 
 The pass emits every integer op directly in ``layout`` (NCHW, NHWC or HWNC; weights OIHW, OHWI, HWOI).
 The only layout transforms are on the quantized network input and, where a 4-D tensor is returned or
@@ -140,10 +141,10 @@ class AccFunc:
 
 
 FINE = QType("uint16", 16, False)  # the grid an AccFunc's input is requantized to before its table
-FINE_S = QType("int16", 16, True)  # a float operand of a product or pool, on a grid symmetric about zero,
-FINE_S_MAX = (1 << 14) - 1  # within +-FINE_S_MAX where the other operand is one too (their product fits int32),
-FINE_L = QType("int32", 32, True)  # in int32 with up to FINE_L_MAX steps each side where the other operand is 8-bit
-FINE_L_MAX = (1 << 22) - 1  # (255 x 2^22 < 2^30) or the value is summed by a pool (window x steps < 2^30)
+FINE_S = QType("int16", 16, True)  # a float operand of a product or pool, on a grid symmetric about zero: int16
+FINE_S_MAX = (1 << 14) - 1  # up to FINE_S_MAX steps each side,
+FINE_L = QType("int32", 32, True)  # else int32, up to FINE_L_MAX (a pool: window x steps < 2^30; a product of
+FINE_L_MAX = (1 << 22) - 1  # two such grids is int64, requantized with narrower multipliers: _multiplier_bits)
 FINE_SETTLE = 1 << 21  # grid points over which fine_lookup finds where the quantized output varies
 
 
@@ -445,6 +446,9 @@ class _Lowering:
             if v.rank == 4 and self.layout != "NCHW":
                 y = self.emit(relax.op.permute_dims(y, list(np.argsort(self.perm))), "output_layout")
             return y
+        if isinstance(v, AccFunc):
+            raise UnsupportedOpError("output", _name(e), "the model returns an element-wise function of a float value "
+                                     "(no quantize after it); quantize the output")
         if not isinstance(v, Lin) or len(v.terms) != 1:
             raise UnsupportedOpError("output", _name(e), "the model output is not a single dequantized tensor")
         t = v.terms[0]
@@ -478,7 +482,7 @@ class _Lowering:
         # y = round_half_up(sum_i (t_i + c_i) * m_i + bias / s_out)
         bias = None if lin.bias is None else np.asarray(lin.bias, np.float64) / s_out
         zeros = [] if bias is None else [np.zeros(bias.shape)]  # (gives the shift the bias's shape)
-        mults, shift = self._multipliers(ms + zeros, name)
+        mults, shift = self._multipliers(ms + zeros, name, self._multiplier_bits(lin))
         mults = mults[:len(ms)]
         wide = "int64"
         # Terms that are all 8-bit tensors (residual adds, pools) fit int32 with a narrower multiplier:
@@ -726,23 +730,38 @@ class _Lowering:
                 parts.append(part if part is not None else self.lookup(f, s_out, zp, qt, pname))
             elif isinstance(p, Lin):
                 parts.append(self.requantize(p, s_out, zp, qt, pname))
+            elif isinstance(p, AccFunc):
+                parts.append(self.fine_lookup(p, s_out, zp, qt, pname))
             else:
                 raise UnsupportedOpError("concat", name, "operand is not a quantized computation")
         axis = self.caxis if c.rank == 4 else 1
         return self.emit(relax.op.concat(parts, axis=axis), name)
 
+    def _multiplier_bits(self, lin: Lin) -> int:
+        """31, or fewer where a term is an int64 tensor (a product of two values on fine grids) so that ``sum_i |t_i +
+        c_i| * |M_i| + 2^S`` stays below 2^62."""
+        if all(str(t.expr.ty.dtype) != "int64" for t in lin.terms):
+            return 31
+        total = 0.0
+        for t in lin.terms:
+            r = self.int_range.get(t.expr)
+            if r is None:
+                return 18  # (no known range: a 2^44 product's bound)
+            total += float(np.max(np.maximum(np.abs(r[0] + t.offset), np.abs(r[1] + t.offset))))
+        return int(max(8, min(31, 61 - math.ceil(math.log2(max(total, 1.0))))))
+
     @staticmethod
-    def _multipliers(ms: list, name: str):
-        """:func:`quantize_multipliers` of the requantize ``name``, or a QCompileError where a multiplier (input scale
-        x weight scale / output scale) is not finite, too large for 31 bits, or so small that every channel's
-        integer multiplier is 0 (an output that does not depend on the input)."""
+    def _multipliers(ms: list, name: str, bits: int = 31):
+        """:func:`quantize_multipliers` of the requantize ``name`` (``bits`` wide), or a QCompileError where a
+        multiplier (input scale x weight scale / output scale) is not finite, too large for 31 bits, or so small that
+        every channel's integer multiplier is 0 (an output that does not depend on the input)."""
         for m in ms:
             m = np.asarray(m, np.float64)
             if not np.all(np.isfinite(m)):
                 raise QCompileError(f"quantize '{name}': the requantize multiplier (input scale / output scale) is not "
                                     f"finite; the scales of the layer feeding it are out of range")
         try:
-            mults, shift = quantize_multipliers(ms)
+            mults, shift = quantize_multipliers(ms, bits=bits)
         except ValueError:
             big = max(float(np.max(np.abs(m))) for m in ms)
             raise QCompileError(f"quantize '{name}': the requantize multiplier {big:.6g} (input scale / output scale) "
@@ -815,37 +834,40 @@ class _Lowering:
         hi = np.where(w > 0, w * xqt.qmax, w * xqt.qmin).sum(axis=1)
         self.int_range[acc] = (lo, hi)
 
-    def _value_range(self, v) -> tuple:
-        """Bounds ``(lo, hi)`` of the real values of ``v`` (a ``Lin``, ``Func`` or ``AccFunc``) over all inputs."""
+    def _value_range(self, v, op: str = "value", name: str = "") -> tuple:
+        """Bounds ``(lo, hi)`` of the real values of ``v`` (a ``Lin``, ``Func`` or ``AccFunc``) over all inputs; an
+        UnsupportedOpError naming ``op`` and ``name`` where a term's range is not known."""
         if isinstance(v, Func):
             y = self._table_values(v)
             return float(np.min(y)), float(np.max(y))
         if isinstance(v, AccFunc):
-            lo, hi = self._value_range(v.base)
+            lo, hi = self._value_range(v.base, op, name)
             with np.errstate(all="ignore"):
                 y = np.asarray(v.fn(np.linspace(lo, hi, FINE_SETTLE)), np.float64)
             return float(np.nanmin(y)), float(np.nanmax(y))
         lo = hi = 0.0
         for t in v.terms:
             qt = self.qts.get(t.expr)
-            r = self.int_range.get(t.expr) if qt is None else (np.asarray(qt.qmin), np.asarray(qt.qmax))
+            r = self.int_range.get(t.expr, None if qt is None else (np.asarray(qt.qmin), np.asarray(qt.qmax)))
             if r is None:
-                raise UnsupportedOpError("value", v.name, "the range of a float value that is no quantized tensor is "
-                                         "not known; quantize it first")
+                raise UnsupportedOpError(op, name or v.name, f"the range of its float operand '{v.name}' (no quantized "
+                                         "tensor) is not known; quantize that operand first")
             a = (np.asarray(r[0], np.float64) + t.offset) * t.scale
             b = (np.asarray(r[1], np.float64) + t.offset) * t.scale
             lo, hi = lo + np.minimum(a, b), hi + np.maximum(a, b)
         if v.bias is not None:
             lo, hi = lo + v.bias, hi + v.bias
-        return float(max(np.min(lo), v.lo)), float(min(np.max(hi), v.hi))
+        lo, hi = float(np.clip(np.min(lo), v.lo, v.hi)), float(np.clip(np.max(hi), v.lo, v.hi))
+        return lo, hi
 
-    def _fine(self, v, name: str, steps: int) -> Lin:
+    def _fine(self, v, op: str, name: str, steps: int) -> Lin:
         """A float value that is no quantized tensor (a conv's output before any quantize, a function of it, a batch
-        norm of a quantized tensor) as an integer tensor on a grid symmetric about zero over its whole range,
-        ``steps`` each side (a relative error of ``1 / (2 steps)`` of the range), for a product or a pool: int16
-        (``FINE_S``) up to ``FINE_S_MAX`` steps, else int32 (``FINE_L``)."""
+        norm of a quantized tensor) as an integer tensor on a grid symmetric about zero over its whole range (a
+        conv's from its weights), ``steps`` each side, for a product or a pool: int16 (``FINE_S``) up to
+        ``FINE_S_MAX`` steps, else int32 (``FINE_L``). The grid's step is ``1 / (2 steps)`` of the range; a function
+        of a float value (``AccFunc``) comes through ``fine_lookup``, whose 16-bit input grid bounds its precision."""
         qt = FINE_S if steps <= FINE_S_MAX else FINE_L
-        lo, hi = self._value_range(v)
+        lo, hi = self._value_range(v, op, name)
         s = max(abs(lo), abs(hi)) / steps or 1.0
         if isinstance(v, Func):
             u = self.lookup(v, s, 0, qt, name + "_fine")
@@ -853,7 +875,7 @@ class _Lowering:
             u = self.fine_lookup(v, s, 0, qt, name + "_fine")
         else:
             u = self.requantize(v, s, 0, qt, name + "_fine")
-        self.qts[u] = qt
+        self.int_range[u] = (np.asarray(-steps), np.asarray(steps))
         return Lin([Term(u, np.zeros((), np.int64), np.asarray(s, np.float64))], v.rank, qt=qt, name=name)
 
     def _plain_or_fine(self, v, op: str, name: str, steps: int = FINE_L_MAX) -> Lin:
@@ -861,7 +883,7 @@ class _Lowering:
         if isinstance(v, Lin) and v.plain():
             return v
         if isinstance(v, (Lin, Func, AccFunc)):
-            return self._fine(v, name, steps)
+            return self._fine(v, op, name, steps)
         raise UnsupportedOpError(op, name, "the data operand must be a dequantized (quantized) tensor")
 
     def op_permute_dims(self, call, name):
@@ -985,9 +1007,9 @@ class _Lowering:
 
     def op_add(self, call, name):
         a, b = self.get(call.args[0], name), self.get(call.args[1], name)
-        if isinstance(a, FloatConst) and isinstance(b, (Lin, Func, Cat)):
+        if isinstance(a, FloatConst) and isinstance(b, (Lin, Func, AccFunc, Cat)):
             a, b = b, a
-        if isinstance(a, (Lin, Func, Cat)) and isinstance(b, FloatConst):
+        if isinstance(a, (Lin, Func, AccFunc, Cat)) and isinstance(b, FloatConst):
             c = self._per_channel(b.value, a.rank, name)
             return self._affine(a, add=c if c.size == 1 else np.broadcast_to(c, (self._channels(a),)), name=name)
         if isinstance(a, Func) or isinstance(b, Func):
@@ -1011,7 +1033,7 @@ class _Lowering:
         if not isinstance(b, FloatConst):
             raise UnsupportedOpError("subtract", name, "only the subtraction of a constant is supported")
         a = self.get(call.args[0], name)
-        if not isinstance(a, (Lin, Func, Cat)):
+        if not isinstance(a, (Lin, Func, AccFunc, Cat)):
             raise UnsupportedOpError("subtract", name)
         c = -self._per_channel(b.value, a.rank, name)
         return self._affine(a, add=c if c.size == 1 else np.broadcast_to(c, (self._channels(a),)), name=name)
@@ -1019,7 +1041,7 @@ class _Lowering:
     def op_divide(self, call, name):
         b = self.get(call.args[1], name)
         a = self.get(call.args[0], name)
-        if not isinstance(b, FloatConst) or not isinstance(a, (Lin, Func, Cat)):
+        if not isinstance(b, FloatConst) or not isinstance(a, (Lin, Func, AccFunc, Cat)):
             raise UnsupportedOpError("divide", name, "only the division by a constant is supported")
         c = self._per_channel(b.value, a.rank, name)
         if np.any(c == 0):
@@ -1036,7 +1058,7 @@ class _Lowering:
         a, b = self.get(call.args[0], name), self.get(call.args[1], name)
         if isinstance(a, FloatConst):
             a, b = b, a
-        if isinstance(a, (Lin, Func, Cat)) and isinstance(b, FloatConst):
+        if isinstance(a, (Lin, Func, AccFunc, Cat)) and isinstance(b, FloatConst):
             return self._affine(a, mul=self._per_channel(b.value, a.rank, name), name=name)
         if isinstance(a, (Lin, Func, AccFunc)) and isinstance(b, (Lin, Func, AccFunc)):
             # x * f(x) (SiLU, hardswish left unquantized in between): a function of the one tensor
@@ -1047,11 +1069,11 @@ class _Lowering:
                 prod = self._acc_product(a, b, name)
                 if prod is not None:
                     return prod
-            pa, pb = (isinstance(v, Lin) and v.plain() and v.qt.bits <= 8 for v in (a, b))
-            if not (pa and pb):  # (float operands: squeeze-excitation on a conv's output, as X86InductorQuantizer
-                # leaves it: each on a grid, finer where the other operand is an 8-bit tensor)
-                a = self._plain_or_fine(a, "multiply", name + "_a", FINE_L_MAX if pb else FINE_S_MAX)
-                b = self._plain_or_fine(b, "multiply", name + "_b", FINE_L_MAX if pa else FINE_S_MAX)
+            if not all(isinstance(v, Lin) and v.plain() for v in (a, b)):
+                # (float operands: squeeze-excitation on a conv's output, as X86InductorQuantizer leaves it: each on
+                # a grid of 2^23 steps; the product of two such in int64)
+                a = self._plain_or_fine(a, "multiply", name + "_a")
+                b = self._plain_or_fine(b, "multiply", name + "_b")
             return self._product(a, b, call, name)
         raise UnsupportedOpError("multiply", name, "only a product of two quantized tensors or a multiplication by a "
                                  "per-channel constant (batch norm) is supported")
@@ -1072,14 +1094,22 @@ class _Lowering:
                                          "tensors (dequantized, per-tensor scales); quantize each operand first")
         if a.rank != b.rank:
             raise UnsupportedOpError("multiply", name, "operands of different rank")
+        mags = []
+        for v in (a, b):
+            t = v.terms[0]
+            off = int(np.asarray(t.offset).reshape(()))
+            lo, hi = self.int_range.get(t.expr, (v.qt.qmin, v.qt.qmax))  # (a grid's own step count: _fine)
+            mags.append(max(abs(int(np.min(lo)) + off), abs(int(np.max(hi)) + off)))
+        dt = "int32" if mags[0] * mags[1] < 2**31 else "int64"  # (int64: two operands on 2^23-step grids)
         ints = []
         for v in (a, b):
             t = v.terms[0]
-            e = relax.op.astype(t.expr, "int32")
+            e = relax.op.astype(t.expr, dt)
             if np.any(t.offset != 0):
-                e = relax.op.add(e, relax.const(int(np.asarray(t.offset).reshape(())), "int32"))
+                e = relax.op.add(e, relax.const(int(np.asarray(t.offset).reshape(())), dt))
             ints.append(e)
         prod = self.emit(relax.op.multiply(ints[0], ints[1]), name)
+        self.int_range[prod] = (np.asarray(-mags[0] * mags[1]), np.asarray(mags[0] * mags[1]))
         scale = np.asarray(a.terms[0].scale * b.terms[0].scale, np.float64)
         return Lin([Term(prod, np.zeros((), np.int64), scale)], a.rank, name=name)
 
@@ -1125,7 +1155,7 @@ class _Lowering:
             v = self.get(f, name)
             if isinstance(v, Cat):
                 raise UnsupportedOpError("concat", name, "a concatenation of a concatenation must be quantized first")
-            if not isinstance(v, (Lin, Func)):
+            if not isinstance(v, (Lin, Func, AccFunc)):
                 raise UnsupportedOpError("concat", name, "operand is not a quantized computation")
             parts.append(v)
         return Cat(parts, [int(f.ty.shape[1]) for f in fields], rank, name)
@@ -1180,11 +1210,11 @@ class _Lowering:
         return Lin([Term(y, t.offset, t.scale)], 4, qt=x.qt, name=name)
 
     def op_mean(self, call, name):
+        axes = sorted(int(ax) for ax in call.attrs.axis)
+        if axes != [2, 3] or not call.attrs.keepdims or len(call.args[0].ty.shape) != 4:
+            raise UnsupportedOpError("mean", name, "only a global average pool over H and W is supported")
         hw = int(call.args[0].ty.shape[2]) * int(call.args[0].ty.shape[3])
         x = self._plain_or_fine(self.get(call.args[0], name), "mean", name, min(FINE_L_MAX, 2**30 // hw))
-        axes = sorted(int(ax) for ax in call.attrs.axis)
-        if axes != [2, 3] or not call.attrs.keepdims:
-            raise UnsupportedOpError("mean", name, "only a global average pool over H and W is supported")
         t = x.terms[0]
         s = self.emit(relax.op.sum(relax.op.astype(t.expr, "int32"), axis=list(self.hw_axes), keepdims=True), name)
         return Lin([Term(s, t.offset * hw, t.scale / hw)], 4, name=name)

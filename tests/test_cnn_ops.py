@@ -143,6 +143,49 @@ def test_float_operand_goes_through_a_16_bit_grid(folder, op, port):
         assert len(np.unique(got)) > 20
 
 
+def test_function_of_a_conv_output_scaled_and_concatenated(folder):
+    """A Sigmoid of a conv's float output, multiplied by a constant, as one input of a Concat (a function of a float
+    value that is an affine map's and a concatenation's operand): within one output step of the ONNX specification,
+    bit-exact against the NumPy reference."""
+    from onnx import helper
+
+    path = F.two_branch_model(f"{folder}/cat.onnx", "concat")
+    m = onnx.load(path)
+    m.graph.initializer.append(numpy_helper.from_array(np.array(1.5, np.float32), "two"))
+    cat = next(n for n in m.graph.node if n.op_type == "Concat")
+    i = list(m.graph.node).index(cat)
+    m.graph.node.insert(i, helper.make_node("Mul", ["sig_b", "two"], ["sig_b2"], name="scale"))
+    m.graph.node.insert(i, helper.make_node("Sigmoid", ["conv_b_y"], ["sig_b"], name="sig"))
+    cat.input[1] = "sig_b2"
+    bad = f"{folder}/cat_float.onnx"
+    onnx.save(m, bad)
+    res = compile_model(bad, CompileOptions(batch=2, layout="NHWC"), log=_quiet)
+    inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    s_out, zp_out = float(inits["out_s"]), int(inits["out_z"])
+    ref, spec = Reference(res.integer_mod), F.spec_reference(m)
+    x = F.fresh_input(740, (2, 8, 8, 8))
+    y = _run(res, x)
+    assert np.array_equal(y, ref(x))
+    got = np.rint(y.astype(np.float64) / np.float32(s_out)) + zp_out
+    diff = np.abs(got - spec(x)["out_q"].q)
+    assert diff.max() <= 1 and np.mean(diff == 0) >= 0.99, (diff.max(), np.mean(diff == 0))
+
+
+def test_mean_of_a_2d_tensor_is_one_clear_error():
+    """A ReduceMean that is no global pool over H and W (here of a 2-D tensor) stops with the node and the reason."""
+    from qcompile.errors import run_pass
+    from qcompile.qdq import QTYPES, QDQBuilder
+    from qcompile.relay_passes.lower_qdq_to_integer import LowerQDQToInteger
+
+    b = QDQBuilder()
+    x = b.input("x", [2, 16])
+    q = b.dequantize(b.quantize(x, 0.1, 0, QTYPES["uint8"], name="q"), 0.1, 0, name="dq")
+    m = b.emit(relax.op.mean(q, axis=[1], keepdims=True), "avg")
+    mod = b.finish([b.dequantize(b.quantize(m, 0.1, 0, QTYPES["uint8"], name="q2"), 0.1, 0, name="dq2")])
+    with pytest.raises(UnsupportedOpError, match=r"unsupported op mean \(node 'avg'\): only a global average pool"):
+        run_pass(LowerQDQToInteger("NHWC"), mod)
+
+
 def _fixed_point(x, fit, qmin, qmax):
     """The integer form ``LowerQDQToInteger.affine_requantize`` emits for ``fit``, evaluated in NumPy int64."""
     dtype, M, C, shift, even = fit
