@@ -24,9 +24,11 @@ whose one result used elsewhere is an 8-bit tensor) is evaluated at compile time
 kernel takes that table (``ConvSpec.lut``) and writes ``table[q - qmin]``, and the chain leaves the graph. Kernels
 of strategies without a table (``schedules.LUT_STRATEGIES``; the CUDA-core kernels take one) leave the chain as glue.
 
-Grouped convs (NHWC, groups > 1) run on CUDA-core kernels instead (``schedules.grouped.plan_grouped``): ``depthwise``
-where groups == C == K, else ``grouped``; they read 4-bit inputs one value per byte (so a producer whose consumers
-include one writes bytes) and write packed 4-bit outputs where the kernel holds whole bytes.
+Grouped convs (NHWC, groups > 1) run on their own kernels (``schedules.grouped_gemm.grouped_kernel``): ``depthwise``
+where groups == C == K; the tensor-core ``grouped_gemm`` (the implicit GEMM with each N tile inside one group) where
+the per-group channels allow it (``QCOMPILE_GROUPED_GEMM=0``: never); else the CUDA-core ``grouped``. They read 4-bit
+inputs one value per byte (so a producer whose consumers include one writes bytes) and write packed 4-bit outputs
+where the kernel holds whole bytes.
 
 On CUDA a stride-2 conv with a short 8-bit channel vector (the RGB stem, padded to 4 channels) runs as the stride-1
 conv over its 2x2 space-to-depth input (``schedules.spec.space_to_depth``): the input is rearranged in the graph,
@@ -602,14 +604,18 @@ class _Dispatcher(PyExprMutator):
         self.set_var_remap(var if lut is None else lut.out, out)
 
     def _grouped_knobs(self, spec):
-        """The GroupedPlanned of a grouped layer (``spec.groups`` > 1): its strategy's (``depthwise`` / ``grouped``)
-        knobs from the tuning logs (``schedules.tuning.knobs_for``: this device's record, the arch's, the nearest
-        batch's, else the kernel's automatic tile, "default"); a record's tile that ``plan_grouped`` refuses for the
-        layer's own epilogue gives way to the automatic tile."""
-        from qcompile.schedules.grouped import grouped_strategy, plan_grouped
+        """The planned kernel of a grouped layer (``spec.groups`` > 1) on its strategy (``schedules.grouped_gemm.
+        grouped_kernel``: ``depthwise``, the tensor-core ``grouped_gemm`` where it takes the layer, else
+        ``grouped``), with its knobs from the tuning logs (``schedules.tuning.knobs_for``: this device's record, the
+        arch's, the nearest batch's, else the kernel's default, "default"); a record's knobs the kernel refuses for
+        the layer's own epilogue give way to the default."""
+        from qcompile.schedules.grouped import plan_grouped
+        from qcompile.schedules.grouped_gemm import grouped_kernel
         from qcompile.schedules.tuning import knobs_for
 
-        strategy = grouped_strategy(spec, spec.groups)
+        strategy = grouped_kernel(spec, self.arch, self.device, self.tuning_logs)
+        if strategy == "grouped_gemm":
+            return self._grouped_gemm(spec)
         kn, source = knobs_for(spec, self.arch, self.device, self.tuning_logs, strategy)
         if source != "default":
             try:
@@ -617,6 +623,22 @@ class _Dispatcher(PyExprMutator):
             except ValueError:
                 pass
         return plan_grouped(spec, spec.groups, self.arch)
+
+    def _grouped_gemm(self, spec):
+        """The ``grouped_gemm`` PlannedKernel of a grouped layer (``gemm_spec``: 4-bit weight values one per byte)
+        with its record's knobs, else (no record, or knobs it refuses) the default tile."""
+        from qcompile.schedules.gemm.plan import NotApplicable
+        from qcompile.schedules.grouped_gemm import STRATEGY, gemm_spec, plan_grouped_gemm
+        from qcompile.schedules.tuning import knobs_for
+
+        spec = gemm_spec(spec)
+        kn, source = knobs_for(spec, self.arch, self.device, self.tuning_logs, STRATEGY)
+        if source != "default":
+            try:
+                return plan_grouped_gemm(spec, self.arch, kn, source=source)
+            except NotApplicable:
+                pass
+        return plan_grouped_gemm(spec, self.arch)
 
     def _emit_kernel(self, var, g: _Group, r: Optional[_Residual]):
         from qcompile.schedules import ConvSpec, plan_conv, select_strategy

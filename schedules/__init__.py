@@ -36,8 +36,8 @@ def _gemm_planned(spec: ConvSpec, arch: str, knobs, layout: str, allow_split: bo
     from .gemm import NotApplicable, build_kernel, make_plan
     from .gemm.plan import gemm_constraints
 
-    if spec.layout != layout or gemm_constraints(spec, arch, layout):
-        return None
+    if spec.layout != layout or spec.groups != 1 or gemm_constraints(spec, arch, layout):
+        return None  # (grouped convs: ``grouped_gemm.plan_grouped_gemm``)
     try:
         plan = make_plan(spec, arch, knobs, layout, allow_split=allow_split, sms=sms)
     except NotApplicable as e:

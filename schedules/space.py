@@ -26,10 +26,12 @@ CPU's cores as ``sms``.
 
 The grouped convs' CUDA-core kernels have one space each: ``depthwise`` (groups == C == K; ``depthwise.DwConfig``:
 channels ``vec`` x columns ``qt`` per thread, threads per block) and ``grouped`` (the other grouped convs;
-``grouped.GroupedConfig``: channels ``kt`` x columns ``qt``, threads). The shape's ``ConvSpec.groups`` is the group
-count; the other spaces take groups == 1 only.
+``grouped.GroupedConfig``: channels ``kt`` x columns ``qt``, threads); the tensor-core kernel of grouped convs whose
+per-group channels allow it has ``grouped_gemm`` (``GemmKnobs``; legality ``grouped_gemm.grouped_gemm_plan``). The
+shape's ``ConvSpec.groups`` is the group count; the other spaces take groups == 1 only.
 
-``SPACES`` maps strategy names (``schedules.STRATEGIES``, ``cpu_direct``, ``depthwise``, ``grouped``) to spaces; ``spaces_for(spec, arch)`` lists those that apply
+``SPACES`` maps strategy names (``schedules.STRATEGIES``, ``cpu_direct``, ``depthwise``, ``grouped``,
+``grouped_gemm``) to spaces; ``spaces_for(spec, arch)`` lists those that apply
 to a shape (``applies``). ``sms`` (the device's SM count, where a tuner knows it) overrides the arch table's reference
 part (``arch_info(arch).sms``) in ``legal``, ``sample``, ``effective``, ``default`` and the features, as it does in the
 builders (``plan_conv(..., sms=)``): split-K sizing, automatic tiles and persistent grids depend on it.
@@ -618,6 +620,52 @@ def _grouped_space() -> KernelSpace:
                        lambda spec, arch, sms=None: GroupedConfig(), effective, derived, None, DP4A_DERIVED, configs)
 
 
+def _grouped_gemm_space() -> KernelSpace:
+    """``grouped_gemm``: the implicit GEMM's knobs (``GemmKnobs``) on a grouped conv whose per-group channels allow
+    it (``grouped_gemm.grouped_gemm_constraints``). Legality is the builder's own ``grouped_gemm.grouped_gemm_plan``
+    (via ``grouped_gemm_point``), the default ``default_grouped_knobs``, ``effective`` the plan's knobs; the points
+    are drawn from the mma.sync and plain wgmma families with N tiles that divide Kg."""
+    from .grouped_gemm import default_grouped_knobs, grouped_gemm_constraints, grouped_gemm_point
+
+    def legal(spec, arch, kn, sms=None):
+        return grouped_gemm_point(spec, arch, kn, sms)[1]
+
+    def effective(spec, arch, kn, sms=None):
+        return grouped_gemm_point(spec, arch, kn, sms)[0]
+
+    def draw(rng, spec, arch):
+        kg = spec.K // max(spec.groups, 1)
+        fam = _pick(rng, ("sync", "wg8") if _wgmma_operands(spec, arch) and kg % 64 == 0 else ("sync",))
+        d = dict(_draw_common(rng), **GEMM_FAMILIES[fam][2](rng), split_k=0)
+        lo = 64 if fam == "wg8" else 32
+        d["BN"] = _pick(rng, [b for b in (32, 64, 128, 256) if b >= lo and kg % b == 0] or [lo])
+        d["WN"] = _pick(rng, [w for w in (1, 2) if d["BN"] // w >= lo])
+        return GemmKnobs(**d)
+
+    def configs(spec, arch):
+        return [GemmKnobs(**d) for d in GROUPED_GEMM_CONFIGS]
+
+    return KernelSpace("grouped_gemm", GemmKnobs, dict(GemmKnobs.SPACE), lambda spec, arch: grouped_gemm_constraints(
+        spec, arch), legal, lambda spec, arch, sms=None: default_grouped_knobs(spec, arch, sms), effective,
+        _gemm_derived, draw, GEMM_DERIVED, configs)
+
+
+# Start points of the grouped_gemm space: mma.sync tiles of 32 / 64 columns (BN halves down to Kg), then the plain
+# wgmma tiles (Kg a multiple of 64).
+GROUPED_GEMM_CONFIGS = (
+    dict(BM=128, BN=64, BK=64, WM=4, WN=1, stages=4),
+    dict(BM=128, BN=32, BK=32, WM=4, WN=1, stages=4),
+    dict(BM=64, BN=32, BK=64, WM=2, WN=1, stages=3),
+    dict(BM=256, BN=32, BK=64, WM=4, WN=1, stages=3),
+    dict(BM=128, BN=64, BK=32, WM=2, WN=2, stages=4, pipe=1),
+    dict(BM=128, BN=32, BK=64, WM=2, WN=1, stages=3, fdb=True),
+    dict(BM=64, BN=32, BK=32, WM=2, WN=1, stages=4, pipe=1),
+    dict(BM=128, BN=32, BK=128, WM=4, WN=1, stages=3, erq=True),
+    dict(_WG, BM=128, BN=64, BK=64, WM=1, stages=3),
+    dict(_WG, BM=64, BN=64, BK=128, WM=1, stages=3),
+)
+
+
 # Start points of the dp4a spaces (``KernelSpace.configs``): the automatic tile first, then a spread of channel
 # vectors / tiles against columns per thread and block sizes (fields not named: the automatic / 256 threads).
 DW_CONFIGS = (dict(), dict(vec=8, qt=4), dict(vec=16, qt=2), dict(vec=4, qt=4), dict(vec=8, qt=2, threads=128),
@@ -638,6 +686,7 @@ SPACES: dict[str, KernelSpace] = {
     "cpu_direct": _cpu_space(),
     "depthwise": _dw_space(),
     "grouped": _grouped_space(),
+    "grouped_gemm": _grouped_gemm_space(),
 }
 
 

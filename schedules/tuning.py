@@ -9,7 +9,8 @@ One record a line, appendable (``qtune`` appends one line per measured candidate
 that strategy's knobs type (``knobs_type``: ``GemmKnobs`` for implicit_gemm and direct_hwnc, ``KtKnobs`` for
 implicit_gemm_t, ``HaloKnobs`` for direct_halo, ``CpuKnobs`` for cpu_direct -- the CPU kernels' register tile, whose
 records name the CPU inner kernel as ``arch`` and the CPU model as ``device``; ``DwConfig`` for depthwise,
-``GroupedConfig`` for grouped, whose keys carry the group count, ``|gG``); a record without one is an
+``GroupedConfig`` for grouped and ``GemmKnobs`` for grouped_gemm, whose keys carry the group count, ``|gG``); a
+record without one is an
 implicit_gemm record. ``status`` (absent:
 "ok") is one of ``RECORD_STATUSES``: a candidate that failed (mismatch against the reference, build or run error) is
 recorded so that a tuner does not try it again, and is never selected. ``ms`` ranks the OK records of one shape: the
@@ -58,7 +59,8 @@ RECORD_STRATEGY = "implicit_gemm"
 RECORD_STRATEGIES = {"implicit_gemm": ("spec", "GemmKnobs"), "direct_hwnc": ("spec", "GemmKnobs"),
                      "implicit_gemm_t": ("igemm_t", "KtKnobs"), "direct_halo": ("stem", "HaloKnobs"),
                      "cpu_direct": ("cpu_conv", "CpuKnobs"),  # (cpu_direct: "arch" is the CPU inner kernel)
-                     "depthwise": ("depthwise", "DwConfig"), "grouped": ("grouped", "GroupedConfig")}
+                     "depthwise": ("depthwise", "DwConfig"), "grouped": ("grouped", "GroupedConfig"),
+                     "grouped_gemm": ("spec", "GemmKnobs")}  # (grouped_gemm: grouped keys, ``|gG``)
 # Record "status" values (the same as qcompile.tune.common's Measured.status); only "ok" records are ever selected
 RECORD_STATUSES = ("ok", "mismatch", "build_error", "run_error")
 SOURCES = ("user", "device", "arch", "nearest", "default")

@@ -135,7 +135,8 @@ def _check_total(sp, name, arch, kn, sms=None):
 
 
 # (the CPU kernels' space: tests/test_cpu_space.py; the grouped convs' spaces: GROUPED_SHAPES, at the end)
-GPU_SPACES = [s for s in SPACES if s not in ("cpu_direct", "depthwise", "grouped")]
+GPU_SPACES = [s for s in SPACES if s not in ("cpu_direct", "depthwise", "grouped", "grouped_gemm")]  # (grouped_gemm:
+#                                                                             tests/test_grouped_gemm.py, grouped shapes)
 
 
 @pytest.mark.parametrize("strategy", GPU_SPACES)
@@ -504,7 +505,8 @@ def test_grouped_spaces_legal_is_total(strategy, monkeypatch):
         mine = grouped_strategy(spec, spec.groups) == strategy
         for arch in ARCHS:
             assert (sp.applies(spec, arch) is None) == mine, (strategy, name, arch)
-            assert [s.strategy for s in spaces_for(spec, arch)] == [grouped_strategy(spec, spec.groups)]
+            tc = ["grouped_gemm"] if SPACES["grouped_gemm"].applies(spec, arch) is None else []  # (wide groups)
+            assert [s.strategy for s in spaces_for(spec, arch)] == [grouped_strategy(spec, spec.groups)] + tc
             if not mine:
                 continue
             for kn in _grouped_grid(sp):

@@ -40,7 +40,7 @@ def make_helpers(p: GemmPlan) -> SimpleNamespace:
     NK, CPS, EV, GRID_N, HWNC, acc_shift, HAS_RES = p.NK, p.CPS, p.EV, p.GRID_N, p.HWNC, p.acc_shift, p.HAS_RES
     RB, RSIGNED, zo, lo, hi, AWP, PA_OFF, P_OFF = p.RB, p.RSIGNED, p.zo, p.lo, p.hi, p.AWP, p.PA_OFF, p.P_OFF
     PV_IT, SK, PP, TOTIT, GP, NACC, CS_IT, RW = p.PV_IT, p.SK, p.PP, p.TOTIT, p.GP, p.NACC, p.CS_IT, p.RW
-    RP_ALL = p.RP_ALL
+    RP_ALL, XCB, GROUPS, KG = p.RP_ALL, p.XCB, p.GROUPS, p.KG
 
     def cs_col(c):
         return c + 4 * (c // 32)
@@ -61,7 +61,14 @@ def make_helpers(p: GemmPlan) -> SimpleNamespace:
     def x_index(n, ih, iw, cb):
         if HWNC:
             return ((ih * W + iw) * N + n) * CB + cb
-        return ((n * H + ih) * W + iw) * CB + cb
+        return ((n * H + ih) * W + iw) * XCB + cb
+
+    def group_at(gidx, n0):
+        """A grouped conv (``GROUPS`` > 1): input byte ``gidx`` of the tile's group, whose first output channel is
+        ``n0`` (channel base (n0 // Kg) * Cg); ``gidx`` itself otherwise."""
+        if GROUPS == 1:
+            return gidx
+        return gidx + T.truncdiv(n0, KG) * CB
 
     def w_index(k, kb, cb=CB):  # (w8: kb counts the expanded bytes, cb = 2 * CB of them per tap)
         if HWNC:
@@ -241,7 +248,8 @@ def make_helpers(p: GemmPlan) -> SimpleNamespace:
         return PA_OFF + (kc % PSTG) * (BM * BK) + tile_off(row, c, BM, AWP)
 
 
-    return SimpleNamespace(cs_col=cs_col, wtile=wtile, row_decode=row_decode, x_index=x_index, w_index=w_index,
+    return SimpleNamespace(cs_col=cs_col, wtile=wtile, row_decode=row_decode, x_index=x_index, group_at=group_at,
+                           w_index=w_index,
                            requant1=requant1, requant2=requant2, requant=requant, rp_at=rp_at, unshift=unshift,
                            tile_slot=tile_slot, tile_off=tile_off, nib_lo=nib_lo, nib_hi=nib_hi, rot16=rot16,
                            unpack_store=unpack_store, kstep_off=kstep_off, wg_mma=wg_mma, smem_desc=smem_desc,

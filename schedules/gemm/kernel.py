@@ -205,7 +205,9 @@ def _conv_func(p: GemmPlan, h: SimpleNamespace, ep: SimpleNamespace, epi: Simple
         conv = conv.with_attr("qcompile.w8", 1)
     if AGL or PPK:
         conv = conv.with_attr("qcompile.w8_kperm", BK)
-    conv = conv.with_attr("qcompile.knobs", str(kn)).with_attr("qcompile.strategy", "direct_hwnc" if HWNC else "implicit_gemm")
+    conv = conv.with_attr("qcompile.knobs", str(kn)).with_attr("qcompile.strategy",
+                                                           "direct_hwnc" if HWNC else
+                                                           ("grouped_gemm" if p.GROUPS > 1 else "implicit_gemm"))
     if SK:  # (tile counters, workspace words): callers pass zeros int32[tiles] before out and get the workspace after it
         conv = conv.with_attr("qcompile.streamk", [NTILES, SK_WORDS])
     return conv.with_attr("qcompile.split_k", SPLIT) if SPLIT > 1 else conv

@@ -19,7 +19,7 @@ def make_loaders(p: GemmPlan, h: SimpleNamespace) -> SimpleNamespace:
     POINTWISE, x_st, B_OFF, PV_IT, STREAM = p.POINTWISE, p.x_st, p.B_OFF, p.PV_IT, p.STREAM
     row_decode, x_index, w_index, tile_slot, tile_off = h.row_decode, h.x_index, h.w_index, h.tile_slot, h.tile_off
     nib_lo, nib_hi, rot16, unpack_store, a_cp, p_slot = h.nib_lo, h.nib_hi, h.rot16, h.unpack_store, h.a_cp, h.p_slot
-    pa_off = h.pa_off
+    pa_off, group_at, XCB = h.pa_off, h.group_at, p.XCB
 
     @T.macro
     def load_packed(rv, v, src, gidx, ok):
@@ -109,8 +109,8 @@ def make_loaders(p: GemmPlan, h: SimpleNamespace) -> SimpleNamespace:
             ok = T.meta_var(inb if POINTWISE else (inb and ih >= 0 and ih < H and iw >= 0 and iw < W))
             soff = (kc % STG) * (BM * BKP) + slot[2]
             tap = T.meta_var(x_index(0, T.truncdiv(rs, S) * dh, T.truncmod(rs, S) * dw, cb))  # (x_index is linear)
-            gidx = T.meta_var(ri[it * 3] + tap if ri is not None else
-                              (m * CB + kb if POINTWISE else x_index(dec[0], ih, iw, cb)))
+            gidx = T.meta_var(group_at(ri[it * 3] + tap if ri is not None else
+                                       (m * XCB + kb if POINTWISE else x_index(dec[0], ih, iw, cb)), n0))
             if AGL and pk is not None:  # packed, into this thread's register ring (pk None: a loop agl never runs)
                 load_words(pk, aslot * AGW + it * (APV // 4), xf, gidx, ok)
             elif AREG:  # packed, into the block's A ring

@@ -18,8 +18,37 @@ def _mma_dtype(dtype_bits: int, signed: bool) -> str:
     return ("int" if signed else "uint") + str(dtype_bits)
 
 
+def group_constraints(spec: ConvSpec, layout: str) -> str | None:
+    """Why the implicit GEMM cannot take the grouped conv ``spec`` (``spec.groups`` > 1) at any knobs, else None:
+    NHWC, ``groups`` dividing C and K, 8-bit operands (one byte a value), Kg = K / groups a multiple of 32 (the
+    narrowest N tile, which must lie inside one group) and Cg = C / groups a multiple of 4 (4-byte vectors that never
+    straddle a group). The tile-level rule (Kg a multiple of the adapted BN; no split-K, register-A loaders or
+    persistent / ping-pong / stream-K grids) is ``make_plan``'s (``_group_legal``)."""
+    g = spec.groups
+    if layout != "NHWC":
+        return f"grouped convs take NHWC, not {layout}"
+    if spec.C % g or spec.K % g:
+        return f"groups {g} must divide C {spec.C} and K {spec.K}"
+    if spec.x_bits != 8 or spec.w_bits != 8:
+        return "grouped convs on tensor cores take 8-bit operands (one value a byte)"
+    if (spec.K // g) % 32:
+        return f"K / groups = {spec.K // g} is no multiple of 32 (an N tile must lie inside one group)"
+    if (spec.C // g) % 4:
+        return f"C / groups = {spec.C // g} is no multiple of 4 (channel vectors inside one group)"
+    return None
+
+
+def red_channels(spec: ConvSpec) -> int:
+    """The input channels one output channel reduces over: C, or C / groups for a grouped conv."""
+    return spec.C // spec.groups if spec.groups > 1 else spec.C
+
+
 def gemm_constraints(spec: ConvSpec, arch: str, layout: str) -> str | None:
     """Return None if the tensor-core template can take this spec, else the reason."""
+    if spec.groups > 1:
+        why = group_constraints(spec, layout)
+        if why:
+            return why
     if spec.x_bits != spec.w_bits:
         return "activation and weight widths differ"
     if spec.x_bits == 4 and spec.C % 2:
@@ -41,6 +70,17 @@ def gemm_constraints(spec: ConvSpec, arch: str, layout: str) -> str | None:
     return None
 
 
+def _group_legal(kn: GemmKnobs, kg: int, split: int, rega: bool, wsp: bool) -> None:
+    """A grouped conv's tile rules (``group_constraints`` holds): each N tile inside one group (Kg a multiple of the
+    adapted BN), the A loader's group base taken from the tile's first output channel; one K-split, the
+    one-block-per-tile grid (no persist / stream-K / ping-pong) and the cp.async loaders (no register-A, wsp)."""
+    if kg % kn.BN:
+        raise NotApplicable(f"grouped: K / groups = {kg} is no multiple of the N tile {kn.BN}")
+    if split > 1 or kn.persist or kn.sk or kn.pp or rega or wsp:
+        raise NotApplicable("grouped: one block per tile (no split-K, persist, sk, pp) and the cp.async loaders "
+                            "(no agl / areg / wsp)")
+
+
 def _pick_vec(cb: int, want: int) -> int:
     v = want
     while v > 1 and cb % v:
@@ -60,7 +100,7 @@ def _pick_ev(spec: ConvSpec, want: int) -> int:
 def adapt_knobs(spec: ConvSpec, kn: GemmKnobs, layout: str) -> GemmKnobs:
     """Shrink the block tile for small problems (keeps the grid busy), fix vector widths."""
     Mtot = spec.N * spec.P * spec.Q
-    cb = spec.C * spec.x_bits // 8
+    cb = red_channels(spec) * spec.x_bits // 8
     vec = _pick_vec(cb, kn.vec)
     if spec.pad_value != 0 and vec > 1:
         pass  # plain-load path keeps vector width, pads with pad_value
@@ -68,6 +108,8 @@ def adapt_knobs(spec: ConvSpec, kn: GemmKnobs, layout: str) -> GemmKnobs:
     lo = 64 if kn.mma == "wgmma" else 32  # smallest warp(group) tile side
     while BN > lo and BN // 2 >= spec.K:
         BN = BN // 2 if BN & (BN - 1) == 0 else lo  # (96 / 112: to the smallest tile)
+    while spec.groups > 1 and BN > lo and BN > spec.K // spec.groups:  # (grouped: an N tile inside one group)
+        BN = BN // 2 if BN & (BN - 1) == 0 else lo
     while BM > lo and BM // 2 >= Mtot:
         BM //= 2
     # warps (warpgroups) per side: at most one per smallest tile side, a power of two (BN 96 / 112 over 32-column
@@ -98,7 +140,7 @@ def split_factor(spec: ConvSpec, arch: str, kn: GemmKnobs, sms: int | None = Non
     if (kn.sk or kn.pp) and kn.mma == "wgmma" and spec.x_bits == 8:  # stream-K, ping-pong: the grid fills the GPU
         return 1
     blocks = tile_grid(spec, kn.BM, kn.BN)
-    nk = -(-(spec.R * spec.S * spec.C * spec.x_bits // 8) // kn.BK)
+    nk = -(-(spec.R * spec.S * red_channels(spec) * spec.x_bits // 8) // kn.BK)
     return auto_split(spec, arch, blocks, nk, sms=sms)
 
 
@@ -125,7 +167,9 @@ class GemmPlan:
       agl needs w8 + awarp (or the register-A ping-pong), NHWC and whole K-chunks; wsp is 4-bit only, no areg;
     * ping-pong: one warpgroup tile, stages <= 5, no split-K; stream-K: its index arithmetic within int32;
       persistent / stream-K grids: their blocks fit one SM together;
-    * the epilogue: 4-bit output needs an even K; an output table (``spec.lut``) an 8-bit output (ConvSpec checks)."""
+    * the epilogue: 4-bit output needs an even K; an output table (``spec.lut``) an 8-bit output (ConvSpec checks);
+    * grouped convs (``spec.groups`` > 1, ``group_constraints``): NHWC, 8-bit operands, Kg a multiple of 32 and of
+      BN, Cg of 4; no split-K, persistent / stream-K / ping-pong grids or register-A loaders (``_group_legal``)."""
 
     spec: ConvSpec
     arch: str
@@ -151,6 +195,9 @@ class GemmPlan:
     pl: int
     _: int
     xbits: int
+    XCB: int
+    GROUPS: int
+    KG: int
     CB: int
     GKB: int
     Mtot: int
@@ -357,7 +404,11 @@ def _plan_operands(spec: ConvSpec, arch: str, knobs, layout, adapt: bool, allow_
     dh, dw = spec.dilations
     pt, pl, _, _ = spec.pads
     xbits = spec.x_bits
-    CB = C * xbits // 8  # channel bytes
+    XCB = C * xbits // 8  # channel bytes of an input pixel
+    GROUPS = spec.groups
+    C = red_channels(spec)  # (grouped: the Cg channels of the tile's group, from channel (n0 // KG) * Cg)
+    KG = K // GROUPS  # output channels per group
+    CB = C * xbits // 8  # channel bytes of the reduction (per tap)
     GKB = R * S * CB  # reduction length in bytes
     Mtot = N * P * Q
     BM, BN, BK, WM, WN, STG = kn.BM, kn.BN, kn.BK, kn.WM, kn.WN, kn.stages
@@ -436,6 +487,8 @@ def _plan_operands(spec: ConvSpec, arch: str, knobs, layout, adapt: bool, allow_
         raise NotApplicable("wsp is a 4-bit wgmma loader")
     if WSP and (AREG or PSTG < 2 or kn.stages < 2 or kn.pipe not in (-1, 0) or 2 * kn.stages > 15):
         raise NotApplicable("wsp needs pstages >= 2, 2 <= stages <= 7, pipe -1 or 0, no areg")
+    if GROUPS > 1:
+        _group_legal(kn, KG, SPLIT, REGA, WSP)
     UBK = 2 * BK if UNPACK_LD else BK
     if AGL8 and (kn.BN * BK) % (kn.vec * LNTH):  # (GemmKnobs.whole_vectors counts agl's B as 4-bit's, 2 BK per row)
         raise NotApplicable(f"agl8: the B tile of {kn.BN} x {BK} bytes is not whole 16-byte vectors per thread")
@@ -516,7 +569,7 @@ def _plan_grid(v: dict) -> dict:
     x_st, w_st = ConvSpec.storage(spec.x_dtype), ("int8")
     o_st = ConvSpec.storage(spec.out_dtype)
     xs, ws, os_ = spec.shapes()
-    if W8:
+    if W8 or spec.groups > 1:  # (grouped: OHWI [K, R, S, Cg], one byte a value)
         ws = ws[:-1] + (C,)
     OB = spec.out_bits
     # the output lookup table's entries (0: none): the epilogue stores lut[y - lut_min] for the final value y, an 8-bit
