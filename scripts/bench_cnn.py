@@ -249,7 +249,7 @@ def table(doc: dict, paths: list, commands: list) -> str:
         base: dict = {}  # (kernel labels without the "+lut" of an epilogue with a table)
         for k, v in ks.items():
             base[k.replace("+lut", "")] = base.get(k.replace("+lut", ""), 0) + v
-        special = ", ".join(f"{k} {v}" for k, v in sorted(base.items()) if k in ("depthwise", "grouped", "generic",
+        special = ", ".join(f"{k} {v}" for k, v in sorted(base.items()) if k in ("depthwise", "grouped", "grouped_gemm", "generic",
                                                                                   "fallback")) or "-"
         q, t = THROUGHPUT_BATCH * 1e3 / r["qcompile_b256"]["ms"], THROUGHPUT_BATCH * 1e3 / r["torch_fp16_b256"]["ms"]
         l1, t1 = r["qcompile_b1"]["p50_ms"], r["torch_fp16_b1"]["p50_ms"]

@@ -126,7 +126,7 @@ def run_layer(spec, arch: str, configs: bool, dev) -> dict:
         if first is not None and not np.array_equal(got, first):
             raise SystemExit(f"{label} {spec}: {int((got != first).sum())} outputs differ from grouped's")
         first = got if first is None else first
-        ev = mod.time_evaluator("k0", dev, number=1, repeat=7, min_repeat_ms=20)
+        ev = mod.jit().time_evaluator("k0", dev, number=1, repeat=7, min_repeat_ms=20)
         t = ev(*args, out)
         res[label] = dict(us=float(np.median(t.results)) * 1e6, knobs=repr(pk.knobs))
     assert len(np.unique(first)) > 5, "degenerate outputs"
