@@ -69,6 +69,7 @@ class KernelSpace:
     draw_fn: Callable = None  # (rng, spec, arch) -> knobs candidate; None: uniform over ``dims``
     derived_names: tuple = ()  # names of ``features_fn``'s values
     configs_fn: Callable = None  # (spec, arch) -> knobs candidates to start from (``configs`` keeps the legal ones)
+    per_group: bool = False  # the shape features' reduction is one group's, R x S x C / groups (``shape_features``)
 
     def legal(self, spec: ConvSpec, arch: str, knobs, sms: int | None = None) -> str | None:
         if not isinstance(knobs, self.knobs_type):
@@ -119,7 +120,7 @@ class KernelSpace:
     def features(self, spec: ConvSpec, arch: str, knobs, sms: int | None = None) -> list[float]:
         """Shape features, then one value per knob dimension (bools 0/1, strings by index in ``dims``, numbers as
         they are), then the strategy's derived features (``feature_names`` names every value)."""
-        out = shape_features(spec, arch, sms)
+        out = shape_features(spec, arch, sms, self.per_group)
         for k, vals in self.dims.items():
             v = getattr(knobs, k)
             out.append(float(vals.index(v)) if isinstance(v, str) else float(v))
@@ -139,8 +140,12 @@ SHAPE_FEATURES = ("log2_gemm_m", "log2_gemm_n", "log2_gemm_k", "R", "S", "stride
                   "log2_sms")
 
 
-def shape_features(spec: ConvSpec, arch: str, sms: int | None = None) -> list[float]:
+def shape_features(spec: ConvSpec, arch: str, sms: int | None = None, per_group: bool = False) -> list[float]:
+    """``SHAPE_FEATURES``: the conv's GEMM (``ConvSpec.gemm_shape``; ``per_group``: the reduction of one group,
+    R x S x C / groups, as the implicit GEMM of a grouped conv runs it), the filter, stride, bits, the SMs."""
     m, n, k = spec.gemm_shape()
+    if per_group:
+        k //= spec.groups
     units = sms or ((os.cpu_count() or 1) if arch in CPU_KERNELS else arch_info(arch).sms)
     return [math.log2(m), math.log2(n), math.log2(k), float(spec.R), float(spec.S), float(spec.strides[0]),
             float(spec.x_bits), float(spec.has_residual), math.log2(units)]
@@ -393,14 +398,34 @@ def _gemm_derived(spec: ConvSpec, arch: str, kn: GemmKnobs, sms: int | None = No
     from .gemm.plan import NotApplicable, split_factor
 
     sms = sms or arch_info(arch).sms
-    m, n, k = spec.gemm_shape()
-    kb = k * spec.x_bits // 8
     try:
         p = gemm_plan(spec, arch, kn, sms=sms)
         kn, split, smem, threads = p.kn, p.SPLIT, max(p.A_ALLOC, p.SMEM_ALL), p.NTH
     except NotApplicable:
         split = split_factor(spec, arch, kn, sms=sms)
         smem, threads = kn.stages * (kn.BM + kn.BN) * kn.BK, kn.threads
+    return _gemm_features(spec, kn, sms, spec.gemm_shape()[2], split, smem, threads)
+
+
+def _grouped_gemm_derived(spec: ConvSpec, arch: str, kn: GemmKnobs, sms: int | None = None) -> list[float]:
+    """``GEMM_DERIVED`` of a ``grouped_gemm`` point: its plan (``grouped_gemm.grouped_gemm_plan``: one K-split) over
+    one group's reduction, R x S x C / groups."""
+    from .gemm.plan import NotApplicable
+    from .grouped_gemm import grouped_gemm_plan
+
+    sms = sms or arch_info(arch).sms
+    try:
+        p = grouped_gemm_plan(spec, arch, kn, sms)
+        kn, smem, threads = p.kn, max(p.A_ALLOC, p.SMEM_ALL), p.NTH
+    except NotApplicable:
+        smem, threads = kn.stages * (kn.BM + kn.BN) * kn.BK, kn.threads
+    return _gemm_features(spec, kn, sms, spec.R * spec.S * (spec.C // spec.groups), 1, smem, threads)
+
+
+def _gemm_features(spec: ConvSpec, kn: GemmKnobs, sms: int, k: int, split: int, smem: int, threads: int) -> list:
+    """``GEMM_DERIVED`` of tile ``kn`` over the conv's output (N*P*Q x K) and a reduction of ``k`` values."""
+    m, n = spec.N * spec.P * spec.Q, spec.K
+    kb = k * spec.x_bits // 8
     blocks = tile_grid(spec, kn.BM, kn.BN)
     chunks = -(-kb // kn.BK)
     waves = blocks * split / sms
@@ -624,7 +649,8 @@ def _grouped_gemm_space() -> KernelSpace:
     """``grouped_gemm``: the implicit GEMM's knobs (``GemmKnobs``) on a grouped conv whose per-group channels allow
     it (``grouped_gemm.grouped_gemm_constraints``). Legality is the builder's own ``grouped_gemm.grouped_gemm_plan``
     (via ``grouped_gemm_point``), the default ``default_grouped_knobs``, ``effective`` the plan's knobs; the points
-    are drawn from the mma.sync and plain wgmma families with N tiles that divide Kg."""
+    are drawn from the mma.sync and plain wgmma families with N tiles that divide Kg; the features' reduction is one
+    group's (R x S x Cg: ``per_group``, ``_grouped_gemm_derived``)."""
     from .grouped_gemm import default_grouped_knobs, grouped_gemm_constraints, grouped_gemm_point
 
     def legal(spec, arch, kn, sms=None):
@@ -647,7 +673,7 @@ def _grouped_gemm_space() -> KernelSpace:
 
     return KernelSpace("grouped_gemm", GemmKnobs, dict(GemmKnobs.SPACE), lambda spec, arch: grouped_gemm_constraints(
         spec, arch), legal, lambda spec, arch, sms=None: default_grouped_knobs(spec, arch, sms), effective,
-        _gemm_derived, draw, GEMM_DERIVED, configs)
+        _grouped_gemm_derived, draw, GEMM_DERIVED, configs, per_group=True)
 
 
 # Start points of the grouped_gemm space: mma.sync tiles of 32 / 64 columns (BN halves down to Kg), then the plain

@@ -15,7 +15,10 @@ small shapes shrink tiles), the calling convention -- ``funcs`` (launch order),
 words]), ``w_expand`` and ``w_kperm`` (the weight format: schedules/planned.py), for a CPU kernel ``w_cpu`` (its
 weight packing and bias fold: ``qcompile.tune.measure.cpu_weights``), for a depthwise / grouped kernel ``w_group``
 (its strategy, which names its weight format: ``qcompile.tune.measure.group_weights``) -- and ``build_s``, the host seconds spent on
-it (planning, TIR lowering, nvcc, export). ``qcompile.tune.measure`` needs nothing else.
+it (planning, TIR lowering, nvcc, export). ``qcompile.tune.measure`` needs nothing else. A ``grouped_gemm`` candidate
+(the tensor-core kernel of grouped convs) is one kernel ``conv(x, w, bias, M, S, [res, rq2], [lut], out)`` whose
+weights are the logical OHWI int8 weights [K, R, S, C / groups]: no ``w_group``, ``w_expand`` false, ``w_kperm`` 0,
+which ``measure.weights`` turns into that buffer given the spec's ``groups``.
 
 Candidates build in parallel host processes (``--jobs``, default: every core), each one whole; identical candidates
 in a batch build once. A candidate the kernels refuse (its knobs illegal for the shape: the reason from the
@@ -113,7 +116,8 @@ def _why_refused(cand: Candidate) -> str | None:
 
 
 _KNOB_TYPES = {"direct_halo": "HaloKnobs", "implicit_gemm_t": "KtKnobs", "implicit_gemm": "GemmKnobs",
-               "direct_hwnc": "GemmKnobs", "depthwise": "DwConfig", "grouped": "GroupedConfig"}
+               "direct_hwnc": "GemmKnobs", "depthwise": "DwConfig", "grouped": "GroupedConfig",
+               "grouped_gemm": "GemmKnobs"}
 GROUPED_STRATEGIES = ("depthwise", "grouped")  # the grouped convs' CUDA-core kernels (their own weight formats)
 
 
@@ -136,6 +140,23 @@ def _plan_grouped(cand: Candidate):
     pk = plan_grouped(cand.spec, cand.spec.groups, cand.arch, kn)
     return list(pk.funcs), dict(split_k=1, streamk=None, w_expand=False, w_kperm=0, label=pk.label,
                                 effective_knobs=knobs_dict(pk.knobs), w_group=cand.strategy)
+
+
+def _plan_grouped_gemm(cand: Candidate):
+    """(funcs, calling-convention fields) of a ``grouped_gemm`` candidate: ``grouped_gemm.plan_grouped_gemm`` with
+    the candidate's knobs (None: ``default_grouped_knobs``). Its plan (``grouped_gemm_plan``, the space's legality)
+    runs before any TIR: a point it refuses is "not applicable" with the space's reason. The weights are
+    ``PlannedKernel.weights``' OHWI int8 [K, R, S, C / groups] (``w_expand`` / ``w_kperm`` as the plan says:
+    ``measure.weights``)."""
+    from qcompile.schedules.gemm.plan import NotApplicable
+    from qcompile.schedules.grouped_gemm import plan_grouped_gemm
+
+    try:
+        pk = plan_grouped_gemm(cand.spec, cand.arch, cand.knobs)
+    except NotApplicable as e:
+        raise ValueError(f"not applicable: {e}") from None
+    return list(pk.funcs), dict(split_k=1, streamk=None, w_expand=bool(pk.w_expand), w_kperm=int(pk.w_kperm),
+                                label=pk.label, effective_knobs=knobs_dict(pk.knobs), workspace=None)
 
 
 # the x86 build target of each x86 CPU inner kernel (the lowest level that enables its instruction)
@@ -205,6 +226,8 @@ def plan_candidate(cand: Candidate, target: str = "cuda"):
         raise ValueError(f"{cand.strategy} takes {want}, not {type(cand.knobs).__name__}")
     if cand.strategy in GROUPED_STRATEGIES:
         return _plan_grouped(cand)
+    if cand.strategy == "grouped_gemm":
+        return _plan_grouped_gemm(cand)
     from qcompile.schedules import plan_conv
 
     with warnings.catch_warnings(record=True) as caught:

@@ -197,7 +197,8 @@ def permute_k8(w, kperm: int) -> np.ndarray:
 
 def weights(spec: Spec, w_log, w_expand: bool = False, w_kperm: int = 0) -> np.ndarray:
     """The weight buffer a planned kernel takes (``PlannedKernel.weights``): packed for 4-bit, expanded to 8 bits
-    (``w_expand``), k-permuted (``w_kperm``)."""
+    (``w_expand``), k-permuted (``w_kperm``). ``w_log`` is [K, R, S, C / groups] (NHWC): a ``grouped_gemm`` kernel's
+    buffer is its int8 copy."""
     if spec.w_bits == 4 and w_expand:
         return expand_w4(w_log, w_kperm)
     if spec.w_bits == 4:

@@ -140,6 +140,10 @@ def candidate_from(info: dict) -> Candidate:
             from qcompile.schedules.stem import HaloKnobs as T
         elif info.get("knobs_type") == "CpuKnobs":
             from qcompile.schedules.cpu_conv import CpuKnobs as T
+        elif info.get("knobs_type") == "DwConfig":
+            from qcompile.schedules.depthwise import DwConfig as T
+        elif info.get("knobs_type") == "GroupedConfig":
+            from qcompile.schedules.grouped import GroupedConfig as T
         else:
             from qcompile.schedules.spec import GemmKnobs as T
         knobs = T(**info["knobs"])
@@ -249,7 +253,6 @@ class ShapeQueue:
         for e in entries:
             self._groups.setdefault(key(e), deque()).append(e)
         self._sessions: dict = {k: 0 for k in self._groups}  # shape -> sessions working on it
-        self._key = key
 
     def take(self, current=None):
         """The next candidate for a session that works on shape ``current`` (None: on none), or None: all taken."""

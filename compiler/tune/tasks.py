@@ -4,18 +4,22 @@
 ONNX QDQ, float ONNX with ``--bits``/``--calibrate``, PT2E, HAWQ) once per batch size, and runs the compilation
 pipeline (``pipeline.qcompile_pipeline``) as far as the kernel dispatch -- integer lowering and
 ``DispatchTensorCore``, no packing, no backend, no nvcc. The dispatcher leaves, per tensor-core layer and per grouped
-conv (``depthwise`` / ``grouped``, the CUDA-core kernels; ``spec.groups`` > 1), the kernel it planned
-(``PipelineRecord.planned``: the ConvSpec after the stem's space-to-depth rewrite, the strategy ``select_strategy``
-or ``grouped_strategy`` took, the knobs the logs gave). Layers with the same ``tuning_key(spec)`` and strategy are one
-task: one record serves them all, and the task's weight is how many layers use it. With ``target="llvm"`` the
+conv (``spec.groups`` > 1: the tensor-core ``grouped_gemm`` where a group's channels allow it, else the CUDA-core
+``depthwise`` / ``grouped``), the kernel it planned (``PipelineRecord.planned``: the ConvSpec after the stem's
+space-to-depth rewrite -- a ``grouped_gemm`` layer's as that kernel takes it, ``grouped_gemm.gemm_spec`` --, the
+strategy ``select_strategy`` or ``grouped_gemm.grouped_kernel`` took, the knobs the logs gave). Layers with the same
+``tuning_key(spec)`` and strategy are one task: one record serves them all, and the task's weight is how many layers
+use it. With ``target="llvm"`` the
 pipeline runs as far as the CPU kernels' dispatch (``DispatchCPU``) for this host's build target instead: each NHWC
 layer on a CPU kernel is a ``cpu_direct`` task whose ``arch`` is the inner kernel (:func:`cpu_arch`).
 
 Each task carries a time estimate before anything is measured: a roofline of the arch's nominal peaks
 (``ARCH_PEAKS``: integer tensor-core throughput, DRAM bandwidth of the reference part) plus a launch cost,
-``est_ms = max(ops / peak, bytes / bandwidth) + LAUNCH_MS``; ``share`` is the task's part of the model's
-tensor-core time, weight x time over the sum. Once the default knobs are measured, ``set_shares`` replaces the
-estimate with the measured default time (the scheduler does this after its baseline round).
+``est_ms = max(ops / peak, bytes / bandwidth) + LAUNCH_MS`` (a grouped conv's ops are its own, the MACs over
+``groups``; its peak is the tensor cores' on ``grouped_gemm``, dp4a's on the CUDA-core kernels); ``share`` is the
+task's part of the model's tensor-core time, weight x time over the sum. Once the default knobs are measured,
+``set_shares`` replaces the estimate with the measured default time (the scheduler does this after its baseline
+round).
 """
 from __future__ import annotations
 
@@ -73,7 +77,8 @@ class Task:
 
     @property
     def ops(self) -> int:
-        return 2 * self.spec.macs()
+        """Integer ops of one layer (a grouped conv: ``ConvSpec.macs`` over ``groups``)."""
+        return 2 * self.spec.macs() // self.spec.groups
 
     @property
     def label(self) -> str:
@@ -81,9 +86,15 @@ class Task:
         return f"{self.layers[0]}{more} b{self.spec.N}"
 
 
-def estimate_ms(spec: ConvSpec, arch: str) -> float:
+# the grouped convs' kernels on tensor cores (8-bit operands: the int8 peak), the others on CUDA cores (dp4a)
+TENSOR_CORE_GROUPED = ("grouped_gemm",)
+
+
+def estimate_ms(spec: ConvSpec, arch: str, strategy: Optional[str] = None) -> float:
     """Roofline time of one conv on ``arch`` (``ARCH_PEAKS``; another sm_9x takes sm_90's; a CPU kernel:
-    ``CPU_PEAKS`` times this host's cores)."""
+    ``CPU_PEAKS`` times this host's cores). A grouped conv (``spec.groups`` > 1) does ``macs / groups``
+    multiply-adds, at the int8 tensor-core peak on ``strategy`` ``grouped_gemm`` (``TENSOR_CORE_GROUPED``), else
+    at dp4a's (``DP4A_TOPS``)."""
     x = spec.N * spec.H * spec.W * spec.C * spec.x_bits / 8
     w = spec.K * spec.R * spec.S * spec.C // spec.groups * spec.w_bits / 8
     out = spec.N * spec.P * spec.Q * spec.K * spec.out_bits / 8
@@ -97,8 +108,8 @@ def estimate_ms(spec: ConvSpec, arch: str) -> float:
     ref = "sm_90" if arch.startswith("sm_9") else arch if arch in ARCH_PEAKS else "sm_80"
     i8, i4, bw = ARCH_PEAKS[ref]
     peak = i4 if spec.x_bits == 4 and spec.w_bits == 4 else i8
-    if spec.groups != 1:  # (depthwise / grouped: dp4a on CUDA cores, C / groups channels per output)
-        peak = DP4A_TOPS[ref]
+    if spec.groups != 1:  # (C / groups channels per output: grouped_gemm on tensor cores, else dp4a on CUDA cores)
+        peak = i8 if strategy in TENSOR_CORE_GROUPED else DP4A_TOPS[ref]
     return max(2 * spec.macs() // spec.groups / (peak * 1e9), (x + w + out + res) / (bw * 1e6)) + LAUNCH_MS
 
 
@@ -135,7 +146,8 @@ def tasks_from_planned(planned: list, arch: str) -> list:
             continue
         k = (tuning_key(pk.spec), pk.strategy)
         if k not in out:
-            out[k] = Task(k[0], pk.spec, pk.strategy, arch, [], pk.source, pk.knobs, estimate_ms(pk.spec, arch))
+            out[k] = Task(k[0], pk.spec, pk.strategy, arch, [], pk.source, pk.knobs,
+                          estimate_ms(pk.spec, arch, pk.strategy))
         out[k].layers.append(name)
     tasks = list(out.values())
     set_shares(tasks, measured=False)
