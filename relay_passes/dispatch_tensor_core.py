@@ -558,8 +558,8 @@ class _Dispatcher(PyExprMutator):
         self.planned.append((name, pk))
 
     def _emit_grouped(self, var, g: _Group, r: Optional[_Residual]):
-        """A grouped / depthwise conv (NHWC) on its CUDA-core kernel (``schedules.grouped.plan_grouped``), with the
-        thread tile of its tuning record where a log has one (``_grouped_knobs``); 4-bit activations are read one
+        """A grouped / depthwise conv (NHWC) on the kernel ``_grouped_knobs`` plans (``depthwise``, ``grouped_gemm``
+        on tensor cores or the CUDA-core ``grouped``), with the knobs of its tuning record where a log has one; 4-bit activations are read one
         value per byte, the output written packed where the kernel holds whole bytes."""
         from qcompile.schedules import ConvSpec
 
@@ -608,14 +608,20 @@ class _Dispatcher(PyExprMutator):
         grouped_kernel``: ``depthwise``, the tensor-core ``grouped_gemm`` where it takes the layer, else
         ``grouped``), with its knobs from the tuning logs (``schedules.tuning.knobs_for``: this device's record, the
         arch's, the nearest batch's, else the kernel's default, "default"); a record's knobs the kernel refuses for
-        the layer's own epilogue give way to the default."""
+        the layer's own epilogue give way to the default; a layer ``grouped_gemm`` cannot plan at all runs on
+        ``grouped``."""
         from qcompile.schedules.grouped import plan_grouped
         from qcompile.schedules.grouped_gemm import grouped_kernel
         from qcompile.schedules.tuning import knobs_for
 
+        from qcompile.schedules.gemm.plan import NotApplicable
+
         strategy = grouped_kernel(spec, self.arch, self.device, self.tuning_logs)
         if strategy == "grouped_gemm":
-            return self._grouped_gemm(spec)
+            try:
+                return self._grouped_gemm(spec)
+            except NotApplicable:  # (no tile of the kernel plans for this layer on this arch: the CUDA-core kernel)
+                strategy = "grouped"
         kn, source = knobs_for(spec, self.arch, self.device, self.tuning_logs, strategy)
         if source != "default":
             try:

@@ -125,17 +125,24 @@ def plan_grouped_gemm(spec: ConvSpec, arch: str = "sm_90", knobs: GemmKnobs | No
     return PlannedKernel(spec, arch, STRATEGY, p.effective_knobs, source, (f,))
 
 
+_ENV_SPELLINGS = {"0": "0", "off": "0", "false": "0", "no": "0", "1": "1", "on": "1", "true": "1", "yes": "1",
+                  "auto": "auto"}
+
+
 def env_mode() -> str:
-    """``QCOMPILE_GROUPED_GEMM`` (``ENV_VALUES``; unset: "auto"); ValueError for another value."""
+    """``QCOMPILE_GROUPED_GEMM`` as "0", "1" or "auto" (unset: "auto"; also off/false/no, on/true/yes); a
+    QCompileError naming the variable for another value."""
+    from qcompile.errors import QCompileError
+
     v = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if v not in ENV_VALUES:
-        raise ValueError(f"{ENV}={v!r}: one of {', '.join(ENV_VALUES)}")
-    return v
+    if v not in _ENV_SPELLINGS:
+        raise QCompileError(f"{ENV}={v!r}: expected 0, 1 or auto (or off / on)")
+    return _ENV_SPELLINGS[v]
 
 
-def _record_ms(spec: ConvSpec, arch: str, device: str | None, logs, strategy: str) -> float | None:
-    """The best time (ms) of ``strategy``'s own OK records of the layer (``tuning._lookup_keys``) on ``device``
-    where it has one, else on any GPU of ``arch``; ``inf`` for a record without a time; None without a record."""
+def _record_ms(spec: ConvSpec, arch: str, logs, strategy: str) -> dict:
+    """Per GPU, the best time (ms) of ``strategy``'s own OK records of the layer (``tuning._lookup_keys``) on
+    ``arch``; ``inf`` for a record without a time."""
     from .tuning import _lookup_keys, log_files, read_log
 
     keys = set(_lookup_keys(spec))
@@ -145,17 +152,14 @@ def _record_ms(spec: ConvSpec, arch: str, device: str | None, logs, strategy: st
             if r.arch == arch and r.ok and r.strategy == strategy and r.key in keys:
                 ms = r.ms if r.ms is not None else float("inf")
                 best[r.device] = min(best.get(r.device, ms), ms)
-    if not best:
-        return None
-    return best[device] if device in best else min(best.values())
+    return best
 
 
 def grouped_kernel(spec: ConvSpec, arch: str, device: str | None = None, logs=()) -> str:
     """The kernel a grouped layer (``spec.groups`` > 1) runs on: ``depthwise`` where groups == C == K; else
     ``grouped_gemm`` where it takes the layer (``gemm_spec(spec)``) and ``QCOMPILE_GROUPED_GEMM`` is not "0" -- in
-    "auto" mode unless the layer's own tuning records (this device's, else the arch's) favour ``grouped``: a
-    ``grouped`` record faster than the ``grouped_gemm`` one, or a ``grouped`` record and none of ``grouped_gemm``;
-    else ``grouped``."""
+    "auto" mode unless the layer's records of both kernels on one GPU (this device, else another GPU of the arch
+    with both) time ``grouped`` faster; else ``grouped``."""
     from .grouped import grouped_strategy
 
     base = grouped_strategy(spec, spec.groups)
@@ -164,9 +168,11 @@ def grouped_kernel(spec: ConvSpec, arch: str, device: str | None = None, logs=()
         return base
     if mode == "1":
         return STRATEGY
-    cc = _record_ms(spec, arch, device, logs, "grouped")
-    tc = _record_ms(gemm_spec(spec), arch, device, logs, STRATEGY)
-    if cc is not None and (tc is None or cc < tc):
+    cc = _record_ms(spec, arch, logs, "grouped")
+    tc = _record_ms(gemm_spec(spec), arch, logs, STRATEGY)
+    both = [d for d in cc if d in tc]
+    gpu = device if device in both else (both[0] if both else None)
+    if gpu is not None and cc[gpu] < tc[gpu]:
         return base
     return STRATEGY
 

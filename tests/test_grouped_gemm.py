@@ -20,6 +20,8 @@ import zlib
 import numpy as np
 import pytest
 
+from qcompile.errors import QCompileError
+
 from conftest import gpu_compute_capability
 from test_gpu_depthwise import I4, I8, RES4, RES8, U4, U8, check_out, make_problem, out_buffer
 from test_gpu_kernels import POISONS, STORAGE, pack_nibbles, target_arch
@@ -303,15 +305,24 @@ def test_strategy_choice(monkeypatch, tmp_path):
     assert grouped_kernel(_rx(C=64, K=64, groups=64), "sm_90") == "depthwise"
     monkeypatch.setenv("QCOMPILE_GROUPED_GEMM", "0")
     assert grouped_kernel(l4, "sm_90") == "grouped"
+    monkeypatch.setenv("QCOMPILE_GROUPED_GEMM", "off")
+    assert grouped_kernel(l4, "sm_90") == "grouped"
     monkeypatch.setenv("QCOMPILE_GROUPED_GEMM", "fast")
-    with pytest.raises(ValueError, match="QCOMPILE_GROUPED_GEMM"):
+    with pytest.raises(QCompileError, match="QCOMPILE_GROUPED_GEMM='fast': expected 0, 1 or auto"):
         grouped_kernel(l4, "sm_90")
     monkeypatch.setenv("QCOMPILE_GROUPED_GEMM", "auto")
     log = tmp_path / "log.jsonl"
     cc = make_record("sm_90", "H100", 132, tuning_key(l4), "grouped", GroupedConfig(kt=8, qt=4), ms=0.2)
     log.write_text(format_record(cc) + "\n")
     clear_cache()
-    assert grouped_kernel(l4, "sm_90", "H100", [str(log)]) == "grouped"  # (only the CUDA-core kernel has a record)
+    # (only the CUDA-core kernel has a record: no comparison on one GPU, the tensor cores)
+    assert grouped_kernel(l4, "sm_90", "H100", [str(log)]) == "grouped_gemm"
+    other = make_record("sm_90", "H200", 132, tuning_key(l4), "grouped_gemm",
+                        GemmKnobs(BM=128, BN=32, BK=64, WM=4, WN=1, stages=4), ms=0.3)
+    log.write_text(format_record(cc) + "\n" + format_record(other) + "\n")
+    clear_cache()
+    # (records of the two kernels on two different GPUs are not compared)
+    assert grouped_kernel(l4, "sm_90", "H100", [str(log)]) == "grouped_gemm"
     tc = make_record("sm_90", "H100", 132, tuning_key(l4), "grouped_gemm",
                      GemmKnobs(BM=128, BN=32, BK=64, WM=4, WN=1, stages=4), ms=0.1)
     log.write_text(format_record(cc) + "\n" + format_record(tc) + "\n")
