@@ -379,6 +379,16 @@ def pack_weights(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(p).reshape(kb, R, S, c2, 2 * LANES)
 
 
+def io_buffers(spec: ConvSpec, nchw: bool) -> tuple:
+    """The shapes of the CPU kernels' input, output and residual buffers (a 1-element residual where the spec has
+    none) and the storage dtypes of input, output and residual: ``(x_shape, o_shape, res_shape, (x, o, res))``."""
+    x_shape = (spec.N, spec.C, spec.H, spec.W) if nchw else (spec.N, spec.H, spec.W, spec.C)
+    o_shape = (spec.N, spec.K, spec.P, spec.Q) if nchw else (spec.N, spec.P, spec.Q, spec.K)
+    res_shape = o_shape if spec.has_residual else (1,)
+    st = ConvSpec.storage
+    return x_shape, o_shape, res_shape, (st(spec.x_dtype), st(spec.out_dtype), st(spec.res_dtype))
+
+
 def output_fns(spec: ConvSpec, nchw: bool, acc_shift: int = 0) -> tuple:
     """The CPU kernels' output indexing and epilogue: ``out_index(n, p, q, k)`` (NCHW or NHWC) and ``epi(acc, k,
     bias, M, S, res, rq2, n, p, q)``, the requantize of ``fallback.epilogue_value`` (the residual read at the output's
@@ -417,11 +427,7 @@ def make_cpu_conv(spec: ConvSpec, io_layout: str = "NHWC", tile: CpuKnobs | None
     qt, kt = min(tile.qt, Q), min(tile.kt, KB)
     n_qt, n_kt = -(-Q // qt), -(-KB // kt)
     nchw = io_layout == "NCHW"
-    x_shape = (N, C, H, W) if nchw else (N, H, W, C)
-    o_shape = (N, K, P, Q) if nchw else (N, P, Q, K)
-    x_st, o_st = ConvSpec.storage(spec.x_dtype), ConvSpec.storage(spec.out_dtype)
-    r_st = ConvSpec.storage(spec.res_dtype)
-    res_shape = o_shape if spec.has_residual else (1,)
+    x_shape, o_shape, res_shape, (x_st, o_st, r_st) = io_buffers(spec, nchw)
     padv = int(spec.pad_value)
     whole_k = K % LANES == 0
     resid = spec.has_residual

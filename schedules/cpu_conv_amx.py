@@ -63,7 +63,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_conv import applies, output_fns
+from .cpu_conv import applies, io_buffers, output_fns
 from .cpu_conv_vnni import _fill_xp, prepack
 from .spec import ConvSpec
 
@@ -303,17 +303,12 @@ def make_cpu_conv_amx(spec: ConvSpec, io_layout: str = "NHWC", plan: AmxPlan | N
     """The kernel for ``spec`` (its NHWC geometry; x, res and out in ``io_layout``, NHWC or NCHW); weights and bias
     from :func:`prepack_amx`; ``plan``: :func:`make_plan` by default."""
     pl = plan or make_plan(spec, io_layout)
-    N, H, W, C, K, R, S_ = spec.N, spec.H, spec.W, spec.C, spec.K, spec.R, spec.S
-    P, Q = spec.P, spec.Q
+    N, H, W, K, R, S_ = spec.N, spec.H, spec.W, spec.K, spec.R, spec.S
     pt, pleft, pb, pr = spec.pads
     Hp, Wp = H + pt + pb, W + pleft + pr
     C4, KB = pl.cpad // 4, pl.kb16
     nchw = io_layout == "NCHW"
-    x_shape = (N, C, H, W) if nchw else (N, H, W, C)
-    o_shape = (N, K, P, Q) if nchw else (N, P, Q, K)
-    x_st, o_st = ConvSpec.storage(spec.x_dtype), ConvSpec.storage(spec.out_dtype)
-    r_st = ConvSpec.storage(spec.res_dtype)
-    res_shape = o_shape if spec.has_residual else (1,)
+    x_shape, o_shape, res_shape, (x_st, o_st, r_st) = io_buffers(spec, nchw)
     resid, whole_k = spec.has_residual, K % LANES == 0
     xfill = _fill_xp(spec, nchw, False)
     xp_shape = (1, 1, 1, 4) if pl.direct else (N, Hp, Wp, pl.cpad)

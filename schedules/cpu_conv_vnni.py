@@ -55,7 +55,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .cpu_conv import CpuKnobs, applies, output_fns, tile_legal
+from .cpu_conv import CpuKnobs, applies, io_buffers, output_fns, tile_legal
 from .spec import ConvSpec
 
 @dataclass(frozen=True)
@@ -225,11 +225,7 @@ def make_cpu_conv_vnni(spec: ConvSpec, io_layout: str = "NHWC", tile: VnniTile |
     qt, kt = min(tile.qt, Q), min(tile.kt, KB)
     n_qt, n_kt = -(-Q // qt), -(-KB // kt)
     nchw = io_layout == "NCHW"
-    x_shape = (N, C, H, W) if nchw else (N, H, W, C)
-    o_shape = (N, K, P, Q) if nchw else (N, P, Q, K)
-    x_st, o_st = ConvSpec.storage(spec.x_dtype), ConvSpec.storage(spec.out_dtype)
-    r_st = ConvSpec.storage(spec.res_dtype)
-    res_shape = o_shape if spec.has_residual else (1,)
+    x_shape, o_shape, res_shape, (x_st, o_st, r_st) = io_buffers(spec, nchw)
     whole_k = K % L == 0
     resid = spec.has_residual
     flip = flips_input(spec, tile.isa)

@@ -164,11 +164,9 @@ def test_grouped_dispatch_structure():
     assert np.array_equal(y, Reference(mi)(x)) and len(np.unique(y)) > 5
 
 
-@pytest.mark.gpu
-@pytest.mark.nvcc
-def test_grouped_model_gpu_equals_reference():
-    """The small model above compiled for this GPU (residual fused into the depthwise kernel, a pad value, stride 2)
-    equals the NumPy integer reference."""
+def gpu_equals_reference(mod, inputs) -> None:
+    """Compile QDQ module ``mod`` for this GPU (NHWC) and check each input of ``inputs`` (float32 arrays) against
+    the NumPy integer reference, bit for bit, on varied outputs."""
     import tvm
     from test_gpu import _arch
     from tvm import relax
@@ -177,13 +175,20 @@ def test_grouped_model_gpu_equals_reference():
     from qcompile.reference import Reference
     from qcompile.schedules.build import nvcc_options
 
-    mod = _grouped_model()
     target = {"kind": "cuda", "arch": _arch()}
     with nvcc_options(target["arch"], "both"):
         ex = build(mod, target, pipeline=qcompile_pipeline(target, "NHWC"))
     vm = relax.VirtualMachine(ex, tvm.cuda(0))
     ref = Reference(lower_to_integer(mod, "NHWC", pack_int4=False))
-    for seed in range(2):
-        x = np.random.default_rng(20 + seed).standard_normal((2, 16, 9, 9)).astype("float32")
+    for x in inputs:
         y = vm["main"](tvm.runtime.tensor(x, tvm.cuda(0))).numpy()
         assert np.array_equal(y, ref(x)) and len(np.unique(y)) > 5
+
+
+@pytest.mark.gpu
+@pytest.mark.nvcc
+def test_grouped_model_gpu_equals_reference():
+    """The small model above compiled for this GPU (residual fused into the depthwise kernel, a pad value, stride 2)
+    equals the NumPy integer reference."""
+    gpu_equals_reference(_grouped_model(), [np.random.default_rng(20 + seed).standard_normal((2, 16, 9, 9))
+                                            .astype("float32") for seed in range(2)])

@@ -192,25 +192,10 @@ def _resnext_model(seed=5):
 def test_resnext_model_gpu_equals_reference():
     """The model above compiled for this GPU (its grouped conv on grouped_gemm, the residual add fused) equals the
     NumPy integer reference."""
-    import tvm
-    from test_gpu import _arch
-    from tvm import relax
+    from test_grouped_dispatch import gpu_equals_reference
 
-    from qcompile.pipeline import build as build_model
-    from qcompile.pipeline import lower_to_integer, qcompile_pipeline
-    from qcompile.reference import Reference
-    from qcompile.schedules.build import nvcc_options
-
-    mod = _resnext_model()
-    target = {"kind": "cuda", "arch": _arch()}
-    with nvcc_options(target["arch"], "both"):
-        ex = build_model(mod, target, pipeline=qcompile_pipeline(target, "NHWC"))
-    vm = relax.VirtualMachine(ex, tvm.cuda(0))
-    ref = Reference(lower_to_integer(mod, "NHWC", pack_int4=False))
-    for seed in range(2):
-        x = np.abs(np.random.default_rng(30 + seed).standard_normal((2, 1024, 7, 7))).astype("float32")
-        y = vm["main"](tvm.runtime.tensor(x, tvm.cuda(0))).numpy()
-        assert np.array_equal(y, ref(x)) and len(np.unique(y)) > 5
+    gpu_equals_reference(_resnext_model(), [np.abs(np.random.default_rng(30 + seed).standard_normal((2, 1024, 7, 7)))
+                                            .astype("float32") for seed in range(2)])
 
 
 # ---------------------------------------------------------------------------------------------------------------

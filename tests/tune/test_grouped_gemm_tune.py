@@ -17,6 +17,7 @@ import warnings
 import numpy as np
 import pytest
 from fakes import fresh_logs  # noqa: F401  (the fixture)
+from test_grouped_tune import _HostBuilder
 
 from qcompile.schedules import tuning as TU
 from qcompile.schedules.grouped_gemm import plan_grouped_gemm
@@ -236,22 +237,6 @@ def test_search_and_features_over_the_space():
     assert f["log2_gemm_k"] == math.log2(kred) and f["chunks_per_split"] == math.ceil(kred / 64) and f["split"] == 1
     dense = SPACES["implicit_gemm"].features(spec.replace(groups=1), "sm_90", GemmKnobs())
     assert dense[names.index("log2_gemm_k")] == math.log2(spec.R * spec.S * spec.C)  # (dense: unchanged)
-
-
-class _HostBuilder:
-    """Plans each candidate as the tuner's builder does (TIR; no nvcc)."""
-
-    def build(self, cands):
-        from qcompile.tune.common import Built
-
-        out = []
-        for c in cands:
-            try:
-                _, conv = plan_candidate(c)
-                out.append(Built(c, "/host/none.so", dict(effective_knobs=conv["effective_knobs"]), build_s=0.1))
-            except ValueError as e:
-                out.append(Built(c, None, error=str(e)))
-        return out
 
 
 class _TileRunner:
