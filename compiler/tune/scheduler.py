@@ -84,6 +84,7 @@ class Tuner:
                 st.default_id = st.knobs_id(st.space.default(st.spec, st.arch))
         self.device = None
         self.trials = 0
+        self._t0 = clock()  # (each record's ``elapsed_s``: seconds since this run started when it was measured)
 
     # ---- the log ------------------------------------------------------------------------------------------------
     def _read(self, path) -> list:
@@ -187,7 +188,7 @@ class Tuner:
             st.add(kn, status, ms, variant)
             st.trials += 1
             self.trials += 1
-            extra = dict(variant=variant, date=date, layers=st.task.weight)
+            extra = dict(variant=variant, date=date, layers=st.task.weight, elapsed_s=round(self.clock() - self._t0, 1))
             if m.detail and status != OK:
                 extra["detail"] = m.detail[:300]
             lines.append(_format(make_record(st.arch, self.device.name, self.device.sms, st.task.key,
