@@ -366,7 +366,8 @@ def test_sampled_families_cover_the_shapes():
 def test_ping_pong_takes_k_chunks_of_64_bytes_or_more():
     """The 8-bit ping-pong kernel with 32-byte K-chunks hung on the H100 (qtune, ResNet-50 layer1 downsample at batch
     256, BM=BN=64 BK=32 pipe 1: run_error after 120 s; the same kernel with BK 64 ran exact; 4-bit ping-pong kernels
-    with 32 packed bytes per chunk ran exact in earlier measurements): the space refuses it."""
+    with 32 packed bytes per chunk ran exact in earlier measurements): the space refuses it. (That point also had
+    minb=2, which hangs pp on its own: ``test_ping_pong_points_need_one_block_per_sm``.)"""
     from qcompile.schedules import ConvSpec, GemmKnobs
     from qcompile.schedules.space import SPACES
 
@@ -375,7 +376,9 @@ def test_ping_pong_takes_k_chunks_of_64_bytes_or_more():
     kn = GemmKnobs(BM=64, BN=64, BK=32, WM=1, WN=1, stages=4, vec=16, ev=4, pipe=1, split_k=1, mma="wgmma", minb=2,
                    erq=True, pp=True)
     assert SPACES["implicit_gemm"].legal(spec, "sm_90", kn) is not None
-    assert SPACES["implicit_gemm"].legal(spec, "sm_90", kn.replace(BK=64)) is None
+    assert "minb <= 1" in SPACES["implicit_gemm"].legal(spec, "sm_90", kn.replace(BK=64))
+    assert SPACES["implicit_gemm"].legal(spec, "sm_90", kn.replace(BK=32, minb=0)) is not None
+    assert SPACES["implicit_gemm"].legal(spec, "sm_90", kn.replace(BK=64, minb=0)) is None
 
 
 def test_points_that_broke_the_h100_reliability_run_are_refused():
@@ -401,6 +404,27 @@ def test_points_that_broke_the_h100_reliability_run_are_refused():
                      erq=True)
     assert "512 accumulators per thread" in sp.legal(s270, "sm_90", k270, 132)
     assert sp.legal(s270, "sm_90", k270.replace(WN=4), 132) is None
+
+
+def test_ping_pong_points_need_one_block_per_sm():
+    """The pool of the XGBoost / random ablation on an H200 (ResNet-50 at batch 64) held a legal pp point that hung
+    until the runner's 120 s timeout: ping-pong with minb=2. pp's setmaxnreg gives its consumers 224 registers out of
+    the block's own allocation, which launch bounds of two blocks per SM cap at 85 a thread (the 24 such points of
+    the H100 / H200 logs: ptxas refused 20, 4 hung). The space refuses pp with minb >= 2, takes it with minb 0 or 1."""
+    sp = SPACES["implicit_gemm"]
+    s = ConvSpec(N=64, H=56, W=56, C=256, K=64, R=1, S=1, x_dtype="int8", out_dtype="int8", lo=-128, hi=127)
+    kn = GemmKnobs(BM=128, BN=128, BK=64, WM=1, WN=1, stages=2, vec=16, ev=4, pipe=-1, split_k=0, mma="wgmma",
+                   minb=2, pp=True)
+    assert "minb <= 1" in sp.legal(s, "sm_90", kn, 132)
+    for m in (3, 4):
+        assert "minb <= 1" in sp.legal(s, "sm_90", kn.replace(minb=m), 132)
+    for m in (0, 1):
+        assert sp.legal(s, "sm_90", kn.replace(minb=m), 132) is None
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    drawn = [sp.sample(rng, s, "sm_90") for _ in range(400)]
+    assert not [k for k in drawn if k is not None and k.pp and k.minb > 1]
 
 
 def test_mma_sync_tiles_fit_the_shared_memory_of_a_block():

@@ -633,11 +633,14 @@ def _plan_grid(v: dict) -> dict:
     # unpacked into its stage once landed, then published -- so the ring holds PPD + 1 chunks: PSTG >= STG - GIF)
     PPW = PPU and W8
     PP = bool(kn.pp) and WG and SPLIT == 1 and (not UNPACK_LD or PP4 or PPU)
+    # (pp's setmaxnreg moves registers within the block's own allocation: its consumers' 224 need the launch bounds of
+    # one block per SM -- minb >= 2 caps a thread at 85: ptxas refused 20 of the 24 such points the H100 / H200 logs
+    # hold, the other four hung until the runner's timeout)
     if kn.pp and WG and (not PP or AGL8 or (kn.agl and not PPK) or kn.WM * kn.WN != 1 or STG > 5
-                         or (PPW and PSTG < STG - 1 - kn.pipe)):
-        raise NotApplicable("pp: one warpgroup tile, stages <= 5, no split-K, no agl; 4-bit with pstages >= 2 (the "
-                            "producer unpacks; with w8 pstages >= stages - 1 - pipe) or as the register-A kernel with "
-                            "w8, pipe -1 or 0 and pstages == stages (agl: only that one)")
+                         or (PPW and PSTG < STG - 1 - kn.pipe) or kn.minb > 1):
+        raise NotApplicable("pp: one warpgroup tile, stages <= 5, minb <= 1, no split-K, no agl; 4-bit with pstages "
+                            ">= 2 (the producer unpacks; with w8 pstages >= stages - 1 - pipe) or as the register-A "
+                            "kernel with w8, pipe -1 or 0 and pstages == stages (agl: only that one)")
     PP_NSET = 2 if PP and AREG and kn.pipe == 0 else 1  # pp, register A: fragment sets per consumer
     # (4-bit: the register-A loader with warp-owned rows and expanded weights, whose B is copied like an 8-bit operand)
     PERSIST = (bool(kn.persist) or SK) and SPLIT == 1 and WG and (not UNPACK_LD or (W8 and AWARP and not SK))
