@@ -1,0 +1,262 @@
+"""XGBoost-ranked search against random sampling, replayed over measured pools of candidates (docs/TUNING.md, b).
+
+Two steps:
+
+1. ``pool`` (on a GPU host with the compiler): ``--per-task`` random legal points (the default knobs first) of the
+   ``--tasks`` largest implicit-GEMM tasks of a model (by the roofline estimate of their share), built in parallel and
+   measured on this host's GPU by qtune's local runner (every candidate checked bit for bit against the NumPy
+   reference, then timed); written as tuning-log records.
+
+       python scripts/tune_ablation.py pool r50_int8.onnx --arch sm_90 --batch 256 --tasks 6 --part 0/2 \\
+           --per-task 100 --jobs 32 -o pool0.jsonl
+
+2. ``replay`` (anywhere): for every task of the pool files and every seed, the candidates are "measured" from the
+   pool in rounds of ``--per-round``, the default first, two ways:
+
+   * ``model``: qtune's ranking -- an XGBoost ``CostModel`` trained on what has been measured so far ranks the rest of
+     the pool, the best ``per_round - ceil(eps * per_round)`` are taken and the rest of the round at random
+     (``search.propose``'s rule); ``--warm``: the model is also trained on the other tasks' pools first (what a
+     qtune run has measured of its other tasks, or a transfer log);
+   * ``random``: the pool in random order.
+
+   Reported per task: trials (the default included) until the best time so far is within ``--level`` of the pool's
+   best throughput (``ms <= best / level``), median and mean over the seeds, and how often the model needs at most
+   half the random trials.
+
+       python scripts/tune_ablation.py replay pool0.jsonl pool1.jsonl --seeds 200 -o ablation.json
+
+The replay ranks the whole measured pool where qtune ranks a pool of fresh samples and neighbours of its best
+(``search.propose``): the model's choice is among the same candidates as random's, so the comparison isolates the
+ranking.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import sys
+import time
+
+
+# ---- 1. pool --------------------------------------------------------------------------------------------------------
+def pool(a) -> int:
+    import numpy as np
+
+    from qcompile.cli import _import_driver_without_torch
+
+    _import_driver_without_torch()
+    from qcompile.schedules.space import SPACES
+    from qcompile.schedules.tuning import format_record, make_record
+    from qcompile.tune.build import LocalBuilder
+    from qcompile.tune.common import OK, Candidate
+    from qcompile.tune.runners import LocalRunner
+    from qcompile.tune.tasks import extract_tasks, set_shares
+
+    t0 = time.time()
+    tasks = extract_tasks(a.model, a.arch, (a.batch,), "NHWC", None, None, None, None, (), None, lambda s: None)
+    set_shares(tasks, measured=False)
+    tasks = sorted((t for t in tasks if t.strategy == "implicit_gemm"), key=lambda t: -t.share)[:a.tasks]
+    k, n = (int(x) for x in a.part.split("/"))
+    mine = tasks[k::n]
+    print(f"{len(tasks)} tasks, this part {len(mine)}: " + ", ".join(f"{t.key} ({100 * t.share:.1f}%)" for t in mine)
+          + f" [{time.time() - t0:.0f} s]", flush=True)
+    rng = np.random.default_rng(a.seed)
+    cands = []
+    for t in mine:
+        sp = SPACES[t.strategy]
+        seen, pts = set(), []
+        for i in range(20 * a.per_task):
+            kn = sp.default(t.spec, a.arch) if i == 0 else sp.sample(rng, t.spec, a.arch)
+            if kn is None:
+                continue
+            kid = json.dumps(sp.to_dict(sp.effective(t.spec, a.arch, kn)), sort_keys=True, default=str)
+            if kid not in seen:
+                seen.add(kid)
+                pts.append(kn)
+            if len(pts) >= a.per_task:
+                break
+        cands += [Candidate(t.key, t.spec, a.arch, t.strategy, kn) for kn in pts]
+    t1 = time.time()
+    built = LocalBuilder(jobs=a.jobs, build_dir=a.build_dir, timeout=a.build_timeout).build(cands)
+    print(f"built {sum(1 for b in built if b.error is None and b.path)} of {len(cands)} candidates in "
+          f"{time.time() - t1:.0f} s", flush=True)
+    runner = LocalRunner("cuda", 0, seed=a.seed, log=None if a.quiet else (lambda s: print("  " + s, flush=True)))
+    dev = runner.device()
+    status: dict = {}
+    open(a.output, "w").close()
+    for t in mine:  # (one task at a time, its records appended when it is measured: a run cut short keeps them)
+        mb = [b for b in built if b.candidate.key == t.key]
+        ok = [b for b in mb if b.error is None and b.path]
+        t2 = time.time()
+        got = runner.measure(ok)
+        of = {id(b): m for b, m in zip(ok, got)}  # (the runner answers in order)
+        dflt = got[0].ms if got and got[0].status == OK and ok and ok[0] is mb[0] else None
+        lines = []
+        for b in mb:
+            m = of.get(id(b))
+            st, ms = (m.status, m.ms) if m is not None else ("build_error", None)
+            status[st] = status.get(st, 0) + 1
+            c = b.candidate
+            rec = make_record(c.arch, dev.name, dev.sms, c.key, c.strategy, c.knobs, st, ms if st == OK else None,
+                              dflt, variant="pool", date=datetime.date.today().isoformat(), layers=t.weight,
+                              est_share=round(t.share, 4), build_s=round(b.build_s, 2))
+            if st != OK:
+                rec["detail"] = ((m.detail if m is not None else b.error) or "")[:300]
+            lines.append(format_record(rec) + "\n")
+        with open(a.output, "a") as f:
+            f.writelines(lines)
+        print(f"{t.key}: {len(got)} measured on {dev.name} in {time.time() - t2:.0f} s", flush=True)
+    print(f"wrote {a.output}: {status} [{time.time() - t0:.0f} s in all]", flush=True)
+    return 0
+
+
+# ---- 2. replay ------------------------------------------------------------------------------------------------------
+def trials_to_level(order_fn, ms: list, target: float) -> int:
+    """Candidates measured (in the order ``order_fn`` yields indices) until one has ``ms <= target``."""
+    for i, idx in enumerate(order_fn(), 1):
+        if ms[idx] <= target:
+            return i
+    return len(ms) + 1  # (not reached: cannot happen when the pool's best is in it)
+
+
+def replay_task(space, spec, arch: str, knobs: list, ms: list, sms, seed: int, per_round: int, eps: float,
+                level: float, warm=None):
+    """(model trials, random trials) for one task's pool (index 0: the default) and one seed. ``warm``: records of
+    other tasks, (space, spec, knobs, ms, group) tuples, trained on first."""
+    import numpy as np
+
+    from qcompile.tune.cost_model import CostModel
+
+    target = min(ms) / level
+    n = len(ms)
+    rng = np.random.default_rng(seed)
+
+    def random_order():
+        yield 0
+        yield from (1 + int(i) for i in rng.permutation(n - 1))
+
+    def model_order():
+        model = CostModel(seed=seed)
+        for sp, sc, kn, t, g in warm or ():
+            model.add(sp, sc, arch, kn, t, g, sms)
+        seen = [0]
+        model.add(space, spec, arch, knobs[0], ms[0], "task", sms)
+        yield 0
+        rest = list(range(1, n))
+        r = np.random.default_rng((seed, 1))
+        while rest:
+            model.fit()
+            order = [rest[int(i)] for i in r.permutation(len(rest))]  # (ties and an untrained model: random order)
+            scores = model.score(space, spec, arch, [knobs[i] for i in order], sms)
+            ranked = [order[i] for i in np.argsort(-np.asarray(scores), kind="stable")]
+            n_eps = min(len(ranked), math.ceil(eps * per_round)) if eps > 0 else 0
+            take = ranked[:max(0, per_round - n_eps)]
+            others = ranked[max(0, per_round - n_eps):]
+            take += [others[int(i)] for i in r.permutation(len(others))[:per_round - len(take)]]
+            for i in take:
+                seen.append(i)
+                rest.remove(i)
+                model.add(space, spec, arch, knobs[i], ms[i], "task", sms)
+                yield i
+
+    return trials_to_level(model_order, ms, target), trials_to_level(random_order, ms, target)
+
+
+def replay(a) -> int:
+    import numpy as np
+
+    from qcompile.cli import _import_driver_without_torch
+
+    _import_driver_without_torch()
+    from qcompile.schedules.space import SPACES
+    from qcompile.schedules.tuning import read_log, spec_from_key
+
+    recs = []
+    for p in a.pools:
+        recs += read_log(p)
+    tasks: dict = {}
+    for r in recs:
+        tasks.setdefault(r.key, []).append(r)
+    out = dict(date=datetime.date.today().isoformat(), command="python scripts/tune_ablation.py replay "
+               + " ".join(map(shlex.quote, sys.argv[2:] if a.argv is None else a.argv)),
+               level=a.level, per_round=a.per_round, eps=a.eps, seeds=a.seeds, warm=a.warm, tasks=[])
+    ok_of = {key: [r for r in rs if r.ok and r.ms] for key, rs in tasks.items()}
+    for key, rs in tasks.items():
+        ok = ok_of[key]
+        if len(ok) < 2 or ok[0].knobs != rs[0].knobs:
+            print(f"{key}: skipped ({len(ok)} OK records, or the default not OK)", flush=True)
+            continue
+        space = SPACES[ok[0].strategy]
+        spec = spec_from_key(key)
+        knobs, ms = [r.knobs for r in ok], [r.ms for r in ok]
+        warm = None
+        if a.warm:
+            warm = [(SPACES[r.strategy], spec_from_key(k), r.knobs, r.ms, k)
+                    for k, o in ok_of.items() if k != key for r in o if r.strategy in SPACES]
+        res = [replay_task(space, spec, ok[0].arch, knobs, ms, ok[0].sms, s, a.per_round, a.eps, a.level, warm)
+               for s in range(a.seeds)]
+        m = np.array([x[0] for x in res])
+        rnd = np.array([x[1] for x in res])
+        target = min(ms) / a.level
+        row = dict(key=key, device=ok[0].device, pool=len(rs), ok=len(ok), not_ok=len(rs) - len(ok),
+                   default_ms=ms[0], best_ms=min(ms), within_level=int(sum(t <= target for t in ms)),
+                   model_median=float(np.median(m)), model_mean=round(float(m.mean()), 2),
+                   random_median=float(np.median(rnd)), random_mean=round(float(rnd.mean()), 2),
+                   ratio_of_means=round(float(m.mean() / rnd.mean()), 3),
+                   model_at_most_half=round(float(np.mean(m <= rnd / 2)), 3))
+        out["tasks"].append(row)
+        print(f"{key}: pool {row['pool']} ({row['ok']} OK, {row['within_level']} within {a.level:.0%} of the best "
+              f"{row['best_ms']} ms, default {row['default_ms']} ms); trials to reach it, median / mean over "
+              f"{a.seeds} seeds: model {row['model_median']:g} / {row['model_mean']}, random "
+              f"{row['random_median']:g} / {row['random_mean']}; model <= half of random in "
+              f"{100 * row['model_at_most_half']:.0f}% of seeds", flush=True)
+    # (a task whose default already reaches the level says nothing about the search: left out of the sums)
+    searched = [r for r in out["tasks"] if r["default_ms"] > r["best_ms"] / a.level]
+    if searched:
+        mm = sum(r["model_mean"] for r in searched)
+        rm = sum(r["random_mean"] for r in searched)
+        out["searched_tasks"] = len(searched)
+        out["sum_model_mean"], out["sum_random_mean"] = round(mm, 2), round(rm, 2)
+        out["ratio"] = round(mm / rm, 3)
+        print(f"{len(searched)} tasks whose default is below the level: mean trials to reach it, summed: model "
+              f"{mm:.1f}, random {rm:.1f} (ratio {mm / rm:.2f})")
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pool", help="build and measure random pools of a model's largest tasks (GPU host)")
+    p.add_argument("model")
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--tasks", type=int, default=6, help="the largest implicit-GEMM tasks (roofline share)")
+    p.add_argument("--part", default="0/1", help="K/N: this process takes tasks K, K+N, ... (one GPU each)")
+    p.add_argument("--per-task", type=int, default=100, help="candidates per task, the default first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--build-dir", default=None)
+    p.add_argument("--build-timeout", type=float, default=120.0)
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("-o", "--output", required=True)
+    r = sub.add_parser("replay", help="model-ranked against random order over measured pools")
+    r.add_argument("pools", nargs="+")
+    r.add_argument("--seeds", type=int, default=100)
+    r.add_argument("--per-round", type=int, default=8, help="candidates per round (qtune's --per-round)")
+    r.add_argument("--eps", type=float, default=0.1, help="share of a round taken at random (qtune's)")
+    r.add_argument("--level", type=float, default=0.95, help="the fraction of the pool's best throughput to reach")
+    r.add_argument("--warm", action="store_true", help="train the model on the other tasks' pools first")
+    r.add_argument("-o", "--output")
+    a = ap.parse_args(argv)
+    a.argv = argv
+    return pool(a) if a.cmd == "pool" else replay(a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
