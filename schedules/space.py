@@ -186,7 +186,7 @@ def _fam_wg8(rng):
 
 
 def _fam_wg8_pp(rng):
-    d = dict(_draw_wg_tile(rng), WM=1, WN=1, split_k=_pick(rng, (0, 1)), pp=True)
+    d = dict(_draw_wg_tile(rng), WM=1, WN=1, split_k=_pick(rng, (0, 1)), pp=True, minb=_pick(rng, (0, 1)))
     d.update(BM=_pick(rng, (64, 128)), BN=_pick(rng, (64, 128)))
     return dict(d, stages=_stages_at_least(rng, 3 + d["pipe"], 5))
 
@@ -232,14 +232,15 @@ def _fam_wg4_agl(rng):
 
 def _fam_wg4_pp(rng):
     d = dict(_draw_wg_tile(rng), WM=1, WN=1, BM=_pick(rng, (64, 128)), BN=_pick(rng, (64, 128)), pp=True, areg=True,
-             w8=True, pipe=_pick(rng, (-1, 0)), split_k=_pick(rng, (0, 1)), agl=_pick(rng, (False, True)))
+             w8=True, pipe=_pick(rng, (-1, 0)), split_k=_pick(rng, (0, 1)), agl=_pick(rng, (False, True)),
+             minb=_pick(rng, (0, 1)))
     st = _stages_at_least(rng, 3 + d["pipe"], 5)
     return dict(d, stages=st, pstages=st)
 
 
 def _fam_wg4_pp_unpack(rng):
     d = dict(_draw_wg_tile(rng), WM=1, WN=1, BM=_pick(rng, (64, 128)), BN=_pick(rng, (64, 128)), pp=True,
-             pipe=_pick(rng, (-1, 0)), split_k=_pick(rng, (0, 1)), w8=_pick(rng, (False, True)))
+             pipe=_pick(rng, (-1, 0)), split_k=_pick(rng, (0, 1)), w8=_pick(rng, (False, True)), minb=_pick(rng, (0, 1)))
     st = _stages_at_least(rng, 3 + d["pipe"], 5)
     return dict(d, stages=st, pstages=_pick(rng, range(max(2, st - 1 - d["pipe"]), 7)))
 

@@ -8,26 +8,28 @@ Two steps:
    reference, then timed); written as tuning-log records.
 
        python scripts/tune_ablation.py pool r50_int8.onnx --arch sm_90 --batch 256 --tasks 6 --part 0/2 \\
-           --per-task 100 --jobs 32 -o pool0.jsonl
+           --device-id 0 --per-task 100 --jobs 32 -o pool0.jsonl
 
 2. ``replay`` (anywhere): for every task of the pool files and every seed, the candidates are "measured" from the
    pool in rounds of ``--per-round``, the default first, two ways:
 
-   * ``model``: qtune's ranking -- an XGBoost ``CostModel`` trained on what has been measured so far ranks the rest of
-     the pool, the best ``per_round - ceil(eps * per_round)`` are taken and the rest of the round at random
-     (``search.propose``'s rule); ``--warm``: the model is also trained on the other tasks' pools first (what a
-     qtune run has measured of its other tasks, or a transfer log);
+   * ``model``: qtune's ranking without start points (``qtune --no-configs``; ``search.propose``'s rule) -- an
+     XGBoost ``CostModel`` trained on what has been measured so far ranks the rest of the pool, the best
+     ``per_round - ceil(eps * per_round)`` are taken and the rest of the round at random; ``--warm``: the model is
+     also trained first on the other tasks' pools, less the points the task's own pool holds (what a run has
+     measured of its other tasks, or a transfer log);
    * ``random``: the pool in random order.
 
    Reported per task: trials (the default included) until the best time so far is within ``--level`` of the pool's
-   best throughput (``ms <= best / level``), median and mean over the seeds, and how often the model needs at most
-   half the random trials.
+   best throughput (``ms <= best / level``), counted in whole rounds as qtune builds and measures them (``--count
+   rounds``, the default) or candidate by candidate; median and mean over the seeds, and how often the model needs at
+   most half the random trials.
 
        python scripts/tune_ablation.py replay pool0.jsonl pool1.jsonl --seeds 200 -o ablation.json
 
 The replay ranks the whole measured pool where qtune ranks a pool of fresh samples and neighbours of its best
 (``search.propose``): the model's choice is among the same candidates as random's, so the comparison isolates the
-ranking.
+ranking. Each task's pool is drawn from its own random stream (seed, task key), as qtune's proposals are.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import os
 import shlex
 import sys
 import time
+import zlib
 
 
 # ---- 1. pool --------------------------------------------------------------------------------------------------------
@@ -63,18 +66,18 @@ def pool(a) -> int:
     mine = tasks[k::n]
     print(f"{len(tasks)} tasks, this part {len(mine)}: " + ", ".join(f"{t.key} ({100 * t.share:.1f}%)" for t in mine)
           + f" [{time.time() - t0:.0f} s]", flush=True)
-    rng = np.random.default_rng(a.seed)
     cands = []
     for t in mine:
         sp = SPACES[t.strategy]
+        rng = np.random.default_rng((a.seed, zlib.crc32(t.key.encode())))  # (each task its own draws, as qtune's)
         seen, pts = set(), []
         for i in range(20 * a.per_task):
             kn = sp.default(t.spec, a.arch) if i == 0 else sp.sample(rng, t.spec, a.arch)
             if kn is None:
                 continue
-            kid = json.dumps(sp.to_dict(sp.effective(t.spec, a.arch, kn)), sort_keys=True, default=str)
-            if kid not in seen:
-                seen.add(kid)
+            k_id = kid(sp, t.spec, a.arch, kn)
+            if k_id not in seen:
+                seen.add(k_id)
                 pts.append(kn)
             if len(pts) >= a.per_task:
                 break
@@ -83,7 +86,7 @@ def pool(a) -> int:
     built = LocalBuilder(jobs=a.jobs, build_dir=a.build_dir, timeout=a.build_timeout).build(cands)
     print(f"built {sum(1 for b in built if b.error is None and b.path)} of {len(cands)} candidates in "
           f"{time.time() - t1:.0f} s", flush=True)
-    runner = LocalRunner("cuda", 0, seed=a.seed, log=None if a.quiet else (lambda s: print("  " + s, flush=True)))
+    runner = LocalRunner("cuda", a.device_id, seed=a.seed, log=None if a.quiet else (lambda s: print("  " + s, flush=True)))
     dev = runner.device()
     status: dict = {}
     open(a.output, "w").close()
@@ -95,13 +98,13 @@ def pool(a) -> int:
         of = {id(b): m for b, m in zip(ok, got)}  # (the runner answers in order)
         dflt = got[0].ms if got and got[0].status == OK and ok and ok[0] is mb[0] else None
         lines = []
-        for b in mb:
+        for j, b in enumerate(mb):
             m = of.get(id(b))
             st, ms = (m.status, m.ms) if m is not None else ("build_error", None)
             status[st] = status.get(st, 0) + 1
             c = b.candidate
             rec = make_record(c.arch, dev.name, dev.sms, c.key, c.strategy, c.knobs, st, ms if st == OK else None,
-                              dflt, variant="pool", date=datetime.date.today().isoformat(), layers=t.weight,
+                              dflt, variant="default" if j == 0 else "pool", date=datetime.date.today().isoformat(), layers=t.weight,
                               est_share=round(t.share, 4), build_s=round(b.build_s, 2))
             if st != OK:
                 rec["detail"] = ((m.detail if m is not None else b.error) or "")[:300]
@@ -114,12 +117,32 @@ def pool(a) -> int:
 
 
 # ---- 2. replay ------------------------------------------------------------------------------------------------------
+def kid(space, spec, arch: str, knobs) -> str:
+    """A point's identity: its effective knobs (``TaskState.knobs_id``: two points of one kernel are one)."""
+    return json.dumps(space.to_dict(space.effective(spec, arch, knobs)), sort_keys=True, default=str)
+
+
+def _same_point(space, spec, r, own: set) -> bool:
+    """Whether record ``r`` (another task's) is one of the points in ``own`` (this task's ids) for this task's shape;
+    a point this shape does not take is not."""
+    try:
+        return r.strategy == space.strategy and kid(space, spec, r.arch, r.knobs) in own
+    except Exception:  # noqa: BLE001  (knobs the shape's space cannot normalise: not one of its points)
+        return False
+
+
 def trials_to_level(order_fn, ms: list, target: float) -> int:
     """Candidates measured (in the order ``order_fn`` yields indices) until one has ``ms <= target``."""
     for i, idx in enumerate(order_fn(), 1):
         if ms[idx] <= target:
             return i
     return len(ms) + 1  # (not reached: cannot happen when the pool's best is in it)
+
+
+def whole_rounds(trials: int, per_round: int) -> int:
+    """``trials`` counted as qtune spends them: the default alone, then whole rounds of ``per_round`` (a round is
+    built and measured together, so a hit at its second candidate costs the round)."""
+    return 1 + per_round * math.ceil((trials - 1) / per_round)
 
 
 def replay_task(space, spec, arch: str, knobs: list, ms: list, sms, seed: int, per_round: int, eps: float,
@@ -142,7 +165,6 @@ def replay_task(space, spec, arch: str, knobs: list, ms: list, sms, seed: int, p
         model = CostModel(seed=seed)
         for sp, sc, kn, t, g in warm or ():
             model.add(sp, sc, arch, kn, t, g, sms)
-        seen = [0]
         model.add(space, spec, arch, knobs[0], ms[0], "task", sms)
         yield 0
         rest = list(range(1, n))
@@ -157,7 +179,6 @@ def replay_task(space, spec, arch: str, knobs: list, ms: list, sms, seed: int, p
             others = ranked[max(0, per_round - n_eps):]
             take += [others[int(i)] for i in r.permutation(len(others))[:per_round - len(take)]]
             for i in take:
-                seen.append(i)
                 rest.remove(i)
                 model.add(space, spec, arch, knobs[i], ms[i], "task", sms)
                 yield i
@@ -182,22 +203,27 @@ def replay(a) -> int:
         tasks.setdefault(r.key, []).append(r)
     out = dict(date=datetime.date.today().isoformat(), command="python scripts/tune_ablation.py replay "
                + " ".join(map(shlex.quote, sys.argv[2:] if a.argv is None else a.argv)),
-               level=a.level, per_round=a.per_round, eps=a.eps, seeds=a.seeds, warm=a.warm, tasks=[])
+               level=a.level, per_round=a.per_round, eps=a.eps, seeds=a.seeds, warm=a.warm, count=a.count, tasks=[])
     ok_of = {key: [r for r in rs if r.ok and r.ms] for key, rs in tasks.items()}
     for key, rs in tasks.items():
         ok = ok_of[key]
-        if len(ok) < 2 or ok[0].knobs != rs[0].knobs:
-            print(f"{key}: skipped ({len(ok)} OK records, or the default not OK)", flush=True)
-            continue
-        space = SPACES[ok[0].strategy]
+        space = SPACES.get(rs[0].strategy)
         spec = spec_from_key(key)
+        if (space is None or len(ok) < 2 or ok[0].knobs != rs[0].knobs
+                or kid(space, spec, rs[0].arch, rs[0].knobs) != kid(space, spec, rs[0].arch,
+                                                                     space.default(spec, rs[0].arch))):
+            print(f"{key}: skipped ({len(ok)} OK records, or its first record is not the default, OK)", flush=True)
+            continue
         knobs, ms = [r.knobs for r in ok], [r.ms for r in ok]
         warm = None
-        if a.warm:
-            warm = [(SPACES[r.strategy], spec_from_key(k), r.knobs, r.ms, k)
-                    for k, o in ok_of.items() if k != key for r in o if r.strategy in SPACES]
+        if a.warm:  # (the other pools' points, less those this task's pool holds too: no peeking at its own)
+            own = {kid(space, spec, r.arch, r.knobs) for r in rs}  # (another pool's point as this shape builds it)
+            warm = [(SPACES[r.strategy], spec_from_key(k), r.knobs, r.ms, k) for k, o in ok_of.items() if k != key
+                    for r in o if r.strategy in SPACES and not _same_point(space, spec, r, own)]
         res = [replay_task(space, spec, ok[0].arch, knobs, ms, ok[0].sms, s, a.per_round, a.eps, a.level, warm)
                for s in range(a.seeds)]
+        if a.count == "rounds":
+            res = [(whole_rounds(x, a.per_round), whole_rounds(y, a.per_round)) for x, y in res]
         m = np.array([x[0] for x in res])
         rnd = np.array([x[1] for x in res])
         target = min(ms) / a.level
@@ -240,6 +266,7 @@ def main(argv=None) -> int:
     p.add_argument("--part", default="0/1", help="K/N: this process takes tasks K, K+N, ... (one GPU each)")
     p.add_argument("--per-task", type=int, default=100, help="candidates per task, the default first")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device-id", type=int, default=0, help="the GPU that measures (CUDA device index)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--build-dir", default=None)
     p.add_argument("--build-timeout", type=float, default=120.0)
@@ -251,7 +278,10 @@ def main(argv=None) -> int:
     r.add_argument("--per-round", type=int, default=8, help="candidates per round (qtune's --per-round)")
     r.add_argument("--eps", type=float, default=0.1, help="share of a round taken at random (qtune's)")
     r.add_argument("--level", type=float, default=0.95, help="the fraction of the pool's best throughput to reach")
-    r.add_argument("--warm", action="store_true", help="train the model on the other tasks' pools first")
+    r.add_argument("--warm", action="store_true", help="train the model on the other tasks' pools first (less the "
+                   "points of the task's own pool)")
+    r.add_argument("--count", choices=("candidates", "rounds"), default="rounds",
+                   help="trials counted per candidate, or per whole round as qtune spends them (default)")
     r.add_argument("-o", "--output")
     a = ap.parse_args(argv)
     a.argv = argv

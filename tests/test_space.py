@@ -420,6 +420,16 @@ def test_ping_pong_points_need_one_block_per_sm():
         assert "minb <= 1" in sp.legal(s, "sm_90", kn.replace(minb=m), 132)
     for m in (0, 1):
         assert sp.legal(s, "sm_90", kn.replace(minb=m), 132) is None
+    # (4-bit: the register-A ping-pong kernel with expanded weights, and the one whose producer unpacks)
+    s4 = ConvSpec(N=64, H=56, W=56, C=256, K=64, R=1, S=1, x_dtype="int4", w_bits=4, out_dtype="int8", lo=-128,
+                  hi=127)
+    for k4 in (GemmKnobs(BM=128, BN=64, BK=64, WM=1, WN=1, stages=3, pstages=3, vec=16, ev=8, pipe=-1, split_k=0,
+                         mma="wgmma", pp=True, areg=True, w8=True),
+               GemmKnobs(BM=128, BN=64, BK=64, WM=1, WN=1, stages=3, pstages=3, vec=16, ev=8, pipe=-1, split_k=0,
+                         mma="wgmma", pp=True)):
+        assert sp.legal(s4, "sm_90", k4, 132) is None
+        for m in (2, 3):
+            assert "minb <= 1" in sp.legal(s4, "sm_90", k4.replace(minb=m), 132)
     import numpy as np
 
     rng = np.random.default_rng(0)

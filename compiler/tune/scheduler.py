@@ -179,6 +179,7 @@ class Tuner:
         from qcompile.schedules.tuning import make_record, round_ms
 
         date = datetime.date.today().isoformat()
+        elapsed = round(self.clock() - self._t0, 1)  # (one value for the batch: its measurements came back together)
         lines = []
         for (st, kn), m in zip(batch, results):
             kid = st.knobs_id(kn)
@@ -188,7 +189,7 @@ class Tuner:
             st.add(kn, status, ms, variant)
             st.trials += 1
             self.trials += 1
-            extra = dict(variant=variant, date=date, layers=st.task.weight, elapsed_s=round(self.clock() - self._t0, 1))
+            extra = dict(variant=variant, date=date, layers=st.task.weight, elapsed_s=elapsed)
             if m.detail and status != OK:
                 extra["detail"] = m.detail[:300]
             lines.append(_format(make_record(st.arch, self.device.name, self.device.sms, st.task.key,

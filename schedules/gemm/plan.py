@@ -634,7 +634,7 @@ def _plan_grid(v: dict) -> dict:
     PPW = PPU and W8
     PP = bool(kn.pp) and WG and SPLIT == 1 and (not UNPACK_LD or PP4 or PPU)
     # (pp's setmaxnreg moves registers within the block's own allocation: its consumers' 224 need the launch bounds of
-    # one block per SM -- minb >= 2 caps a thread at 85: ptxas refused 20 of the 24 such points the H100 / H200 logs
+    # one block per SM -- minb >= 2 caps a thread at 80: ptxas refused 20 of the 24 such points the H100 / H200 logs
     # hold, the other four hung until the runner's timeout)
     if kn.pp and WG and (not PP or AGL8 or (kn.agl and not PPK) or kn.WM * kn.WN != 1 or STG > 5
                          or (PPW and PSTG < STG - 1 - kn.pipe) or kn.minb > 1):

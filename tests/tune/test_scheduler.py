@@ -98,6 +98,27 @@ def test_minutes_budget_and_exhaustion(tmp_path):
     assert s.stop.startswith("every task") and len(ids) == len(set(ids)) == s.trials < 48
 
 
+def test_records_carry_the_seconds_since_the_run_started(tmp_path):
+    """``elapsed_s``: the tuner's clock when a batch's measurements came back, less its clock when it was made; one
+    value for the records of one batch, rising from batch to batch; a resumed run counts from its own start."""
+    now = [100.0]
+
+    def clock():
+        now[0] += 2.0
+        return now[0]
+
+    t = make_task(N=8, H=28, C=128, K=128)
+    log = tmp_path / "e.jsonl"
+    _tuner([t], log, clock=clock, batch=4).run(trials=13)
+    recs = _lines(log)
+    el = [r["elapsed_s"] for r in recs]
+    assert all(isinstance(e, float) and e > 0 for e in el) and el == sorted(el)
+    assert el[1:5] == [el[1]] * 4 and el[5] > el[1] > el[0]  # (the default alone, then batches of 4)
+    _tuner([t], log, clock=clock, batch=4).run(trials=4)
+    more = _lines(log)[len(recs):]
+    assert more and max(r["elapsed_s"] for r in more) < el[-1]
+
+
 def test_arch_mismatch_is_refused(tmp_path):
     from qcompile.errors import QCompileError
 
