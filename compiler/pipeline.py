@@ -62,6 +62,23 @@ def _target(target) -> tvm.target.Target:
     return tvm.target.Target({"kind": target} if isinstance(target, str) else target)
 
 
+def _no_placeholders() -> tvm.transform.Pass:
+    """Refuse a module holding a placeholder kernel (``schedules.plan_only()``: the tuner's task extraction, which
+    never builds) before the backend would compile an empty function in its place."""
+
+    @tvm.transform.module_pass(opt_level=0, name="qcompile.no_placeholders")
+    def _pass(mod, _ctx):
+        from qcompile.schedules.planned import PLACEHOLDER_ATTR
+
+        for gv, f in mod.functions.items():
+            if isinstance(f, tvm.tirx.PrimFunc) and f.attrs is not None and PLACEHOLDER_ATTR in f.attrs:
+                raise RuntimeError(f"kernel {gv.name_hint} is a placeholder of schedules.plan_only(): a module planned "
+                                   "for task extraction cannot be built")
+        return mod
+
+    return _pass
+
+
 def _phase_end(name: str, dump_dir: Optional[str], on_phase: Optional[Callable]) -> tvm.transform.Pass:
     """After a phase: write the module to ``dump_dir/name.py`` and call ``on_phase(name, mod)``."""
 
@@ -314,7 +331,7 @@ def qcompile_pipeline(target="llvm", layout: str = "NCHW", *, pack_int4: bool = 
         if deploy:
             passes += deploy + [after("4_deploy")]
     if backend:
-        passes += [cuda_pipeline(tgt) if tgt.kind.name == "cuda" else relax.get_pipeline("default_build"),
+        passes += [_no_placeholders(), cuda_pipeline(tgt) if tgt.kind.name == "cuda" else relax.get_pipeline("default_build"),
                    after("5_lowered")]
     return tvm.transform.Sequential(passes, name="qcompile")
 

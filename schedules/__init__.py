@@ -14,6 +14,9 @@ Public interface (see docs/SCHEDULES.md):
                               but the fallback get: the GPU's record, the arch's, the layer's record at the nearest
                               batch size, or the strategy's defaults)
     MMA_SHAPES, ConvSpec, GemmKnobs, DEFAULT_KNOBS
+    plan_only()  (context manager: within it the builders return placeholder PrimFuncs after their legality checks,
+                              so ``plan_conv`` and the dispatcher give every PlannedKernel field but real ``funcs``;
+                              the tuner's task extraction: schedules/planned.py)
 ``sms`` (the device's SM count, where the caller knows it) sizes the automatic K-split, default tiles, pixel tiles
 and persistent grids; default the arch table's reference part (``arch_info(arch).sms``).
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import warnings
 
+from .planned import plan_only
 from .spec import DEFAULT_KNOBS, MMA_SHAPES, ArchMMA, ConvSpec, GemmKnobs, MMAShape, arch_info, default_knobs
 from .tuning import knobs_for, tuned_knobs, tuning_key
 
@@ -221,4 +225,4 @@ def plan_conv(spec: ConvSpec, arch: str = "sm_90", strategy: str | None = None, 
 
 __all__ = ["conv2d_int_kernel", "conv2d_int_plan", "plan_conv", "select_strategy", "MMA_SHAPES", "ConvSpec", "GemmKnobs",
            "MMAShape", "ArchMMA", "DEFAULT_KNOBS", "arch_info", "STRATEGIES", "RULES", "tuned_knobs", "tuning_key",
-           "knobs_for", "default_knobs"]
+           "knobs_for", "default_knobs", "plan_only"]

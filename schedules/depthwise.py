@@ -193,6 +193,10 @@ def make_depthwise(spec: ConvSpec, groups: int, cfg: DwConfig | None = None, arc
     cfg, why = depthwise_point(spec, groups, cfg or DwConfig(), arch, sms)
     if why:
         raise ValueError(why)
+    from .planned import placeholder_kernel, planning_only
+
+    if planning_only():
+        return placeholder_kernel("depthwise")
     N, H, W, C, R, S = spec.N, spec.H, spec.W, spec.C, spec.R, spec.S
     P, Q = spec.P, spec.Q
     (sh, sw), (dh, dw), (pt, pl, _, _) = spec.strides, spec.dilations, spec.pads

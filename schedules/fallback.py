@@ -127,7 +127,12 @@ def conv_compute(spec: ConvSpec):
 
 
 def make_fallback(spec: ConvSpec, target_kind: str = "cuda", threads: int = 128):
-    """Correct for every spec: one thread per output byte, conv reduction inlined into the epilogue."""
+    """Correct for every spec: one thread per output byte, conv reduction inlined into the epilogue (``plan_only``:
+    a placeholder)."""
+    from .planned import placeholder_kernel, planning_only
+
+    if planning_only():
+        return placeholder_kernel("fallback")
     args = conv_compute(spec)
     func = te.create_prim_func(args)
     if target_kind != "cuda":

@@ -122,6 +122,10 @@ def make_grouped(spec: ConvSpec, groups: int, cfg: GroupedConfig | None = None, 
     cfg, why = grouped_point(spec, groups, cfg or GroupedConfig(), arch, sms)
     if why:
         raise ValueError(why)
+    from .planned import placeholder_kernel, planning_only
+
+    if planning_only():
+        return placeholder_kernel("grouped")
     N, H, W, C, K, R, S = spec.N, spec.H, spec.W, spec.C, spec.K, spec.R, spec.S
     P, Q = spec.P, spec.Q
     (sh, sw), (dh, dw), (pt, pl, _, _) = spec.strides, spec.dilations, spec.pads

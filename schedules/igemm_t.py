@@ -145,6 +145,10 @@ def make_kt_conv(spec: ConvSpec, arch: str = "sm_90", knobs: KtKnobs | None = No
     why = kt_legal(spec, arch, knobs or KtKnobs(), sms)
     if why:
         raise ValueError(why)
+    from .planned import placeholder_kernel, planning_only
+
+    if planning_only():
+        return placeholder_kernel("implicit_gemm_t")
     from .gemm.helpers import requant_stage1
 
     kn = resolve_knobs(spec, arch, knobs or KtKnobs(), sms)

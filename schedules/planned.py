@@ -18,9 +18,15 @@ attributes):
 * ``weights(w)``: the weight buffer the kernels take, from the layer's logical integer weights (OHWI for NHWC, HWOI
   for HWNC; values, not packed): packed two per byte for 4-bit, or expanded to 8 bits (``w_expand``: the ``w8``
   kernels and implicit_gemm_t's 4-bit form) and k-permuted per K-chunk (``w_kperm`` bytes: ``agl``).
+
+Under ``plan_only()`` (the tuner's task extraction, which needs the plans alone) every kernel builder makes its
+legality checks and plan as always and returns ``placeholder_kernel()`` instead of the kernel's TIR: the
+PlannedKernels keep every field but ``funcs``, which hold those placeholders (empty PrimFuncs, not to be built).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from dataclasses import dataclass
 
@@ -73,6 +79,34 @@ class PlannedKernel:
 
     def replace(self, **kw) -> "PlannedKernel":
         return dataclasses.replace(self, **kw)
+
+
+_PLAN_ONLY = contextvars.ContextVar("qcompile_schedules_plan_only", default=False)
+PLACEHOLDER_ATTR = "qcompile.placeholder"  # a placeholder kernel's attribute: the builder it stands for
+
+
+@contextlib.contextmanager
+def plan_only(on: bool = True):
+    """Within the block (this thread / context), the kernel builders return ``placeholder_kernel`` after their
+    legality checks instead of building TIR (``on`` False: they build, as outside it)."""
+    token = _PLAN_ONLY.set(bool(on))
+    try:
+        yield
+    finally:
+        _PLAN_ONLY.reset(token)
+
+
+def planning_only() -> bool:
+    """Whether the kernel builders return placeholders (inside ``plan_only()``)."""
+    return _PLAN_ONLY.get()
+
+
+def placeholder_kernel(builder: str):
+    """The empty PrimFunc a kernel builder returns under ``plan_only()`` (``PLACEHOLDER_ATTR``: ``builder``); it
+    takes the attributes callers add to kernels, and computes nothing."""
+    import tvm
+
+    return tvm.tirx.PrimFunc([], tvm.tirx.Evaluate(0)).with_attr(PLACEHOLDER_ATTR, builder)
 
 
 def lut_buffer(spec: ConvSpec):

@@ -38,7 +38,12 @@ def workspace_shape(spec: ConvSpec, split: int):
 
 
 def make_splitk_epilogue(spec: ConvSpec, split: int, target_kind: str = "cuda", threads: int = 256):
-    """PrimFunc (ws int32[split, M, K], bias, M, S, [res, rq2], [lut], out) -> out, ConvSpec's epilogue of sum_z ws."""
+    """PrimFunc (ws int32[split, M, K], bias, M, S, [res, rq2], [lut], out) -> out, ConvSpec's epilogue of sum_z ws
+    (``plan_only``: a placeholder)."""
+    from .planned import placeholder_kernel, planning_only
+
+    if planning_only():
+        return placeholder_kernel("splitk_epilogue")
     _, _, os_ = spec.shapes()
     K = spec.K
     ws = te.placeholder(workspace_shape(spec, split), "int32", name="ws")

@@ -101,6 +101,10 @@ def make_halo_conv(spec: ConvSpec, arch: str = "sm_90", knobs: HaloKnobs | None 
     why = halo_legal(spec, arch, knobs or HaloKnobs(), sms)
     if why:
         raise ValueError(why)
+    from .planned import placeholder_kernel, planning_only
+
+    if planning_only():
+        return placeholder_kernel("direct_halo")
     from .gemm.helpers import requant_stage1
 
     kn = resolve_knobs(spec, arch, knobs or HaloKnobs(), sms)

@@ -9,9 +9,12 @@ conv (``spec.groups`` > 1: the tensor-core ``grouped_gemm`` where a group's chan
 space-to-depth rewrite -- a ``grouped_gemm`` layer's as that kernel takes it, ``grouped_gemm.gemm_spec`` --, the
 strategy ``select_strategy`` or ``grouped_gemm.grouped_kernel`` took, the knobs the logs gave). Layers with the same
 ``tuning_key(spec)`` and strategy are one task: one record serves them all, and the task's weight is how many layers
-use it. With ``target="llvm"`` the
+use it. The dispatch runs under ``schedules.plan_only()``: the kernel builders make every legality check and plan
+as ``qcompile`` does and return placeholder PrimFuncs instead of building the kernels' TIR, which no task needs
+(``build=True``: the kernels built, the same tasks). With ``target="llvm"`` the
 pipeline runs as far as the CPU kernels' dispatch (``DispatchCPU``) for this host's build target instead: each NHWC
-layer on a CPU kernel is a ``cpu_direct`` task whose ``arch`` is the inner kernel (:func:`cpu_arch`).
+layer on a CPU kernel is a ``cpu_direct`` task whose ``arch`` is the inner kernel (:func:`cpu_arch`); the CPU kernels
+are built (a model has few distinct ones).
 
 Each task carries a time estimate before anything is measured: a roofline of the arch's nominal peaks
 (``ARCH_PEAKS``: integer tensor-core throughput, DRAM bandwidth of the reference part) plus a launch cost,
@@ -155,20 +158,22 @@ def tasks_from_planned(planned: list, arch: str) -> list:
 
 
 def tasks_from_module(mod_qdq, arch: str, layout: str = "NHWC", tuning_logs=(), gpu: Optional[str] = None,
-                      target: str = "cuda") -> list:
+                      target: str = "cuda", build: bool = False) -> list:
     """The tasks of a QDQ-form module (phase 1's output): the pipeline up to the tensor-core dispatch (``target``
     cuda), or up to the CPU kernels' dispatch (llvm: ``arch`` is the CPU inner kernel the host's build target runs,
-    :func:`cpu_arch`)."""
+    :func:`cpu_arch`). The pipeline stops after the dispatch (no packing, no backend), which runs under
+    ``schedules.plan_only()`` unless ``build``: the plans alone, the kernels' TIR placeholders."""
     import tvm
 
     from qcompile.errors import run_pass
     from qcompile.pipeline import PipelineRecord, qcompile_pipeline
+    from qcompile.schedules import plan_only
 
     record = PipelineRecord()
     tgt = {"kind": "cuda", "arch": arch} if target == "cuda" else cpu_build_target()
     pipeline = qcompile_pipeline(tgt, layout, pack_int4=False, backend=False,
                                  record=record, tuning_logs=tuple(tuning_logs or ()), gpu=gpu)
-    with tvm.transform.PassContext(opt_level=3):
+    with tvm.transform.PassContext(opt_level=3), plan_only(not build):
         run_pass(pipeline, mod_qdq)
     return tasks_from_planned(record.planned, arch)
 
@@ -195,10 +200,12 @@ def cpu_arch() -> Optional[str]:
 
 def extract_tasks(model: str, arch: str, batches=(1,), layout: str = "NHWC", bits: Optional[str] = None,
                   net: Optional[str] = None, input_size: Optional[int] = None, calibrate: Optional[str] = None,
-                  tuning_logs=(), gpu: Optional[str] = None, log: Callable = print, target: str = "cuda") -> list:
+                  tuning_logs=(), gpu: Optional[str] = None, log: Callable = print, target: str = "cuda",
+                  build: bool = False) -> list:
     """The distinct tuning tasks of ``model`` (a file qcompile takes) for each batch size, in order: batch by batch,
     first-use order within one. A task seen at two batch sizes is two tasks (the batch is part of the key).
-    ``target`` llvm: the CPU kernels' layers (``arch``: :func:`cpu_arch`)."""
+    ``target`` llvm: the CPU kernels' layers (``arch``: :func:`cpu_arch`). ``build``: build the kernels' TIR as
+    ``qcompile`` does (:func:`tasks_from_module`; the same tasks, slower)."""
     from qcompile.driver import CompileOptions, import_model, model_bits
     from qcompile.errors import QCompileError
 
@@ -211,7 +218,7 @@ def extract_tasks(model: str, arch: str, batches=(1,), layout: str = "NHWC", bit
         if bits is not None and bits != found and info.get("format") != "float":
             raise QCompileError(f"--bits {bits} conflicts with the model, which is quantized as '{found}' "
                                 f"(omit --bits for an already-quantized model)")
-        got = tasks_from_module(mod_qdq, arch, layout, tuning_logs, gpu, target)
+        got = tasks_from_module(mod_qdq, arch, layout, tuning_logs, gpu, target, build)
         for t in got:
             t.extra["model_batch"] = batch
         tasks += got

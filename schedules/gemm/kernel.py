@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from tvm.script import tirx as T
 
-from ..planned import with_lut_param
+from ..planned import placeholder_kernel, planning_only, with_lut_param
 from .epilogue import make_epilogue, make_epilogue_parts
 from .helpers import make_helpers
 from .loaders import make_loaders
@@ -20,7 +20,9 @@ from .plan import GemmPlan
 
 
 def build_kernel(p: GemmPlan):
-    """The PrimFunc of plan ``p`` (no legality checks left: ``make_plan`` made them)."""
+    """The PrimFunc of plan ``p`` (no legality checks left: ``make_plan`` made them; ``plan_only``: a placeholder)."""
+    if planning_only():
+        return placeholder_kernel("gemm")
     h = make_helpers(p)
     ld = make_loaders(p, h)
     mm = make_mma(p, h, ld)
