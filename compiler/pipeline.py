@@ -331,8 +331,8 @@ def qcompile_pipeline(target="llvm", layout: str = "NCHW", *, pack_int4: bool = 
         if deploy:
             passes += deploy + [after("4_deploy")]
     if backend:
-        passes += [_no_placeholders(), cuda_pipeline(tgt) if tgt.kind.name == "cuda" else relax.get_pipeline("default_build"),
-                   after("5_lowered")]
+        backend_pass = cuda_pipeline(tgt) if tgt.kind.name == "cuda" else relax.get_pipeline("default_build")
+        passes += [_no_placeholders(), backend_pass, after("5_lowered")]
     return tvm.transform.Sequential(passes, name="qcompile")
 
 

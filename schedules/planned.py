@@ -103,7 +103,9 @@ def planning_only() -> bool:
 
 def placeholder_kernel(builder: str):
     """The empty PrimFunc a kernel builder returns under ``plan_only()`` (``PLACEHOLDER_ATTR``: ``builder``); it
-    takes the attributes callers add to kernels, and computes nothing."""
+    takes the attributes callers add to kernels, and computes nothing. It has no parameters, so the ``call_tir`` the
+    dispatcher emits for it is not well formed: a module planned this way is read for its plans only (the tuner's
+    extraction stops at the dispatch; the backend refuses it), never validated or lowered."""
     import tvm
 
     return tvm.tirx.PrimFunc([], tvm.tirx.Evaluate(0)).with_attr(PLACEHOLDER_ATTR, builder)

@@ -173,7 +173,7 @@ def tasks_from_module(mod_qdq, arch: str, layout: str = "NHWC", tuning_logs=(), 
     tgt = {"kind": "cuda", "arch": arch} if target == "cuda" else cpu_build_target()
     pipeline = qcompile_pipeline(tgt, layout, pack_int4=False, backend=False,
                                  record=record, tuning_logs=tuple(tuning_logs or ()), gpu=gpu)
-    with tvm.transform.PassContext(opt_level=3), plan_only(not build):
+    with tvm.transform.PassContext(opt_level=3), plan_only(not build and target == "cuda"):
         run_pass(pipeline, mod_qdq)
     return tasks_from_planned(record.planned, arch)
 

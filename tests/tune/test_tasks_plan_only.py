@@ -217,3 +217,25 @@ def test_a_build_refuses_placeholder_kernels():
         _no_placeholders()(mod)
     real = tvm.IRModule({"f": tvm.tirx.PrimFunc([], tvm.tirx.Evaluate(0))})
     assert _no_placeholders()(real).same_as(real) or tvm.ir.structural_equal(_no_placeholders()(real), real)
+
+
+@pytest.mark.slow
+def test_plan_only_tasks_equal_the_built_ones_resnet18(tmp_path):
+    """ResNet-18 (at 64 x 64, its full channels) reaches a kernel the tiny models do not: the halo stem
+    (``direct_halo``), beside the implicit GEMM's automatic split-K at batch 1. With the packaged log and its GPU
+    named, plan-only tasks equal the built ones field by field."""
+    from qcompile.models.cli import main as qmodel_main
+
+    model = str(tmp_path / "r18.onnx")
+    assert qmodel_main(["resnet18", "--bits", "8", "--input-size", "64", "-q", "-o", model]) == 0
+
+    def extract(build: bool) -> list:
+        TU.clear_cache()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return TK.extract_tasks(model, ARCH, (1,), "NHWC", tuning_logs=(PACKAGED_LOG,), gpu=PACKAGED_GPU,
+                                    log=lambda *a, **k: None, build=build)
+
+    planned = extract(False)
+    _assert_same_tasks(extract(True), planned)
+    assert {"direct_halo", "implicit_gemm"} <= {t.strategy for t in planned}
