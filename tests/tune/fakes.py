@@ -125,6 +125,22 @@ class FakeRunner(Runner):
         return out
 
 
+class EffectiveKnobsRunner(Runner):
+    """Every built candidate OK, its time ``time_of(effective knobs)`` (the builder's manifest entry: the kernel the
+    point builds), on "GPU T" (sm_90, 132 SMs)."""
+
+    def __init__(self, time_of):
+        self.time_of = time_of
+        self.measured = []
+
+    def device(self):
+        return DeviceInfo("GPU T", "sm_90", 132)
+
+    def measure(self, built):
+        self.measured += [b.candidate for b in built]
+        return [Measured(b.candidate, OK, self.time_of(b.entry["effective_knobs"]), "", "GPU T", 132) for b in built]
+
+
 def make_task(N=8, H=14, C=256, K=256, R=3, layers=("l1",), arch="sm_90", batch=None):
     spec = ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, padding=R // 2, x_dtype="uint8", out_dtype="uint8", lo=0,
                     hi=255)

@@ -17,6 +17,7 @@ import warnings
 import numpy as np
 import pytest
 from fakes import fresh_logs  # noqa: F401  (the fixture)
+from fakes import EffectiveKnobsRunner
 from test_grouped_tune import _HostBuilder
 
 from qcompile.schedules import tuning as TU
@@ -239,24 +240,10 @@ def test_search_and_features_over_the_space():
     assert dense[names.index("log2_gemm_k")] == math.log2(spec.R * spec.S * spec.C)  # (dense: unchanged)
 
 
-class _TileRunner:
-    """A synthetic time of the effective tile (fastest at BM 64, BK 64, 3 stages)."""
-
-    def device(self):
-        from qcompile.tune.common import DeviceInfo
-
-        return DeviceInfo("GPU T", "sm_90", 132)
-
-    def measure(self, built):
-        from qcompile.tune.common import OK, Measured
-
-        out = []
-        for b in built:
-            kn = b.entry["effective_knobs"]
-            ms = 0.01 * (1 + abs(math.log2(kn["BM"] / 64)) * 0.2 + abs(math.log2(kn["BK"] / 64)) * 0.1
-                         + abs(kn["stages"] - 3) * 0.05 + 0.3 * (kn["mma"] == "wgmma"))
-            out.append(Measured(b.candidate, OK, ms, "", "GPU T", 132))
-        return out
+def _tile_time(kn: dict) -> float:
+    """A synthetic time of the effective tile (fastest at BM 64, BK 64, 3 stages, mma.sync)."""
+    return 0.01 * (1 + abs(math.log2(kn["BM"] / 64)) * 0.2 + abs(math.log2(kn["BK"] / 64)) * 0.1
+                   + abs(kn["stages"] - 3) * 0.05 + 0.3 * (kn["mma"] == "wgmma"))
 
 
 def test_tuner_tunes_the_grouped_gemm_task(tmp_path, monkeypatch):
@@ -275,7 +262,7 @@ def test_tuner_tunes_the_grouped_gemm_task(tmp_path, monkeypatch):
     path = _model(tmp_path / "gg.onnx")
     tasks = [t for t in _tasks(path) if t.strategy == GG]
     log = tmp_path / "tuned.jsonl"
-    Tuner(tasks, _HostBuilder(), _TileRunner(), str(log), model=model, log=lambda s: None).run(trials=24)
+    Tuner(tasks, _HostBuilder(), EffectiveKnobsRunner(_tile_time), str(log), model=model, log=lambda s: None).run(trials=24)
     recs = [json.loads(ln) for ln in log.read_text().splitlines()]
     assert len(recs) >= 12 and {r["strategy"] for r in recs} == {GG} and recs[0]["variant"] == "default"
     assert all(r["status"] == "ok" and r["key"] == tasks[0].key for r in recs)

@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 import pytest
 from fakes import fresh_logs  # noqa: F401  (the fixture)
+from fakes import EffectiveKnobsRunner
 
 from qcompile.schedules import tuning as TU
 from qcompile.schedules.depthwise import DwConfig
@@ -21,7 +22,7 @@ from qcompile.schedules.space import SPACES
 from qcompile.schedules.spec import ConvSpec
 from qcompile.tune import measure as M
 from qcompile.tune.build import plan_candidate
-from qcompile.tune.common import OK, Builder, Built, DeviceInfo, Measured, Runner
+from qcompile.tune.common import Builder, Built
 from qcompile.tune.common import Candidate
 
 _U8 = dict(x_dtype="uint8", out_dtype="uint8", zo=3, lo=0, hi=255)
@@ -200,24 +201,11 @@ class _HostBuilder(Builder):
         return out
 
 
-class _TimeRunner(Runner):
-    """A synthetic time of the effective tile: fewest blocks per SM wave tail, most columns a thread."""
-
-    def __init__(self):
-        self.measured = []
-
-    def device(self):
-        return DeviceInfo("GPU T", "sm_90", 132)
-
-    def measure(self, built):
-        out = []
-        for b in built:
-            kn = b.entry["effective_knobs"]
-            ch = kn.get("vec", kn.get("kt"))
-            self.measured.append(b.candidate)
-            out.append(Measured(b.candidate, OK, 0.01 * (1 + abs(kn["qt"] - 3) * 0.1 + abs(ch - 8) * 0.02
-                                                          + abs(kn["threads"] - 128) / 1024), "", "GPU T", 132))
-        return out
+def _grouped_time(kn: dict) -> float:
+    """A synthetic time of the effective grouped / depthwise point: fastest at 3 rows a thread, 8 channels, 128
+    threads."""
+    ch = kn.get("vec", kn.get("kt"))
+    return 0.01 * (1 + abs(kn["qt"] - 3) * 0.1 + abs(ch - 8) * 0.02 + abs(kn["threads"] - 128) / 1024)
 
 
 def test_qtune_search_tunes_grouped_tasks(tmp_path):
@@ -229,7 +217,7 @@ def test_qtune_search_tunes_grouped_tasks(tmp_path):
     path = _model(tmp_path)
     tasks = _tasks(path)
     log = tmp_path / "tuned.jsonl"
-    runner = _TimeRunner()
+    runner = EffectiveKnobsRunner(_grouped_time)
     Tuner(tasks, _HostBuilder(), runner, str(log), log=lambda s: None).run(trials=16)
     recs = [json.loads(ln) for ln in log.read_text().splitlines()]
     assert {r["strategy"] for r in recs} == {"depthwise", "grouped"} and len(recs) >= 8
