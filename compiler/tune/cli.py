@@ -173,6 +173,10 @@ class _CpuRunner:
     def __init__(self, runner, kernel: str):
         self.runner, self.kernel = runner, kernel
 
+    @property
+    def phases(self) -> list:
+        return getattr(self.runner, "phases", [])
+
     def device(self):
         from qcompile.schedules.cpu_conv import cpu_model_name
 
@@ -231,7 +235,7 @@ def _run(a, log, factories) -> int:
         raise QCompileError(f"'{a.model}' has no {what} layer to tune for {a.arch} in {a.layout}")
     log(f"      done in {time.time() - t1:.1f} s — {len(tasks)} tasks, "
         f"{sum(t.weight for t in tasks)} layers")
-    from .scheduler import Tuner, format_summary
+    from .scheduler import Tuner, format_summary, format_time
 
     pending = tuple(e for e in (getattr(runners_mod, "OfflineBatchPending", None),) if e is not None)
     tuner = Tuner(tasks, builder, runner, a.output, model=model, transfer=tuple(a.tuning_log), seed=a.seed,
@@ -243,6 +247,8 @@ def _run(a, log, factories) -> int:
     log(f"{summary.trials} candidates measured in {time.time() - t0:.0f} s"
         + (f" ({summary.stop})" if summary.stop else "")
         + (f"; records appended to {a.output}" if summary.trials else ""))
+    if summary.spent.get("built"):
+        log(format_time(summary.spent, getattr(runner, "phases", ())))
     if summary.deferred:
         log("the measurements of the exported batch happen elsewhere: rerun this command with the same -o LOG "
             "once they are imported, to continue")

@@ -192,6 +192,7 @@ class LocalRunner(Runner):
         self.cache_dir = cache_dir
         self._info = None
         self.last_results = None  # the last batch's results document (seed, timing, per-candidate records)
+        self.phases: list = []  # (per measured candidate: seconds of the worker per phase, measure.measure_entry)
 
     def _cache(self) -> str:
         if self.cache_dir is None:
@@ -227,6 +228,7 @@ class LocalRunner(Runner):
                                   self.timeout, log=self.log, cache_dir=self._cache())
             self.last_results = doc
             recs, dev = {r["id"]: r for r in doc["results"]}, doc["device"]
+            self.phases += [r["phases"] for r in doc["results"] if r.get("phases")]
             if dev and self._info is None:
                 self._info = dev
         return [to_measured(b.candidate, recs[b.entry["id"]], dev) if b.error is None and b.path else _unbuilt(b)

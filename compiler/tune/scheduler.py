@@ -61,6 +61,7 @@ class Summary:
     trials: int = 0
     deferred: bool = False
     stop: str = ""
+    spent: dict = field(default_factory=dict)  # wall seconds: build, measure (and built: candidates built)
 
 
 class Tuner:
@@ -85,6 +86,7 @@ class Tuner:
         self.device = None
         self.trials = 0
         self._t0 = clock()  # (each record's ``elapsed_s``: seconds since this run started when it was measured)
+        self.spent = dict(build=0.0, measure=0.0, built=0)  # (wall seconds in the builder / the runner; candidates)
 
     # ---- the log ------------------------------------------------------------------------------------------------
     def _read(self, path) -> list:
@@ -135,11 +137,18 @@ class Tuner:
         """``batch``: (state, knobs) pairs. Builds them (all at once), measures the built ones, records every result
         (log line, task state, cost model). Returns the Measured list in order."""
         cands = [Candidate(st.task.key, st.spec, st.arch, st.task.strategy, kn) for st, kn in batch]
+        t0 = self.clock()
         built = self.builder.build(cands)
+        t1 = self.clock()
+        self.spent["build"] += t1 - t0
+        self.spent["built"] += len(cands)
         if len(built) != len(cands):
             raise RuntimeError(f"the builder returned {len(built)} results for {len(cands)} candidates")
         ready = [b for b in built if b.path and not b.error]
-        got = iter(self.runner.measure(ready) if ready else [])
+        try:
+            got = iter(self.runner.measure(ready) if ready else [])
+        finally:
+            self.spent["measure"] += self.clock() - t1
         results = []
         for (st, kn), b in zip(batch, built):
             if b.path and not b.error:
@@ -315,6 +324,7 @@ class Tuner:
             summary.deferred, summary.stop = True, str(e) or "measurements deferred (offline export)"
         self._shares()
         summary.trials = self.trials
+        summary.spent = dict(self.spent)
         summary.rows, summary.model_gain = self.table()
         return summary
 
@@ -379,4 +389,19 @@ def format_summary(summary: Summary) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Tuner", "Summary", "format_summary", "WINDOW", "OPTIMISM"]
+def format_time(spent: dict, phases=()) -> str:
+    """Where a run's time went: wall seconds in the builder and in the runner (``Summary.spent``) and, where the
+    runner reports them (``phases``: one dict per measured candidate, ``measure.measure_entry``'s), the mean seconds
+    per candidate of each phase (``setup`` includes waiting for the shape's inputs and reference)."""
+    n = spent.get("built", 0)
+    line = (f"time: building {spent.get('build', 0.0):.0f} s ({n} candidates"
+            + (f", {spent['build'] / n:.2f} s each" if n else "") + f"), measuring {spent.get('measure', 0.0):.0f} s")
+    phases = list(phases)
+    if phases:
+        names = list(dict.fromkeys(k for p in phases for k in p))
+        per = ", ".join(f"{k} {sum(p.get(k, 0.0) for p in phases) / len(phases):.3f}" for k in names)
+        line += f" ({len(phases)} candidates; per candidate, s: {per})"
+    return line
+
+
+__all__ = ["Tuner", "Summary", "format_summary", "format_time", "WINDOW", "OPTIMISM"]

@@ -189,3 +189,31 @@ def test_every_task_gets_its_start_points_before_the_gradient(tmp_path, monkeypa
     assert [r["key"] for r in plain_rounds[:4]] == [big.key] * 4  # (the gradient: the largest task, again and again)
     assert not {json.dumps(r["knobs"], sort_keys=True) for r in plain_rounds} & {
         json.dumps(dict(tu.states[0].space.to_dict(k)), sort_keys=True) for k in CONFIGS}
+
+
+def test_time_is_split_between_building_and_measuring(tmp_path):
+    """The summary's ``spent``: the builder's and the runner's wall seconds and the candidates built, from the
+    tuner's clock; ``format_time`` states them with the runner's per-candidate phases."""
+    from qcompile.tune.scheduler import format_time
+
+    now = [0.0]
+
+    class SlowBuilder(FakeBuilder):
+        def build(self, cands):
+            now[0] += 2.0 * len(cands)
+            return super().build(cands)
+
+    class SlowRunner(FakeRunner):
+        def measure(self, built):
+            now[0] += 0.5 * len(built)
+            return super().measure(built)
+
+    t = make_task(N=8, H=28, C=128, K=128)
+    s = _tuner([t], tmp_path / "t.jsonl", SlowRunner(), SlowBuilder(), clock=lambda: now[0]).run(trials=20)
+    recs = _lines(tmp_path / "t.jsonl")
+    ran = sum(r["status"] != "build_error" for r in recs)
+    assert s.spent["built"] == len(recs) == 20
+    assert s.spent["build"] == pytest.approx(2.0 * 20) and s.spent["measure"] == pytest.approx(0.5 * ran)
+    line = format_time(s.spent, [dict(setup=1.0, check=0.5), dict(setup=3.0, check=0.5, time=0.25)])
+    assert line == ("time: building 40 s (20 candidates, 2.00 s each), measuring "
+                    f"{0.5 * ran:.0f} s (2 candidates; per candidate, s: setup 2.000, check 0.500, time 0.125)")
