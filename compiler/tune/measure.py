@@ -483,14 +483,14 @@ class Problems:
     where given (a tuner's rounds measure the same shapes again with the same seed: the reference is computed once
     per shape and run)."""
 
-    def __init__(self, cache_dir: str | None = None, keep: int = 3, threads: int | None = None):
+    def __init__(self, cache_dir: str | None = None, keep: int = 3, threads: int | None = None, workers: int = 1):
         import threading
         from concurrent.futures import ThreadPoolExecutor
 
-        self.cache_dir, self.keep, self.threads = cache_dir, keep, threads
+        self.cache_dir, self.keep, self.threads = cache_dir, max(keep, workers + 2), threads
         self.lock = threading.Lock()
         self.futures: dict = {}
-        self.pool = ThreadPoolExecutor(1)
+        self.pool = ThreadPoolExecutor(workers)  # (prefetches drawn in parallel: NumPy releases the GIL)
 
     def _key(self, entry: dict, seed: int):
         return spec_key(entry), seed
@@ -849,18 +849,22 @@ def shape_seed(base: int, entry: dict) -> int:
     return candidate_seed(base, spec_key(entry))
 
 
+AHEAD = 3  # shapes whose problems a GPU worker draws ahead of the one it measures, in parallel
+
+
 def worker(args) -> int:
     """Measure the candidates of ``args.ids`` (all without) in this process, one JSON line per event to
     ``args.progress``: {"start": id} before a candidate, then its result record. The candidates of one shape run in a
-    row on device buffers they share; the next shape's problem is drawn in the background meanwhile (on a GPU; on
-    the CPU the timed kernels would share the cores with it: there each problem is drawn when its turn comes).
+    row on device buffers they share; the next ``AHEAD`` shapes' problems are drawn in the background meanwhile, in
+    parallel (on a GPU; on the CPU the timed kernels would share the cores with them: there each problem is drawn
+    when its turn comes).
     Returns 3 after a run_error (the device context may be lost: the supervisor starts a new worker for the rest)."""
     import tvm
 
     man, root = read_manifest(args.batch)
     todo = set(args.ids) if args.ids else None
     dev = get_device(args.device, args.device_id)
-    problems = Problems(args.cache_dir)
+    problems = Problems(args.cache_dir, workers=AHEAD)
     entries = [e for e in sorted(man["candidates"], key=spec_key) if todo is None or e["id"] in todo]
     firsts = {}  # shape -> its first entry (prefetching)
     for e in entries:
@@ -876,22 +880,21 @@ def worker(args) -> int:
             key = spec_key(entry)
             emit({"start": entry["id"]})
             seed = shape_seed(args.seed, entry)
-            if key != shared_key:  # (a new shape: free the last one's buffers; draw the next one's problem meanwhile)
+            if key != shared_key:  # (a new shape: free the last one's buffers; draw the next ones' problems meanwhile)
                 shared, shared_key = {}, key
                 i = order.index(key)
                 # (on a CPU the kernels being timed and a reference drawn meanwhile share the cores: no prefetch)
-                if i + 1 < len(order) and args.device == "cuda":
-                    try:
-                        problems.get(entry, seed)
-                    except Exception:  # noqa: BLE001  (measure_entry reports it)
-                        pass
-                    nxt = firsts[order[i + 1]]
-                    problems.prefetch(nxt, shape_seed(args.seed, nxt))
+                if args.device == "cuda":
+                    for nxt in (firsts[k] for k in order[i + 1:i + 1 + AHEAD]):
+                        problems.prefetch(nxt, shape_seed(args.seed, nxt))
             try:
+                t0 = time.perf_counter()
                 mod = tvm.runtime.load_module(os.path.join(root, entry["so"]))
+                load = round(time.perf_counter() - t0, 4)
                 rec = measure_entry(mod, entry, dev, seed, args.repeat, args.min_repeat_ms,
                                     poison_seed=candidate_seed(args.seed, entry["id"]), problems=problems,
                                     shared=shared)
+                rec["phases"] = {"load": load, **rec.get("phases", {})}
             except Exception as e:  # noqa: BLE001  (reported per candidate; the worker ends)
                 msg = " ".join(str(e).split())
                 emit(dict(id=entry["id"], status=RUN_ERROR, ms=None, seed=seed,

@@ -86,6 +86,37 @@ def test_problem_cache_round_trip(tmp_path):
     assert len(list(tmp_path.iterdir())) == 2 and not np.array_equal(c.arrays["x"], a.arrays["x"])
 
 
+def test_prefetches_are_drawn_in_parallel(monkeypatch):
+    """``Problems(workers=n)``: n prefetched shapes are drawn at the same time (the GPU worker draws ``AHEAD``
+    shapes ahead of the one it measures), and a ``get`` of a prefetched shape takes that drawing's result."""
+    import threading
+    import time
+
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def slow(self, entry, seed):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        return (entry["k"], seed)
+
+    monkeypatch.setattr(M.Problems, "_make", slow)
+    monkeypatch.setattr(M, "spec_key", lambda e: e["k"])
+    ps = M.Problems(workers=3)
+    assert ps.keep >= 5
+    for k in range(3):
+        ps.prefetch(dict(k=k), 1)
+    assert [ps.get(dict(k=k), 1) for k in range(3)] == [(0, 1), (1, 1), (2, 1)] and peak[0] == 3
+    peak[0] = 0
+    one = M.Problems()
+    for k in range(2):
+        one.prefetch(dict(k=k), 1)
+    assert one.get(dict(k=1), 1) == (1, 1) and peak[0] == 1
+
+
 def test_problem_cache_that_cannot_be_written_is_skipped(tmp_path, capsys):
     """A cache folder that cannot be made (here: a file in the way) costs a warning, not the candidate: the problem
     drawn in memory is returned, nothing is left behind."""

@@ -47,7 +47,7 @@ def test_local_runner_on_the_cpu(built):
     r = RN.LocalRunner(device="cpu", min_repeat_ms=1, repeat=3)
     assert r.device().arch == "cpu"
     _check(r.measure(built), built)
-    assert [sorted(p) for p in r.phases] == [["check", "recheck", "setup", "time"]] * 2  # (the two that ran)
+    assert [sorted(p) for p in r.phases] == [["check", "load", "recheck", "setup", "time"]] * 2  # (the two that ran)
     assert all(v >= 0 for p in r.phases for v in p.values())
 
 
