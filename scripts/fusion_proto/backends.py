@@ -17,9 +17,10 @@ import reference as R
 
 CU = pathlib.Path(__file__).resolve().parent / "bottleneck.cu"
 NTHREADS = 256
-KERNELS = ("fused_bottleneck", "k1_conv1x1", "k2_conv3x3", "k3_conv1x1_res")
-SMEM_NAME = {"fused_bottleneck": "SMEM_FUSED", "k1_conv1x1": "SMEM_K1", "k2_conv3x3": "SMEM_K2",
-             "k3_conv1x1_res": "SMEM_K3"}
+KERNELS = ("fused_bottleneck", "fused_bottleneck_7x8", "k1_conv1x1", "k2_conv3x3", "k3_conv1x1_res")
+SMEM_NAME = {"fused_bottleneck": "SMEM_FUSED", "fused_bottleneck_7x8": "SMEM_F7", "k1_conv1x1": "SMEM_K1",
+             "k2_conv3x3": "SMEM_K2", "k3_conv1x1_res": "SMEM_K3"}
+TWO_CTAS = ("fused_bottleneck_7x8", "k1_conv1x1", "k2_conv3x3", "k3_conv1x1_res")  # __launch_bounds__(256, 2)
 
 
 def cu_defines(path: pathlib.Path = CU) -> dict:
@@ -38,26 +39,32 @@ def cu_defines(path: pathlib.Path = CU) -> dict:
 
 
 def pack_params(blk: R.Block, d: dict) -> np.ndarray:
-    """The kernels' int32 parameter array (offsets P_* of bottleneck.cu)."""
+    """The kernels' int32 parameter array (offsets P_* of bottleneck.cu): bias and M per channel as words, the
+    shifts sh = S - 32 as bytes from word P_SH (conv i's at byte P_SHi)."""
+    R.kernel_rq2(blk)  # (S in 33..62: sh fits a byte)
     p = np.zeros(d["P_WORDS"], np.int32)
+    sh = p[d["P_SH"]:].view(np.uint8)
     for i, c in ((1, blk.conv1), (2, blk.conv2), (3, blk.conv3)):
-        for name, a in (("B", c.b), ("M", c.M), ("S", c.S)):
+        for name, a in (("B", c.b), ("M", c.M)):
             p[d[f"P_{name}{i}"]:d[f"P_{name}{i}"] + a.size] = a
-    for row, name in enumerate(("C1", "R1", "C2", "R2", "SR")):
-        p[d[f"P_{name}"]:d[f"P_{name}"] + R.C_IN] = blk.rq2[row]
+        sh[d[f"P_SH{i}"]:d[f"P_SH{i}"] + c.S.size] = c.S - 32
     return p
 
 
-def unpack_block(d: dict, w1, w2, w3, params, zo1: int, zo2: int, zo3: int, zo_out: int) -> R.Block:
-    """The inverse of ``pack_params`` plus the kernels' weight buffers (what a kernel sees, as a Block)."""
+def unpack_block(d: dict, w1, w2, w3, params, zo1: int, zo2: int, zo3: int, zo_out: int, rq=(0, 1, 0, 1, 1)
+                 ) -> R.Block:
+    """The inverse of ``pack_params`` plus the kernels' weight buffers and residual-stage arguments ``rq`` (c1, R1,
+    c2, R2, SR): what a kernel sees, as a Block."""
     p = np.asarray(params)
+    sh = p[d["P_SH"]:].view(np.uint8)
 
     def conv(i, w, zo, lo):
         K = w.shape[0]
         g = (lambda n: p[d[f"P_{n}{i}"]:d[f"P_{n}{i}"] + K].copy())
-        return R.Conv(w=w, b=g("B"), M=g("M"), S=g("S"), zo=zo, lo=lo)
+        S = sh[d[f"P_SH{i}"]:d[f"P_SH{i}"] + K].astype(np.int32) + 32
+        return R.Conv(w=w, b=g("B"), M=g("M"), S=S, zo=zo, lo=lo)
 
-    rq2 = np.stack([p[d[f"P_{n}"]:d[f"P_{n}"] + R.C_IN] for n in ("C1", "R1", "C2", "R2", "SR")])
+    rq2 = np.repeat(np.asarray(rq, np.int32)[:, None], R.C_IN, axis=1)
     return R.Block(conv1=conv(1, np.asarray(w1).reshape(R.C_MID, 1, 1, R.C_IN), zo1, zo1),
                    conv2=conv(2, np.asarray(w2).reshape(R.C_MID, 3, 3, R.C_MID), zo2, zo2),
                    conv3=conv(3, np.asarray(w3).reshape(R.C_IN, 1, 1, R.C_MID), zo3, -128), rq2=rq2, zo_out=zo_out)
@@ -67,6 +74,8 @@ def tiles(name: str, n: int, d: dict) -> int:
     """How many tiles kernel ``name`` loops over at batch n."""
     if name in ("fused_bottleneck", "k2_conv3x3"):
         return n * d["TILES_PER_IMG"]
+    if name == "fused_bottleneck_7x8":
+        return n * d["TILES7_PER_IMG"]
     return -(-n * d["IMG"] * d["IMG"] // d["FLAT_PX"])
 
 
@@ -117,7 +126,7 @@ class CupyBackend:
     def _smem_sizes(self) -> dict:
         """Each kernel's dynamic shared memory as the device code computes it (checked against run.py's parse)."""
         cp = self.cp
-        out = cp.zeros(4, cp.int32)
+        out = cp.zeros(len(KERNELS), cp.int32)
         self.module.get_function("smem_sizes")((1,), (1,), (out,))
         got = dict(zip(KERNELS, (int(v) for v in out.get())))
         want = {name: self.d[SMEM_NAME[name]] for name in KERNELS}
@@ -248,11 +257,11 @@ class FakeBackend(CupyBackend):
 
     def launch(self, name: str, n: int, args: tuple) -> None:
         d = self.d
-        if name == "fused_bottleneck":
-            x, w1, w2, w3, p, out, nn, zo1, zo2, zo3, zo_out = args
-            blk = unpack_block(d, w1, w2, w3, p, zo1, zo2, zo3, zo_out)
+        if name in ("fused_bottleneck", "fused_bottleneck_7x8"):
+            x, w1, w2, w3, p, out, nn, zo1, zo2, zo3, zo_out, *rq = args
+            blk = unpack_block(d, w1, w2, w3, p, zo1, zo2, zo3, zo_out, rq)
             out[...] = R.reference(blk, x[:nn], threads=2)["out"]
-            if self.corrupt:
+            if self.corrupt and name == "fused_bottleneck":
                 out.reshape(-1)[12345] ^= 1
         elif name == "k1_conv1x1":
             x, w1, p, y1, nn, zo1 = args
@@ -265,9 +274,9 @@ class FakeBackend(CupyBackend):
             c = blk.conv2
             y2[...] = R.measure.reference_storage(blk.spec(2, nn), y1[:nn], c.w, c.b, c.M, c.S, threads=2)
         elif name == "k3_conv1x1_res":
-            y2, x, w3, p, out, nn, zo3, zo_out = args
+            y2, x, w3, p, out, nn, zo3, zo_out, *rq = args
             blk = unpack_block(d, np.zeros((64, 256), np.int8), np.zeros((64, 576), np.int8), w3, p, 0, 0, zo3,
-                               zo_out)
+                               zo_out, rq)
             c = blk.conv3
             out[...] = R.measure.reference_storage(blk.spec(3, nn), y2[:nn], c.w, c.b, c.M, c.S,
                                                    res_log=(x[:nn], blk.rq2), threads=2)

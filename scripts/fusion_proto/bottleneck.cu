@@ -1,19 +1,30 @@
 // One ResNet-50 layer1 bottleneck block (non-downsample), INT8 NHWC, on tensor cores (mma.sync.m16n8k32.s8):
 //   x [N,56,56,256] -> 1x1 256->64 (+ReLU) -> 3x3 64->64 pad 1 (+ReLU) -> 1x1 64->256 + residual x (+ReLU) -> out.
-// Two ways to run it, sharing the same warp-level GEMM and epilogue code:
-//   fused_bottleneck                      one kernel: x read once (a halo tile), out written once;
+// Three ways to run it, sharing the same warp-level GEMM and epilogue code:
+//   fused_bottleneck       one kernel, 14 x 8 output tiles, 1 CTA / SM (double-buffered 16 x 10 halo);
+//   fused_bottleneck_7x8   one kernel, 7 x 8 output tiles, 2 CTAs / SM (<= 128 registers, <= 113 KB shared): one
+//                          9 x 10 halo buffer, the next tile's halo loaded while conv2 and conv3 run, the residual
+//                          read from global memory (L2: the halo load just brought it there);
 //   k1_conv1x1 -> k2_conv3x3 -> k3_conv1x1_res   three kernels: the 64-channel intermediates go through global memory.
 // Every kernel is persistent (a grid of at most #SM x blocks-per-SM CTAs of 256 threads, each looping over tiles),
-// keeps its weights and requantize parameters in shared memory for all its tiles, and double-buffers its input tiles
-// with cp.async (16-byte copies) so the next tile's load overlaps this tile's math. Outputs go back through shared
-// memory and leave with 16-byte stores.
+// keeps its weights and requantize parameters in shared memory for all its tiles and loads its input tiles with
+// cp.async (16-byte copies) ahead of their use.
 //
-// Integer math (qcompile's, compiler/tune/measure.py: requant): t = acc + bias (int32, wrapping);
-// v = (t * M + (1 << (S - 1))) >> S (int64); y = clip(v + zo, lo, 127). Residual stage: out = clip(((y + c1) * R1 +
-// (r + c2) * R2 + (1 << (SR - 1))) >> SR) + zo_out, zo_out, 127) (int64).
+// Epilogues (qcompile's exact integer math, compiler/tune/measure.py: requant, in the form qcompile's tensor-core
+// kernels compile for ResNet-50: ConvSpec shift_ge33, res_i32, rq2_uniform; schedules/gemm/helpers.py):
+//   stage 1, every S >= 33: v = (mulhi(t, M) + 2^(S-33)) >> (S-32) with t = acc + bias (int32, wrapping), which equals
+//     (t * M + 2^(S-1)) >> S exactly (the low word of the product cannot carry into the rounded result); y = clip(v +
+//     zo, lo, 127);
+//   residual stage, (c1, R1, c2, R2, SR) the same for every channel (kernel arguments) and every intermediate within
+//     int32: out = clip((((y3 + 128) R1 + r R2 + K0) >> SR) + zo_out, zo_out, 127), K0 = (c1 - 128) R1 + c2 R2 +
+//     2^(SR-1) (mod 2^32: the sum fits int32, so the wrapped terms give the same bits).
+// The weight rows are copied to shared memory permuted within each warp's output channels so that a lane's
+// accumulator fragments hold contiguous channels: each lane reads its residual bytes and writes its outputs as one
+// 4-, 8- or 16-byte access per row (conv3's and the unfused kernels' outputs straight to global memory, the 4 lanes
+// of a row covering whole 32-byte sectors).
 //
-// Parameters: one int32 array of P_WORDS words (offsets P_*), the weights w1 [64][256], w2 [64][3][3][64] (K, R, S,
-// C), w3 [256][64] int8. Compiles with NVRTC (CuPy RawModule) and nvcc: no headers.
+// Parameters: one int32 array of P_WORDS words (offsets P_*; the shifts sh = S - 32 as bytes), the weights w1
+// [64][256], w2 [64][3][3][64] (K, R, S, C), w3 [256][64] int8. Compiles with NVRTC (CuPy RawModule) and nvcc.
 
 typedef signed char i8;
 typedef unsigned int u32;
@@ -21,12 +32,16 @@ typedef unsigned int u32;
 #define IMG 56            // H = W
 #define C_IN 256          // block input / output channels
 #define C_MID 64          // bottleneck channels
-#define TH 14             // spatial tile: TH x TW output pixels of one image
-#define TW 8
+#define TW 8              // tile width (both spatial tiles)
 #define HALO_W (TW + 2)   // 10
+#define TH 14             // 14 x 8 tiles (fused_bottleneck, k2_conv3x3)
 #define HALO_PX ((TH + 2) * HALO_W)  // 160 = 10 m16 tiles
 #define TILE_PX (TH * TW)            // 112 = 7 m16 tiles
 #define TILES_PER_IMG ((IMG / TH) * (IMG / TW))  // 28
+#define TH7 7             // 7 x 8 tiles (fused_bottleneck_7x8)
+#define HALO7_PX ((TH7 + 2) * HALO_W)  // 90 (conv1 runs 6 m16 tiles: its rows 90..95 read y2, which follows)
+#define TILE7_PX (TH7 * TW)            // 56 (conv2 and conv3 run 4 m16 tiles: see fused_bottleneck_7x8)
+#define TILES7_PER_IMG ((IMG / TH7) * (IMG / TW))  // 56
 #define FLAT_PX 128       // rows of a 1x1 kernel's (unfused) pixel tile
 #define LDX 272           // shared row stride of a 256-channel row (256 + 16: conflict-free ldmatrix)
 #define LDY 80            // of a 64-channel row
@@ -35,26 +50,24 @@ typedef unsigned int u32;
 
 #define P_B1 0
 #define P_M1 64
-#define P_S1 128
-#define P_B2 192
-#define P_M2 256
-#define P_S2 320
-#define P_B3 384
-#define P_M3 640
-#define P_S3 896
-#define P_C1 1152
-#define P_R1 1408
-#define P_C2 1664
-#define P_R2 1920
-#define P_SR 2176
-#define P_WORDS 2432
+#define P_B2 128
+#define P_M2 192
+#define P_B3 256
+#define P_M3 512
+#define P_SH 768          // the shifts sh = S - 32 (1..30), one byte per channel: conv1 at byte 0, conv2 64, conv3 128
+#define P_SH1 0
+#define P_SH2 64
+#define P_SH3 128
+#define P_WORDS 864
 
 // shared memory of each kernel (bytes)
 #define SMEM_W (C_MID * LDX + C_MID * LDW2 + C_IN * LDY)  // the three weight tiles
-#define SMEM_FUSED (SMEM_W + P_WORDS * 4 + 2 * HALO_PX * LDX + (HALO_PX + TILE_PX) * LDY)
-#define SMEM_K1 (C_MID * LDX + P_WORDS * 4 + 2 * FLAT_PX * LDX + FLAT_PX * LDY)
-#define SMEM_K2 (C_MID * LDW2 + P_WORDS * 4 + 2 * HALO_PX * LDY + TILE_PX * LDY)
-#define SMEM_K3 (C_IN * LDY + P_WORDS * 4 + 2 * FLAT_PX * LDY + 2 * FLAT_PX * LDX)
+#define SMEM_P (P_WORDS * 4)
+#define SMEM_FUSED (SMEM_W + SMEM_P + 2 * HALO_PX * LDX + (HALO_PX + TILE_PX) * LDY)
+#define SMEM_F7 (HALO7_PX * LDX + TILE7_PX * LDY + SMEM_W + HALO7_PX * LDY + SMEM_P)
+#define SMEM_K1 (C_MID * LDX + SMEM_P + 2 * FLAT_PX * LDX)
+#define SMEM_K2 (C_MID * LDW2 + SMEM_P + 2 * HALO_PX * LDY)
+#define SMEM_K3 (C_IN * LDY + SMEM_P + 2 * FLAT_PX * LDY + 2 * FLAT_PX * LDX)
 
 // ---------------------------------------------------------------------------------------------------------------
 // PTX wrappers (emu/emu.h replaces them with a host emulation of the same semantics: FUSION_EMU)
@@ -77,6 +90,7 @@ __device__ __forceinline__ void cp16(void* dst, const void* src, bool valid) {
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_wait_prev() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // four 8x8 b16 matrices (= four blocks of 8 rows x 16 bytes); lane l gives the row address of row l%8 of matrix l/8
 __device__ __forceinline__ void ldsm4(u32 (&r)[4], u32 addr) {
@@ -86,6 +100,21 @@ __device__ __forceinline__ void ldsm4(u32 (&r)[4], u32 addr) {
 }
 
 // c[16x8] += a[16x32] * b[32x8], int8 in, int32 accumulate
+// v through a register: the compiler cannot recompute it later from its inputs (nvcc otherwise re-extracts the
+// per-channel shifts and rounding terms from their packed bytes at every use, inside the row loops)
+__device__ __forceinline__ int keep_reg(int v) {
+  int r;
+  asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
+  return r;
+}
+
+// prmt.b32 d, a, 0, sel (default mode: selector nibble n picks byte n of d; bit 3 replicates that byte's sign bit)
+__device__ __forceinline__ u32 prmt(u32 a, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(d) : "r"(a), "r"(sel));
+  return d;
+}
+
 __device__ __forceinline__ void mma_s8(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -95,41 +124,89 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], const u32 (&a)[4], u32 b0, u
 #endif  // FUSION_EMU
 
 // ---------------------------------------------------------------------------------------------------------------
-// requantize (exact int64; the NumPy reference's math)
+// requantize (32-bit, exact for S >= 33 and the residual stage within int32; see the top of the file)
 // ---------------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ int clip8(long long v, int lo) { return (int)(v < lo ? lo : (v > 127 ? 127 : v)); }
+__device__ __forceinline__ int clampi(int v, int lo, int hi) { return max(min(v, hi), lo); }
 
-// one output channel's stage-1 parameters (bias, M, S at word offsets pb, pm, psh of the parameter array)
-struct Rq {
-  int b, m, s;
+struct Rq {  // one output channel's stage-1 parameters: bias, M, sh = S - 32 and 2^(sh - 1)
+  int b, m, sh, rnd;
 };
-__device__ __forceinline__ Rq rq_load(const int* ps, int pb, int pm, int psh, int col) {
-  return Rq{ps[pb + col], ps[pm + col], ps[psh + col]};
+__device__ __forceinline__ int rq_v(int acc, const Rq& q) {  // round(t * M / 2^S), t = acc + b (wrapping)
+  const int t = (int)((u32)acc + (u32)q.b);
+  return (__mulhi(t, q.m) + q.rnd) >> q.sh;
 }
-__device__ __forceinline__ int rq1(int acc, Rq q, int zo, int lo) {
-  const int t = (int)((u32)acc + (u32)q.b);  // acc + bias, wrapping in int32
-  const long long v = ((long long)t * (long long)q.m + (1LL << (q.s - 1))) >> q.s;
-  return clip8(v + zo, lo);
+__device__ __forceinline__ Rq rq_make(int b, int m, u32 sh) {
+  return Rq{b, m, keep_reg((int)sh), keep_reg(1 << (sh - 1))};
 }
 
-// conv3's output channel: stage 1 (no ReLU) then the residual stage
-struct Rq3 {
-  Rq q;
-  int c1, r1, c2, r2, sr;
+// NC contiguous channels' parameters from ch0 (a multiple of 4): bias and M as 16-byte loads, the shifts 4 at a time
+template <int NC>
+__device__ __forceinline__ void rq_load(Rq (&q)[NC], const int* ps, int pb, int pm, int psh, int ch0) {
+  const unsigned char* sh = (const unsigned char*)(ps + P_SH) + psh + ch0;
+#pragma unroll
+  for (int i = 0; i < NC; i += 4) {
+    const int4 b = *(const int4*)(ps + pb + ch0 + i), m = *(const int4*)(ps + pm + ch0 + i);
+    const u32 s = *(const u32*)(sh + i);
+    q[i] = rq_make(b.x, m.x, s & 0xff);
+    q[i + 1] = rq_make(b.y, m.y, (s >> 8) & 0xff);
+    q[i + 2] = rq_make(b.z, m.z, (s >> 16) & 0xff);
+    q[i + 3] = rq_make(b.w, m.w, s >> 24);
+  }
+}
+
+__device__ __forceinline__ u32 pack4(int a, int b, int c, int d) {
+  return (u32)(a & 0xff) | ((u32)(b & 0xff) << 8) | ((u32)(c & 0xff) << 16) | ((u32)d << 24);
+}
+// byte k of w, sign-extended: one prmt (selector nibbles k, then 8 + k three times: byte k's sign bit replicated)
+__device__ __forceinline__ int byte_s(u32 w, int k) { return (int)prmt(w, 0x8880u + 0x1111u * (u32)k); }
+
+// the residual stage's parameters (kernel arguments, the same for every channel)
+struct Res {
+  u32 r1, r2, k0;
+  int sr, zo3rel, zo_out;  // zo3rel = zo3 + 128 (stage 1 of conv3 as y3 + 128: clip(v + zo3 + 128, 0, 255))
 };
-__device__ __forceinline__ Rq3 rq3_load(const int* ps, int col) {
-  return Rq3{rq_load(ps, P_B3, P_M3, P_S3, col), ps[P_C1 + col], ps[P_R1 + col], ps[P_C2 + col], ps[P_R2 + col],
-             ps[P_SR + col]};
+__device__ __forceinline__ Res res_params(int zo3, int zo_out, int c1, int r1, int c2, int r2, int sr) {
+  const u32 k0 = (u32)(c1 - 128) * (u32)r1 + (u32)c2 * (u32)r2 + (1u << (sr - 1));
+  return Res{(u32)r1, (u32)r2, (u32)keep_reg((int)k0), sr, zo3 + 128, zo_out};  // (kept: nvcc would split r R2 + K0
+                                                                                // back into (r + c2) R2 + ...)
 }
-__device__ __forceinline__ int rq3(int acc, int r, const Rq3& p, int zo3, int zo_out) {
-  const int y = rq1(acc, p.q, zo3, -128);
-  const long long u = (long long)(y + p.c1) * (long long)p.r1 + (long long)(r + p.c2) * (long long)p.r2 +
-                      (1LL << (p.sr - 1));
-  return clip8((u >> p.sr) + zo_out, zo_out);
+__device__ __forceinline__ int res_v(int acc, const Rq& q, int r, const Res& p) {
+  const int y = clampi(rq_v(acc, q) + p.zo3rel, 0, 255);
+  const int u = (int)((u32)y * p.r1 + ((u32)r * p.r2 + p.k0));
+  return clampi((u >> p.sr) + p.zo_out, p.zo_out, 127);
 }
 
-__device__ __forceinline__ void st2(i8* p, int a, int b) {
-  *(unsigned short*)p = (unsigned short)((a & 0xff) | ((b & 0xff) << 8));
+// one row of a lane's ReLU-stage outputs: acc[nt][2h + e] is channel 2 nt + e of the lane's 2 NT -> NT / 2 words
+template <int NT>
+__device__ __forceinline__ void relu_row(u32 (&w)[NT / 2], const int (&acc)[NT][4], int h, const Rq (&q)[2 * NT],
+                                         int zo) {
+#pragma unroll
+  for (int i = 0; i < NT / 2; ++i) {
+    int o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o[k] = clampi(rq_v(acc[2 * i + k / 2][2 * h + (k & 1)], q[4 * i + k]) + zo, zo, 127);
+    w[i] = pack4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+template <int NW>
+__device__ __forceinline__ void st_words(i8* p, const u32 (&w)[NW]) {
+  if constexpr (NW == 1) {
+    *(u32*)p = w[0];
+  } else if constexpr (NW == 2) {
+    *(uint2*)p = make_uint2(w[0], w[1]);
+  } else {
+    *(uint4*)p = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// conv3 + residual, one row of a lane's 8 channels: residual bytes r (8), outputs -> 8 bytes at o
+__device__ __forceinline__ void res_row(i8* o, const int (&acc)[4][4], int h, const Rq (&q)[8], uint2 r,
+                                        const Res& p) {
+  int v[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = res_v(acc[k / 2][2 * h + (k & 1)], q[k], byte_s(k < 4 ? r.x : r.y, k & 3), p);
+  *(uint2*)o = make_uint2(pack4(v[0], v[1], v[2], v[3]), pack4(v[4], v[5], v[6], v[7]));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -181,48 +258,85 @@ struct K3x3 {  // k = ((r * 3 + s) * 64 + c): tap (r, s) moves the A row by r ha
 };
 
 // ---------------------------------------------------------------------------------------------------------------
-// the stages (a CTA of 8 warps; all shared memory)
+// where a stage's rows go / come from (pixel p of a tile -> a row pointer; nullptr: no such pixel)
 // ---------------------------------------------------------------------------------------------------------------
-// fused conv1: halo [160][LDX] -> y1 [160][LDY]; 8 jobs of 5 m16 tiles x 16 channels; halo pixels outside the image
-// get conv2's pad value zo1 (not conv1 of the zero-filled input)
-__device__ __forceinline__ void stage1_halo(const i8* halo, i8* y1, const i8* w1s, const int* ps, int zo1, int h0,
-                                            int w0) {
+struct Tile {
+  int n, h0, w0;
+};
+template <int TH_>
+__device__ __forceinline__ Tile spatial_tile(int tile) {
+  constexpr int PER = (IMG / TH_) * (IMG / TW);
+  const int r = tile % PER;
+  return Tile{tile / PER, (r / (IMG / TW)) * TH_, (r % (IMG / TW)) * TW};
+}
+
+template <int TH_, int CH>
+struct GlobalSpatial {  // pixel p of a TH_ x TW tile of a CH-channel NHWC tensor (32-bit offsets from the tile's origin)
+  i8* origin;
+  __device__ __forceinline__ GlobalSpatial(const i8* base, Tile tl)
+      : origin((i8*)base + (((long long)tl.n * IMG + tl.h0) * IMG + tl.w0) * CH) {}
+  __device__ __forceinline__ i8* operator()(int p) const {
+    return p < TH_ * TW ? origin + ((p / TW) * IMG + p % TW) * CH : nullptr;
+  }
+};
+template <int CH>
+struct GlobalFlat {  // pixel px0 + p of a CH-channel tensor of total pixels
+  i8* origin;
+  int rows;  // pixels of the tile inside the tensor
+  __device__ __forceinline__ GlobalFlat(i8* base, long long px0, long long total)
+      : origin(base + px0 * CH), rows((int)(total - px0 < FLAT_PX ? total - px0 : FLAT_PX)) {}
+  __device__ __forceinline__ i8* operator()(int p) const { return p < rows ? origin + p * CH : nullptr; }
+};
+struct SharedRows {  // row p (< rows) of a shared tile of stride ld
+  i8* base;
+  int ld, rows;
+  __device__ __forceinline__ i8* operator()(int p) const { return p < rows ? base + p * ld : nullptr; }
+};
+struct HaloCentre {  // pixel p of the 14 x 8 tile in its 16 x 10 halo (256-channel rows)
+  i8* base;
+  __device__ __forceinline__ i8* operator()(int p) const { return base + ((p / TW + 1) * HALO_W + p % TW + 1) * LDX; }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// the stages (a CTA of 8 warps)
+// ---------------------------------------------------------------------------------------------------------------
+// fused conv1: halo [(TH_ + 2) x 10 rows, read as 2 MT m16 tiles][LDX] -> y1 [.][LDY]; 8 jobs of MT m16 tiles x 16
+// channels (w1s rows permuted in groups of 16); halo pixels outside the image get conv2's pad value zo1
+template <int TH_, int MT>
+__device__ __forceinline__ void stage1_halo(const i8* halo, i8* y1, const i8* w1s, const int* ps, int zo1, Tile tl) {
+  constexpr int HPX = (TH_ + 2) * HALO_W;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = lane >> 3, g = lane >> 2, t = lane & 3;
-  const int mh = warp & 1, nq = warp >> 1;
-  u32 a_addr[5];
+  const int mh = warp & 1, nq = warp >> 1, ch0 = nq * 16 + 4 * t;
+  u32 a_addr[MT];
 #pragma unroll
-  for (int mt = 0; mt < 5; ++mt)
-    a_addr[mt] = smem_u32(halo + ((mh * 5 + mt) * 16 + (j & 1) * 8 + (lane & 7)) * LDX + (j >> 1) * 16);
+  for (int mt = 0; mt < MT; ++mt)
+    a_addr[mt] = smem_u32(halo + ((mh * MT + mt) * 16 + (j & 1) * 8 + (lane & 7)) * LDX + (j >> 1) * 16);
   const u32 b_addr = smem_u32(w1s + (nq * 16 + (j >> 1) * 8 + (lane & 7)) * LDX + (j & 1) * 16);
-  int acc[5][2][4];
+  int acc[MT][2][4];
   zero_acc(acc);
-  warp_gemm<5, 1, C_IN / 32>(acc, a_addr, b_addr, 0u, K1x1());
-  Rq q[2][2];  // this lane's 4 output channels
+  warp_gemm<MT, 1, C_IN / 32>(acc, a_addr, b_addr, 0u, K1x1());
+  Rq q[4];
+  rq_load<4>(q, ps, P_B1, P_M1, P_SH1, ch0);
+  const u32 pad = (u32)(zo1 & 0xff) * 0x01010101u;
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) q[nt][e] = rq_load(ps, P_B1, P_M1, P_S1, nq * 16 + nt * 8 + 2 * t + e);
-#pragma unroll
-  for (int mt = 0; mt < 5; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = (mh * 5 + mt) * 16 + g + 8 * h;
-      const int ih = h0 - 1 + row / HALO_W, iw = w0 - 1 + row % HALO_W;
+      const int row = (mh * MT + mt) * 16 + g + 8 * h;
+      if (row >= HPX) continue;
+      const int ih = tl.h0 - 1 + row / HALO_W, iw = tl.w0 - 1 + row % HALO_W;
+      u32 w[1];
+      relu_row<2>(w, acc[mt], h, q, zo1);
       const bool inside = ih >= 0 && ih < IMG && iw >= 0 && iw < IMG;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int col = nq * 16 + nt * 8 + 2 * t;
-        const int q0 = inside ? rq1(acc[mt][nt][2 * h], q[nt][0], zo1, zo1) : zo1;
-        const int q1 = inside ? rq1(acc[mt][nt][2 * h + 1], q[nt][1], zo1, zo1) : zo1;
-        st2(y1 + row * LDY + col, q0, q1);
-      }
+      *(u32*)(y1 + row * LDY + ch0) = inside ? w[0] : pad;
     }
 }
 
-// unfused conv1: a [128][LDX] -> y [128][LDY]; 8 jobs of 2 m16 tiles x 32 channels
-__device__ __forceinline__ void stage1_flat(const i8* a, i8* y, const i8* w1s, const int* ps, int zo1) {
+// unfused conv1: a [128][LDX] -> y1 in global memory; 8 jobs of 2 m16 tiles x 32 channels (w1s permuted by 32)
+__device__ __forceinline__ void stage1_flat(const i8* a, GlobalFlat<C_MID> out, const i8* w1s, const int* ps,
+                                            int zo1) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = lane >> 3, g = lane >> 2, t = lane & 3;
-  const int mq = warp & 3, nh = warp >> 2;
+  const int mq = warp & 3, nh = warp >> 2, ch0 = nh * 32 + 8 * t;
   u32 a_addr[2];
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
@@ -231,75 +345,105 @@ __device__ __forceinline__ void stage1_flat(const i8* a, i8* y, const i8* w1s, c
   int acc[2][4][4];
   zero_acc(acc);
   warp_gemm<2, 2, C_IN / 32>(acc, a_addr, b_addr, 16u * LDX, K1x1());
-  Rq q[4][2];  // this lane's 8 output channels
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) q[nt][e] = rq_load(ps, P_B1, P_M1, P_S1, nh * 32 + nt * 8 + 2 * t + e);
+  Rq q[8];
+  rq_load<8>(q, ps, P_B1, P_M1, P_SH1, ch0);
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = (mq * 2 + mt) * 16 + g + 8 * h;
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int col = nh * 32 + nt * 8 + 2 * t;
-        st2(y + row * LDY + col, rq1(acc[mt][nt][2 * h], q[nt][0], zo1, zo1),
-            rq1(acc[mt][nt][2 * h + 1], q[nt][1], zo1, zo1));
-      }
+      i8* o = out((mq * 2 + mt) * 16 + g + 8 * h);
+      if (!o) continue;
+      u32 w[2];
+      relu_row<4>(w, acc[mt], h, q, zo1);
+      st_words<2>(o + ch0, w);
     }
 }
 
-// conv2 (fused and unfused): yin [160][LDY] (the 16 x 10 halo, pads already zo1) -> yout [112][LDY];
-// warps 0..6, each one m16 tile (two output rows of 8 pixels) x all 64 channels
-__device__ __forceinline__ void stage2(const i8* yin, i8* yout, const i8* w2s, const int* ps, int zo2) {
+// conv2 (fused and unfused): yin [halo rows][LDY] (the (TH_ + 2) x 10 halo, pads already zo1) -> out(p); a warp job
+// is one m16 tile (two output rows of 8 pixels) x 8 NT channels (w2s permuted in groups of 8 NT); 14 x 8, NT 8:
+// warps 0..6; 7 x 8, NT 4: 4 m16 tiles (the last one half outside the tile) x 2 channel halves
+template <int TH_, int NT, class Out>
+__device__ __forceinline__ void stage2(const i8* yin, Out out, const i8* w2s, const int* ps, int zo2) {
+  constexpr int NMT = (TH_ * TW + 15) / 16, NG = C_MID / (8 * NT);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = lane >> 3, g = lane >> 2, t = lane & 3;
-  if (warp >= TILE_PX / 16) return;
+  if (warp >= NMT * NG) return;
+  const int mt = warp % NMT, ng = warp / NMT, ch0 = ng * 8 * NT + 2 * NT * t;
   u32 a_addr[1];
-  a_addr[0] = smem_u32(yin + ((2 * warp + (j & 1)) * HALO_W + (lane & 7)) * LDY + (j >> 1) * 16);
-  const u32 b_addr = smem_u32(w2s + ((j >> 1) * 8 + (lane & 7)) * LDW2 + (j & 1) * 16);
-  int acc[1][8][4];
+  a_addr[0] = smem_u32(yin + ((2 * mt + (j & 1)) * HALO_W + (lane & 7)) * LDY + (j >> 1) * 16);
+  const u32 b_addr = smem_u32(w2s + (ng * 8 * NT + (j >> 1) * 8 + (lane & 7)) * LDW2 + (j & 1) * 16);
+  int acc[1][NT][4];
   zero_acc(acc);
-  warp_gemm<1, 4, 9 * C_MID / 32>(acc, a_addr, b_addr, 16u * LDW2, K3x3());
-  Rq q[8][2];  // this lane's 16 output channels
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) q[nt][e] = rq_load(ps, P_B2, P_M2, P_S2, nt * 8 + 2 * t + e);
+  warp_gemm<1, NT / 2, 9 * C_MID / 32>(acc, a_addr, b_addr, 16u * LDW2, K3x3());
+  Rq q[2 * NT];
+  rq_load<2 * NT>(q, ps, P_B2, P_M2, P_SH2, ch0);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int p = warp * 16 + g + 8 * h;
+    i8* o = out(mt * 16 + g + 8 * h);
+    if (!o) continue;
+    u32 w[NT / 2];
+    relu_row<NT>(w, acc[0], h, q, zo2);
+    st_words<NT / 2>(o + ch0, w);
+  }
+}
+
+// conv3 + residual: yin [NMT * 16][LDY] -> out(p), residual bytes at res(p); warp w owns output channels 32 w ..
+// 32 w + 31 (w3s permuted in groups of 32), all m tiles in turn, software-pipelined: m tile m + 1's MMAs are issued
+// before m tile m's epilogue (the tensor cores work while the epilogue's integer math issues)
+template <int NMT, class RR, class Out>
+__device__ __forceinline__ void stage3(const i8* yin, RR res, Out out, const i8* w3s, const int* ps, const Res& rp) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = lane >> 3, g = lane >> 2, t = lane & 3;
+  const int ch0 = warp * 32 + 8 * t;
+  const u32 b_addr = smem_u32(w3s + (warp * 32 + (j >> 1) * 8 + (lane & 7)) * LDY + (j & 1) * 16);
+  const u32 a_addr0 = smem_u32(yin + ((j & 1) * 8 + (lane & 7)) * LDY + (j >> 1) * 16);
+  Rq q[8];
+  rq_load<8>(q, ps, P_B3, P_M3, P_SH3, ch0);
+  const auto gemm = [&](int (&acc)[1][4][4], int m) {
+    const u32 a_addr[1] = {a_addr0 + (u32)(m * 16 * LDY)};
+    zero_acc(acc);
+    warp_gemm<1, 2, C_MID / 32>(acc, a_addr, b_addr, 16u * LDY, K1x1());
+  };
+  const auto epilogue = [&](const int (&acc)[1][4][4], int m) {
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int col = nt * 8 + 2 * t;
-      st2(yout + p * LDY + col, rq1(acc[0][nt][2 * h], q[nt][0], zo2, zo2),
-          rq1(acc[0][nt][2 * h + 1], q[nt][1], zo2, zo2));
+    for (int h = 0; h < 2; ++h) {
+      const int p = m * 16 + g + 8 * h;
+      i8* o = out(p);
+      if (o) res_row(o + ch0, acc[0], h, q, *(const uint2*)(res(p) + ch0), rp);
+    }
+  };
+  int acc0[1][4][4], acc1[1][4][4];
+  gemm(acc0, 0);
+#pragma unroll 1
+  for (int m = 0; m < NMT; m += 2) {
+    if (m + 1 < NMT) gemm(acc1, m + 1);
+    epilogue(acc0, m);
+    if (m + 1 < NMT) {
+      if (m + 2 < NMT) gemm(acc0, m + 2);
+      epilogue(acc1, m + 1);
     }
   }
 }
 
-// conv3 + residual (fused and unfused): yin [NMT * 16][LDY] -> in place over the residual rows (res_row(p): the
-// shared address of pixel p's 256 input channels); warp w owns output channels 32 w .. 32 w + 31
-struct ResFlat {
-  i8* base;
-  __device__ __forceinline__ i8* operator()(int p) const { return base + p * LDX; }
-};
-struct ResHaloCentre {
-  i8* base;
-  __device__ __forceinline__ i8* operator()(int p) const { return base + ((p / TW + 1) * HALO_W + p % TW + 1) * LDX; }
-};
-
-template <int NMT, class RR>
-__device__ __forceinline__ void stage3(const i8* yin, RR res_row, const i8* w3s, const int* ps, int zo3, int zo_out) {
+// conv3 + residual of the 7 x 8 tile: as stage3, the residual read from global memory one m tile ahead (the loads of
+// m tile m + 1 in flight during m tile m's MMAs and epilogue)
+template <class RR, class Out>
+__device__ __forceinline__ void stage3_prefetch(const i8* yin, RR res, Out out, const i8* w3s, const int* ps,
+                                                const Res& rp) {
+  constexpr int NMT = (TILE7_PX + 15) / 16;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j = lane >> 3, g = lane >> 2, t = lane & 3;
+  const int ch0 = warp * 32 + 8 * t;
   const u32 b_addr = smem_u32(w3s + (warp * 32 + (j >> 1) * 8 + (lane & 7)) * LDY + (j & 1) * 16);
-  Rq3 q[4][2];  // this lane's 8 output channels, for all its m tiles
+  Rq q[8];
+  rq_load<8>(q, ps, P_B3, P_M3, P_SH3, ch0);
+  // (rows past the tile, and past the last m tile, load the tile's last pixel instead: read, never used)
+  const auto res_at = [&](int p) { return *(const uint2*)(res(p < TILE7_PX ? p : TILE7_PX - 1) + ch0); };
+  uint2 r[2];
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) q[nt][e] = rq3_load(ps, warp * 32 + nt * 8 + 2 * t + e);
+  for (int h = 0; h < 2; ++h) r[h] = res_at(g + 8 * h);
 #pragma unroll 1
   for (int m = 0; m < NMT; ++m) {
+    uint2 rn[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) rn[h] = res_at((m + 1) * 16 + g + 8 * h);
     u32 a_addr[1];
     a_addr[0] = smem_u32(yin + (m * 16 + (j & 1) * 8 + (lane & 7)) * LDY + (j >> 1) * 16);
     int acc[1][4][4];
@@ -307,14 +451,9 @@ __device__ __forceinline__ void stage3(const i8* yin, RR res_row, const i8* w3s,
     warp_gemm<1, 2, C_MID / 32>(acc, a_addr, b_addr, 16u * LDY, K1x1());
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      i8* rp = res_row(m * 16 + g + 8 * h);
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int col = warp * 32 + nt * 8 + 2 * t;
-        const int o0 = rq3(acc[0][nt][2 * h], rp[col], q[nt][0], zo3, zo_out);
-        const int o1 = rq3(acc[0][nt][2 * h + 1], rp[col + 1], q[nt][1], zo3, zo_out);
-        st2(rp + col, o0, o1);
-      }
+      i8* o = out(m * 16 + g + 8 * h);
+      if (o) res_row(o + ch0, acc[0], h, q, r[h], rp);
+      r[h] = rn[h];
     }
   }
 }
@@ -322,29 +461,30 @@ __device__ __forceinline__ void stage3(const i8* yin, RR res_row, const i8* w3s,
 // ---------------------------------------------------------------------------------------------------------------
 // tile movement (256 threads; 16-byte chunks, consecutive threads on consecutive chunks)
 // ---------------------------------------------------------------------------------------------------------------
-struct Tile {
-  int n, h0, w0;
-};
-__device__ __forceinline__ Tile spatial_tile(int tile) {
-  const int r = tile % TILES_PER_IMG;
-  return Tile{tile / TILES_PER_IMG, (r / (IMG / TW)) * TH, (r % (IMG / TW)) * TW};
-}
-
-// rows x row_bytes from global (row stride row_bytes) to shared (row stride ld), plain loads (weights, parameters)
-__device__ __forceinline__ void copy_rows(i8* dst, int ld, const i8* src, int rows, int row_bytes) {
+// the weights' rows x row_bytes from global (row stride row_bytes) to shared (row stride ld), plain loads; shared row
+// c holds global row perm(c): in each group of 8 NT rows (a warp's output channels), row 8 nt + 2 t + e (the channel
+// of n8 tile nt that lane t's fragment holds, e = 0, 1) holds channel 2 NT t + 2 nt + e: lane t's 2 NT accumulator
+// columns are then 2 NT contiguous channels
+template <int NT>
+__device__ __forceinline__ void copy_w_perm(i8* dst, int ld, const i8* src, int rows, int row_bytes) {
   const int per_row = row_bytes / 16;
   for (int q = threadIdx.x; q < rows * per_row; q += NTHREADS) {
-    const int r = q / per_row, c = q % per_row;
-    *(uint4*)(dst + r * ld + c * 16) = *(const uint4*)(src + (long long)r * row_bytes + c * 16);
+    const int r = q / per_row, c = q % per_row, k = r % (8 * NT);
+    const int from = r - k + ((k & 7) >> 1) * 2 * NT + (k >> 3) * 2 + (k & 1);
+    *(uint4*)(dst + r * ld + c * 16) = *(const uint4*)(src + (long long)from * row_bytes + c * 16);
   }
 }
 
-// the (TH + 2) x (TW + 2) halo of a CH-channel NHWC tensor; outside the image: zero-filled (pad_word < 0) or the
+__device__ __forceinline__ void load_params(int* ps, const int* params) {
+  for (int q = threadIdx.x; q < P_WORDS / 4; q += NTHREADS) ((int4*)ps)[q] = ((const int4*)params)[q];
+}
+
+// the (TH_ + 2) x (TW + 2) halo of a CH-channel NHWC tensor; outside the image: zero-filled (pad_word < 0) or the
 // bytes of pad_word
-template <int CH>
+template <int CH, int TH_>
 __device__ __forceinline__ void load_halo(i8* dst, int ld, const i8* src, Tile tl, long long pad_word) {
-  constexpr int PER = CH / 16;
-  for (int q = threadIdx.x; q < HALO_PX * PER; q += NTHREADS) {
+  constexpr int PER = CH / 16, HPX = (TH_ + 2) * HALO_W;
+  for (int q = threadIdx.x; q < HPX * PER; q += NTHREADS) {
     const int idx = q / PER, c = q % PER;
     const int ih = tl.h0 - 1 + idx / HALO_W, iw = tl.w0 - 1 + idx % HALO_W;
     const bool ok = ih >= 0 && ih < IMG && iw >= 0 && iw < IMG;
@@ -359,18 +499,7 @@ __device__ __forceinline__ void load_halo(i8* dst, int ld, const i8* src, Tile t
   }
 }
 
-// the TH x TW centre pixels of a CH-channel tile in shared memory (pixel p at row(p)) -> global NHWC
-template <int CH, class Row>
-__device__ __forceinline__ void store_spatial(i8* dst, Row row, Tile tl) {
-  constexpr int PER = CH / 16;
-  for (int q = threadIdx.x; q < TILE_PX * PER; q += NTHREADS) {
-    const int p = q / PER, c = q % PER;
-    const long long o = (((long long)tl.n * IMG + tl.h0 + p / TW) * IMG + tl.w0 + p % TW) * CH + c * 16;
-    *(uint4*)(dst + o) = *(const uint4*)(row(p) + c * 16);
-  }
-}
-
-// FLAT_PX consecutive pixels (from pixel px0 of total) of a CH-channel tensor <-> shared rows of stride ld
+// FLAT_PX consecutive pixels (from pixel px0 of total) of a CH-channel tensor -> shared rows of stride ld
 template <int CH>
 __device__ __forceinline__ void load_flat(i8* dst, int ld, const i8* src, long long px0, long long total) {
   constexpr int PER = CH / 16;
@@ -380,46 +509,23 @@ __device__ __forceinline__ void load_flat(i8* dst, int ld, const i8* src, long l
     cp16(dst + r * ld + c * 16, ok ? src + (px0 + r) * CH + c * 16 : src, ok);
   }
 }
-template <int CH>
-__device__ __forceinline__ void store_flat(i8* dst, const i8* src, int ld, long long px0, long long total) {
-  constexpr int PER = CH / 16;
-  for (int q = threadIdx.x; q < FLAT_PX * PER; q += NTHREADS) {
-    const int r = q / PER, c = q % PER;
-    if (px0 + r < total) *(uint4*)(dst + (px0 + r) * CH + c * 16) = *(const uint4*)(src + r * ld + c * 16);
-  }
-}
-
-struct RowY {  // pixel p of a [TILE_PX][LDY] tile
-  const i8* base;
-  __device__ __forceinline__ const i8* operator()(int p) const { return base + p * LDY; }
-};
-struct RowHaloCentre {
-  const i8* base;
-  __device__ __forceinline__ const i8* operator()(int p) const {
-    return base + ((p / TW + 1) * HALO_W + p % TW + 1) * LDX;
-  }
-};
-
-__device__ __forceinline__ void load_params(int* ps, const int* params) {
-  copy_rows((i8*)ps, 0, (const i8*)params, 1, P_WORDS * 4);
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // the kernels
 // ---------------------------------------------------------------------------------------------------------------
 extern "C" __global__ void smem_sizes(int* out) {
   out[0] = SMEM_FUSED;
-  out[1] = SMEM_K1;
-  out[2] = SMEM_K2;
-  out[3] = SMEM_K3;
+  out[1] = SMEM_F7;
+  out[2] = SMEM_K1;
+  out[3] = SMEM_K2;
+  out[4] = SMEM_K3;
 }
 
-// the fused block: per tile of TH x TW pixels, the 16 x 10 x 256 halo of x in; out written in place over the halo's
-// centre (out[p][k] needs x[p][k] only), then stored
+// the fused block, 14 x 8 tiles: per tile the 16 x 10 x 256 halo of x in (double-buffered), out straight to global
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     fused_bottleneck(const i8* __restrict__ x, const i8* __restrict__ w1, const i8* __restrict__ w2,
                      const i8* __restrict__ w3, const int* __restrict__ params, i8* __restrict__ out, int N, int zo1,
-                     int zo2, int zo3, int zo_out) {
+                     int zo2, int zo3, int zo_out, int c1, int r1, int c2, int r2, int sr) {
   DYNAMIC_SMEM(smem);
   i8* w1s = (i8*)smem;
   i8* w2s = w1s + C_MID * LDX;
@@ -430,29 +536,68 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   i8* y2 = y1 + HALO_PX * LDY;
   const int ntiles = N * TILES_PER_IMG;
   if ((int)blockIdx.x >= ntiles) return;
-  copy_rows(w1s, LDX, w1, C_MID, C_IN);
-  copy_rows(w2s, LDW2, w2, C_MID, 9 * C_MID);
-  copy_rows(w3s, LDY, w3, C_IN, C_MID);
+  const Res rp = res_params(zo3, zo_out, c1, r1, c2, r2, sr);
+  copy_w_perm<2>(w1s, LDX, w1, C_MID, C_IN);
+  copy_w_perm<8>(w2s, LDW2, w2, C_MID, 9 * C_MID);
+  copy_w_perm<4>(w3s, LDY, w3, C_IN, C_MID);
   load_params(ps, params);
-  load_halo<C_IN>(halo0, LDX, x, spatial_tile(blockIdx.x), -1);
+  load_halo<C_IN, TH>(halo0, LDX, x, spatial_tile<TH>(blockIdx.x), -1);
   cp_commit();
   int it = 0;
   for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x, ++it) {
     i8* cur = halo0 + (it & 1) * (HALO_PX * LDX);
     const int next = tile + gridDim.x;
-    if (next < ntiles) load_halo<C_IN>(halo0 + ((it + 1) & 1) * (HALO_PX * LDX), LDX, x, spatial_tile(next), -1);
+    if (next < ntiles)
+      load_halo<C_IN, TH>(halo0 + ((it + 1) & 1) * (HALO_PX * LDX), LDX, x, spatial_tile<TH>(next), -1);
     cp_commit();
     cp_wait_prev();
     __syncthreads();
-    const Tile tl = spatial_tile(tile);
-    stage1_halo(cur, y1, w1s, ps, zo1, tl.h0, tl.w0);
+    const Tile tl = spatial_tile<TH>(tile);
+    stage1_halo<TH, HALO_PX / 32>(cur, y1, w1s, ps, zo1, tl);
     __syncthreads();
-    stage2(y1, y2, w2s, ps, zo2);
+    stage2<TH, 8>(y1, SharedRows{y2, LDY, TILE_PX}, w2s, ps, zo2);
     __syncthreads();
-    stage3<TILE_PX / 16>(y2, ResHaloCentre{cur}, w3s, ps, zo3, zo_out);
-    __syncthreads();
-    store_spatial<C_IN>(out, RowHaloCentre{cur}, tl);
-    __syncthreads();
+    stage3<TILE_PX / 16>(y2, HaloCentre{cur}, GlobalSpatial<TH, C_IN>(out, tl), w3s, ps, rp);
+    __syncthreads();  // (the next iteration's load overwrites this halo)
+  }
+}
+
+// the fused block, 7 x 8 tiles, 2 CTAs per SM. Shared memory, in this order (what the m16 tiles' extra rows read):
+// halo [90][LDX] (conv1's rows 90..95 read y2: not written during conv1), y2 [56][LDY] (conv3's rows 56..63 read
+// w1s), w1s, w2s, w3s, y1 [90][LDY] (conv2's rows of pixels 56..63 read up to y1 row 99: the parameters), params
+extern "C" __global__ void __launch_bounds__(NTHREADS, 2)
+    fused_bottleneck_7x8(const i8* __restrict__ x, const i8* __restrict__ w1, const i8* __restrict__ w2,
+                         const i8* __restrict__ w3, const int* __restrict__ params, i8* __restrict__ out, int N,
+                         int zo1, int zo2, int zo3, int zo_out, int c1, int r1, int c2, int r2, int sr) {
+  DYNAMIC_SMEM(smem);
+  i8* halo = (i8*)smem;
+  i8* y2 = halo + HALO7_PX * LDX;
+  i8* w1s = y2 + TILE7_PX * LDY;
+  i8* w2s = w1s + C_MID * LDX;
+  i8* w3s = w2s + C_MID * LDW2;
+  i8* y1 = w3s + C_IN * LDY;
+  int* ps = (int*)(y1 + HALO7_PX * LDY);
+  const int ntiles = N * TILES7_PER_IMG;
+  if ((int)blockIdx.x >= ntiles) return;
+  const Res rp = res_params(zo3, zo_out, c1, r1, c2, r2, sr);
+  copy_w_perm<2>(w1s, LDX, w1, C_MID, C_IN);
+  copy_w_perm<4>(w2s, LDW2, w2, C_MID, 9 * C_MID);
+  copy_w_perm<4>(w3s, LDY, w3, C_IN, C_MID);
+  load_params(ps, params);
+  load_halo<C_IN, TH7>(halo, LDX, x, spatial_tile<TH7>(blockIdx.x), -1);
+  cp_commit();
+  for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const Tile tl = spatial_tile<TH7>(tile);
+    cp_wait_all();
+    __syncthreads();  // this tile's halo in; the last tile's conv3 done with y2
+    stage1_halo<TH7, 3>(halo, y1, w1s, ps, zo1, tl);
+    __syncthreads();  // y1 complete; the halo free
+    const int next = tile + gridDim.x;
+    if (next < ntiles) load_halo<C_IN, TH7>(halo, LDX, x, spatial_tile<TH7>(next), -1);
+    cp_commit();
+    stage2<TH7, 4>(y1, SharedRows{y2, LDY, TILE7_PX}, w2s, ps, zo2);
+    __syncthreads();  // y2 complete
+    stage3_prefetch(y2, GlobalSpatial<TH7, C_IN>(x, tl), GlobalSpatial<TH7, C_IN>(out, tl), w3s, ps, rp);
   }
 }
 
@@ -464,11 +609,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2)
   i8* w1s = (i8*)smem;
   int* ps = (int*)(w1s + C_MID * LDX);
   i8* a0 = (i8*)(ps + P_WORDS);  // two input buffers, FLAT_PX * LDX bytes apart
-  i8* o = a0 + 2 * FLAT_PX * LDX;
   const long long total = (long long)N * IMG * IMG;
   const int ntiles = (int)((total + FLAT_PX - 1) / FLAT_PX);
   if ((int)blockIdx.x >= ntiles) return;
-  copy_rows(w1s, LDX, w1, C_MID, C_IN);
+  copy_w_perm<4>(w1s, LDX, w1, C_MID, C_IN);
   load_params(ps, params);
   load_flat<C_IN>(a0, LDX, x, (long long)blockIdx.x * FLAT_PX, total);
   cp_commit();
@@ -479,14 +623,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2)
     cp_commit();
     cp_wait_prev();
     __syncthreads();
-    stage1_flat(a0 + (it & 1) * (FLAT_PX * LDX), o, w1s, ps, zo1);
-    __syncthreads();
-    store_flat<C_MID>(y1g, o, LDY, (long long)tile * FLAT_PX, total);
+    stage1_flat(a0 + (it & 1) * (FLAT_PX * LDX), GlobalFlat<C_MID>(y1g, (long long)tile * FLAT_PX, total), w1s, ps,
+                zo1);
     __syncthreads();
   }
 }
 
-// unfused 2: y2 = conv3x3(y1) over spatial tiles (the halo's outside pixels filled with zo1)
+// unfused 2: y2 = conv3x3(y1) over 14 x 8 tiles (the halo's outside pixels filled with zo1)
 extern "C" __global__ void __launch_bounds__(NTHREADS, 2)
     k2_conv3x3(const i8* __restrict__ y1g, const i8* __restrict__ w2, const int* __restrict__ params,
                i8* __restrict__ y2g, int N, int zo1, int zo2) {
@@ -494,42 +637,42 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2)
   i8* w2s = (i8*)smem;
   int* ps = (int*)(w2s + C_MID * LDW2);
   i8* h0buf = (i8*)(ps + P_WORDS);  // two halo buffers, HALO_PX * LDY bytes apart
-  i8* o = h0buf + 2 * HALO_PX * LDY;
   const int ntiles = N * TILES_PER_IMG;
   if ((int)blockIdx.x >= ntiles) return;
   const long long pad_word = (long long)((u32)(zo1 & 0xff) * 0x01010101u);
-  copy_rows(w2s, LDW2, w2, C_MID, 9 * C_MID);
+  copy_w_perm<8>(w2s, LDW2, w2, C_MID, 9 * C_MID);
   load_params(ps, params);
-  load_halo<C_MID>(h0buf, LDY, y1g, spatial_tile(blockIdx.x), pad_word);
+  load_halo<C_MID, TH>(h0buf, LDY, y1g, spatial_tile<TH>(blockIdx.x), pad_word);
   cp_commit();
   int it = 0;
   for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x, ++it) {
     const int next = tile + gridDim.x;
     if (next < ntiles)
-      load_halo<C_MID>(h0buf + ((it + 1) & 1) * (HALO_PX * LDY), LDY, y1g, spatial_tile(next), pad_word);
+      load_halo<C_MID, TH>(h0buf + ((it + 1) & 1) * (HALO_PX * LDY), LDY, y1g, spatial_tile<TH>(next), pad_word);
     cp_commit();
     cp_wait_prev();
     __syncthreads();
-    stage2(h0buf + (it & 1) * (HALO_PX * LDY), o, w2s, ps, zo2);
-    __syncthreads();
-    store_spatial<C_MID>(y2g, RowY{o}, spatial_tile(tile));
+    stage2<TH, 8>(h0buf + (it & 1) * (HALO_PX * LDY), GlobalSpatial<TH, C_MID>(y2g, spatial_tile<TH>(tile)), w2s, ps,
+                  zo2);
     __syncthreads();
   }
 }
 
-// unfused 3: out = conv1x1(y2) + residual x over tiles of FLAT_PX pixels (out in place over the residual tile)
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+// unfused 3: out = conv1x1(y2) + residual x over tiles of FLAT_PX pixels (the residual tile in shared memory)
+extern "C" __global__ void __launch_bounds__(NTHREADS, 2)
     k3_conv1x1_res(const i8* __restrict__ y2g, const i8* __restrict__ x, const i8* __restrict__ w3,
-                   const int* __restrict__ params, i8* __restrict__ out, int N, int zo3, int zo_out) {
+                   const int* __restrict__ params, i8* __restrict__ out, int N, int zo3, int zo_out, int c1, int r1,
+                   int c2, int r2, int sr) {
   DYNAMIC_SMEM(smem);
   i8* w3s = (i8*)smem;
   int* ps = (int*)(w3s + C_IN * LDY);
   i8* a0 = (i8*)(ps + P_WORDS);           // two conv inputs, FLAT_PX * LDY bytes apart
-  i8* r0 = a0 + 2 * FLAT_PX * LDY;        // two residual / output tiles, FLAT_PX * LDX bytes apart
+  i8* r0 = a0 + 2 * FLAT_PX * LDY;        // two residual tiles, FLAT_PX * LDX bytes apart
   const long long total = (long long)N * IMG * IMG;
   const int ntiles = (int)((total + FLAT_PX - 1) / FLAT_PX);
   if ((int)blockIdx.x >= ntiles) return;
-  copy_rows(w3s, LDY, w3, C_IN, C_MID);
+  const Res rp = res_params(zo3, zo_out, c1, r1, c2, r2, sr);
+  copy_w_perm<4>(w3s, LDY, w3, C_IN, C_MID);
   load_params(ps, params);
   load_flat<C_MID>(a0, LDY, y2g, (long long)blockIdx.x * FLAT_PX, total);
   load_flat<C_IN>(r0, LDX, x, (long long)blockIdx.x * FLAT_PX, total);
@@ -544,10 +687,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     cp_commit();
     cp_wait_prev();
     __syncthreads();
-    i8* res = r0 + (it & 1) * (FLAT_PX * LDX);
-    stage3<FLAT_PX / 16>(a0 + (it & 1) * (FLAT_PX * LDY), ResFlat{res}, w3s, ps, zo3, zo_out);
-    __syncthreads();
-    store_flat<C_IN>(out, res, LDX, (long long)tile * FLAT_PX, total);
+    stage3<FLAT_PX / 16>(a0 + (it & 1) * (FLAT_PX * LDY), SharedRows{r0 + (it & 1) * (FLAT_PX * LDX), LDX, FLAT_PX},
+                         GlobalFlat<C_IN>(out, (long long)tile * FLAT_PX, total), w3s, ps, rp);
     __syncthreads();
   }
 }

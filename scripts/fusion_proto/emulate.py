@@ -3,7 +3,7 @@ the PTX fragment layouts) and compared with the NumPy reference: the kernels' ow
 
 Steps: 1. build emu/emu_main.cpp with g++ (C++20); 2. write the inputs of batch n (a grid smaller than the tile
 count, so the persistent loops and their double buffers turn over; batch 1's 3136 pixels leave the flat kernels a
-partial last tile); 3. run; 4. compare the four outputs byte for byte."""
+partial last tile); 3. run; 4. compare the five outputs byte for byte."""
 from __future__ import annotations
 
 import pathlib
@@ -18,7 +18,9 @@ import backends as B
 import reference as R
 
 HERE = pathlib.Path(__file__).resolve().parent
-GRIDS = (5, 4, 3, 6)  # fused, k1, k2, k3
+GRIDS = (5, 7, 4, 3, 6)  # fused, fused_7x8, k1, k2, k3 (each fewer CTAs than tiles at batch 1)
+# the emulator's output files and the reference tensor each is compared with
+OUTPUTS = {"fused_out": "out", "fused_7x8_out": "out", "y1": "y1", "y2": "y2", "unfused_out": "out"}
 
 
 def build(out_dir: pathlib.Path) -> pathlib.Path:
@@ -35,7 +37,7 @@ def build(out_dir: pathlib.Path) -> pathlib.Path:
 
 
 def emulate(blk: R.Block, d: dict, rng: np.random.Generator, n: int = 1) -> dict:
-    """Mismatch counts of the emulated kernels' outputs (fused out; unfused y1, y2, out) at batch n."""
+    """Mismatch counts of the emulated kernels' outputs (``OUTPUTS``) at batch n."""
     x = R.draw_input(rng, n)
     ref = R.reference(blk, x, threads=2)
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,13 +49,13 @@ def emulate(blk: R.Block, d: dict, rng: np.random.Generator, n: int = 1) -> dict
         blk.conv3.w.reshape(R.C_IN, R.C_MID).astype(np.int8).tofile(t / "w3.bin")
         B.pack_params(blk, d).tofile(t / "params.bin")
         args = [str(exe), tmp, str(n), str(blk.conv1.zo), str(blk.conv2.zo), str(blk.conv3.zo), str(blk.zo_out)]
+        args += [str(v) for v in R.kernel_rq2(blk)]
         grids = [min(g, B.tiles(k, n, d)) for g, k in zip(GRIDS, B.KERNELS)]
         t0 = time.perf_counter()
         subprocess.run(args + [str(g) for g in grids], check=True)
         secs = time.perf_counter() - t0
-        got = {name: np.fromfile(t / f"{name}.bin", np.int8).reshape(ref[r].shape)
-               for name, r in (("fused_out", "out"), ("y1", "y1"), ("y2", "y2"), ("unfused_out", "out"))}
+        got = {name: np.fromfile(t / f"{name}.bin", np.int8).reshape(ref[r].shape) for name, r in OUTPUTS.items()}
     res = dict(batch=n, grids=dict(zip(B.KERNELS, grids)), seconds=round(secs, 1))
-    for name, r in (("fused_out", "out"), ("y1", "y1"), ("y2", "y2"), ("unfused_out", "out")):
+    for name, r in OUTPUTS.items():
         res[name] = int(np.count_nonzero(got[name] != ref[r]))
     return res

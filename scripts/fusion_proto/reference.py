@@ -8,6 +8,12 @@ The block (ResNet-50 layer1, non-downsample; NHWC int8):
     y3 = rq(conv1x1(y2, w3 [256, 1, 1, 64]), b3, M3, S3; zo3, lo = -128)        (no ReLU)
     out = clip(((y3 + c1) R1 + (x + c2) R2 + 2^(SR - 1)) >> SR) + zo_out, zo_out, 127)   (ReLU after the add)
 with rq(acc, b, M, S; zo, lo) = clip(((int32 wrap(acc + b)) M + 2^(S - 1)) >> S) + zo, lo, 127) in int64.
+
+The parameters are drawn in the regime for which qcompile compiles ResNet-50's tensor-core kernels (and for which
+the prototype's 32-bit epilogues are exact; ``kernel_rq2`` checks it): per-channel multipliers of 31 bits with their
+shift S = 31 - exponent (compiler/fixed_point.py), so every S >= 33 (ConvSpec ``shift_ge33``); one residual
+requantize (c1, R1, c2, R2, SR) for all channels (``rq2_uniform``: per-tensor activation scales) whose intermediates
+fit int32 (``res_i32``).
 """
 from __future__ import annotations
 
@@ -69,15 +75,16 @@ class Block:
 # ---------------------------------------------------------------------------------------------------------------
 def _draw_conv(rng, acc: np.ndarray, w: np.ndarray, zo: int, lo: int, sigma: float) -> Conv:
     """Stage-1 parameters that spread this conv's outputs: per channel, the bias centres the accumulator (measured
-    on a sample, ``acc`` [.., K]) and M scales its spread to ``sigma`` output steps (measure.random_problem's rule,
-    with the measured spread in place of the formula)."""
+    on a sample, ``acc`` [.., K]) and the real multiplier m scales its spread to ``sigma`` output steps
+    (measure.random_problem's rule, with the measured spread in place of the formula); m becomes M (31 bits) and S
+    as compiler/fixed_point.py's ``quantize_multipliers`` makes them (S = 31 - exponent of m)."""
     a = acc.reshape(-1, acc.shape[-1]).astype(np.float64)
     mean, std = a.mean(axis=0), np.maximum(a.std(axis=0), 1.0)
     K = acc.shape[-1]
     b = (-np.round(mean) + rng.integers(-1, 2, K) * np.round(0.25 * std)).astype(np.int32)
-    S = rng.integers(20, 32, K).astype(np.int32)
-    M = np.round(sigma / std * 2.0 ** S.astype(np.float64) * rng.uniform(0.5, 1.5, K))
-    M = np.clip(M, 1, (1 << 31) - 1).astype(np.int32)
+    m = sigma / std * rng.uniform(0.5, 1.5, K)
+    S = np.minimum(31 - np.frexp(m)[1], 62).astype(np.int32)
+    M = np.clip(np.round(m * 2.0 ** S.astype(np.float64)), 1, (1 << 31) - 1).astype(np.int32)
     return Conv(w=w, b=b, M=M, S=S, zo=int(zo), lo=int(lo))
 
 
@@ -105,11 +112,32 @@ def draw_block(rng: np.random.Generator) -> Block:
     s3 = measure.Spec(dict(N=1, H=IMG, W=IMG, C=C_MID, K=C_IN, R=1, S=1))
     blk.conv3 = _draw_conv(rng, measure.conv_acc_nhwc(y2, w3, s3), w3, zo3, -128, 50.0)
     span = (127 - zo_out) / 300.0  # (y3 + x) spreads about 90 steps: its positive half reaches 127, a few clip
-    SR = rng.integers(16, 31, C_IN)
-    R1 = np.clip(np.round(span * rng.uniform(0.6, 1.4, C_IN) * 2.0 ** SR), 1, 2 ** 31 - 1)
-    R2 = np.clip(np.round(span * rng.uniform(0.6, 1.4, C_IN) * 2.0 ** SR), 1, 2 ** 31 - 1)
-    blk.rq2 = np.stack([rng.integers(-3, 4, C_IN), R1, rng.integers(-3, 4, C_IN), R2, SR]).astype(np.int32)
+    SR = int(rng.integers(12, 21))  # (measure.random_problem's range for res_i32)
+    R1, R2 = (int(np.round(span * rng.uniform(0.6, 1.4) * 2.0 ** SR)) for _ in range(2))
+    one = [int(rng.integers(-3, 4)), R1, int(rng.integers(-3, 4)), R2, SR]
+    blk.rq2 = np.repeat(np.array(one, np.int32)[:, None], C_IN, axis=1)
+    kernel_rq2(blk)
     return blk
+
+
+def kernel_rq2(blk: Block) -> tuple:
+    """(c1, R1, c2, R2, SR): the residual stage's parameters as the kernels take them (arguments), after checking
+    the conditions under which their 32-bit epilogues equal the int64 reference: every S in 33..62 (stage 1 from the
+    product's high word), rq2 the same for every channel, every intermediate of the residual stage within int32
+    (over all int8 y3 and residual values). A ValueError names the first condition that fails."""
+    for i, c in enumerate((blk.conv1, blk.conv2, blk.conv3), 1):
+        if c.S.min() < 33 or c.S.max() > 62:
+            raise ValueError(f"conv{i}: shifts S in [{c.S.min()}, {c.S.max()}]; the kernels need 33 <= S <= 62")
+    rq2 = np.asarray(blk.rq2, np.int64)
+    if not (rq2 == rq2[:, :1]).all():
+        raise ValueError("rq2: the kernels take one (c1, R1, c2, R2, SR) for all channels; it differs by channel")
+    c1, r1, c2, r2, sr = (int(v) for v in rq2[:, 0])
+    if not 1 <= sr <= 31:
+        raise ValueError(f"rq2: SR {sr} outside 1..31")
+    ends = [(y + c1) * r1 + (r + c2) * r2 + (1 << (sr - 1)) for y in (-128, 127) for r in (-128, 127)]
+    if max(abs(v) for v in ends) >= 1 << 31 or max(abs(r1), abs(r2)) >= 1 << 31:
+        raise ValueError(f"rq2 {c1, r1, c2, r2, sr}: the residual stage leaves int32 (the kernels compute it in int32)")
+    return c1, r1, c2, r2, sr
 
 
 def draw_input(rng: np.random.Generator, n: int) -> np.ndarray:

@@ -16,6 +16,16 @@ struct uint4 {
   unsigned x, y, z, w;
 };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+struct uint2 {
+  unsigned x, y;
+};
+inline uint2 make_uint2(unsigned a, unsigned b) { return uint2{a, b}; }
+struct int4 {
+  int x, y, z, w;
+};
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline int __mulhi(int a, int b) { return (int)(((long long)a * (long long)b) >> 32); }
 
 struct EmuDim {
   unsigned x;
@@ -50,6 +60,23 @@ inline void cp16(void* dst, const void* src, bool valid) {
 }
 inline void cp_commit() {}
 inline void cp_wait_prev() {}
+inline void cp_wait_all() {}
+
+inline int keep_reg(int v) { return v; }
+
+// prmt.b32 d, a, 0, sel (default mode): byte n of d is byte (sel >> 4n) & 7 of {0, a} (a: bytes 0..3), or with bit 3
+// of that nibble set, that byte's sign bit replicated
+inline u32 prmt(u32 a, u32 sel) {
+  const unsigned long long src = a;
+  u32 d = 0;
+  for (int n = 0; n < 4; ++n) {
+    const u32 nib = (sel >> (4 * n)) & 0xf;
+    u32 byte = (u32)(src >> (8 * (nib & 7))) & 0xff;
+    if (nib & 8) byte = (byte & 0x80) ? 0xff : 0;
+    d |= byte << (8 * n);
+  }
+  return d;
+}
 
 // ldmatrix.m8n8.x4.b16: lane l gives the address of row l % 8 of matrix l / 8; register i of lane l holds 4 bytes
 // of matrix i: row l / 4, bytes 4 (l % 4) .. 4 (l % 4) + 3
