@@ -1,16 +1,19 @@
 """The generated CUDA of the kernels compiled models run stays byte-identical (sha256 per kernel).
 
-The set (``cases()``): every kernel ``tuning_logs/sm_90.jsonl`` selects (each record's spec from its key with the
-epilogue compiled models get, its strategy and knobs, through ``plan_conv``: split-K epilogues included), the halo
-stem, ``implicit_gemm_t`` (8- and 4-bit), ``direct_hwnc``, the fallback, default knobs for untuned shapes, and the
-``mma.sync`` kernels of sm_75 / sm_80 / sm_86 with 4- and 8-bit operands. The source comes from TVM's CUDA codegen;
-nvcc does not run (``captured_cuda``).
+The set (``cases()``): every kernel ``tuning_logs/sm_90.jsonl`` selects -- each record of each GPU the log holds
+(``--gpu`` selects that GPU's records), of every strategy it holds records for (implicit_gemm, implicit_gemm_t,
+direct_halo): the record's spec from its key with the epilogue compiled models get, its strategy and knobs, through
+``plan_conv`` (split-K epilogues included) -- and beside the records the halo stem (its 4-bit output too),
+``implicit_gemm_t`` (8- and 4-bit, the 4-bit ring, two groups in flight), ``direct_hwnc``, the fallback, default knobs
+for untuned shapes, and the ``mma.sync`` kernels of sm_75 / sm_80 / sm_86 with 4- and 8-bit operands. The source
+comes from TVM's CUDA codegen; nvcc does not run (``captured_cuda``).
 
 * CI (pytest): the deterministic subset ``ci_cases()`` -- every case that is not a tuning record, and one record per
-  distinct kernel family of the log (``_family``).
+  distinct kernel family of the log (``_family``: per strategy, what distinguishes its code paths).
 * The full set: ``python tests/test_kernel_identity.py --full`` (or ``QCOMPILE_IDENTITY_FULL=1 pytest ...``).
-* Regenerate the data file (only after a change that is meant to change the generated code):
-  ``python tests/test_kernel_identity.py --regen``.
+* Regenerate the data file (only after a change that is meant to change the generated code, or a new log):
+  ``python tests/test_kernel_identity.py --regen``. Cases with the same spec, arch, strategy and knobs (two GPUs'
+  equal records) are generated once.
 """
 from __future__ import annotations
 
@@ -99,10 +102,16 @@ def _records():
     return out
 
 
-def _family(kn, spec) -> tuple:
-    """What distinguishes the code paths of a record's kernel (the CI subset takes one record per value)."""
-    return (kn.mma, spec.x_bits, spec.has_residual, kn.pipe, kn.areg, kn.awarp, kn.w8, kn.agl, kn.pp, kn.sk, kn.erq,
-            kn.fdb, kn.split_k > 1, spec.R * spec.S == 1)
+def _family(strategy: str, kn, spec) -> tuple:
+    """What distinguishes the code paths of a record's kernel (the CI subset takes one record per value): for the
+    GemmKnobs strategies the MMA path and the main loop's / epilogue's variants, for implicit_gemm_t the 4-bit ring
+    and the groups in flight, for direct_halo the pipelined epilogue; the operand width and the kernel size for all."""
+    common = (strategy, spec.x_bits, spec.has_residual, spec.R * spec.S == 1)
+    if strategy == "implicit_gemm_t":
+        return common + (kn.ring, kn.gif)
+    if strategy == "direct_halo":
+        return common + (kn.pipe,)
+    return common + (kn.mma, kn.pipe, kn.areg, kn.awarp, kn.w8, kn.agl, kn.pp, kn.sk, kn.erq, kn.fdb, kn.split_k > 1)
 
 
 def cases() -> dict:
@@ -113,8 +122,8 @@ def cases() -> dict:
     from qcompile.schedules.stem import HaloKnobs
 
     out = {}
-    for rec in _records():
-        out[f"rec|{rec.key}"] = (_spec_from_key(rec.key), rec.arch, "implicit_gemm", rec.knobs)
+    for rec in _records():  # (one record per key, GPU and strategy family: the name tells them apart)
+        out[f"rec|{rec.strategy}|{rec.device}|{rec.key}"] = (_spec_from_key(rec.key), rec.arch, rec.strategy, rec.knobs)
     u8 = dict(x_dtype="uint8", out_dtype="uint8", zo=3, lo=0, hi=255, shift_ge33=True)
     u4 = dict(x_dtype="uint4", w_bits=4, out_dtype="uint4", zo=1, lo=0, hi=15, shift_ge33=True)
     stem = ConvSpec(N=8, H=224, W=224, C=4, K=64, R=7, S=7, stride=2, padding=3, **u8)
@@ -164,9 +173,9 @@ def cases() -> dict:
 def ci_cases(all_cases: dict) -> list[str]:
     """Every non-record case, and the first record of each kernel family (``_family``)."""
     seen, out = set(), []
-    for name, (spec, _, _, kn) in all_cases.items():
+    for name, (spec, _, strategy, kn) in all_cases.items():
         if name.startswith("rec|"):
-            fam = _family(kn, spec)
+            fam = _family(strategy, kn, spec)
             if fam in seen:
                 continue
             seen.add(fam)
@@ -186,10 +195,14 @@ def kernel_hashes(spec, arch, strategy, knobs) -> list[str]:
 
 
 def _compute(names, all_cases, log=None) -> dict:
-    out = {}
+    """name -> ``kernel_hashes`` of each case of ``names``; cases with equal contents generated once."""
+    out, done = {}, {}
     for i, name in enumerate(names):
         t = time.time()
-        out[name] = kernel_hashes(*all_cases[name])
+        what = repr(all_cases[name])
+        if what not in done:
+            done[what] = kernel_hashes(*all_cases[name])
+        out[name] = done[what]
         if log:
             log(f"[{i + 1}/{len(names)}] {name}: {len(out[name])} kernel(s), {time.time() - t:.2f} s")
     return out
@@ -218,10 +231,16 @@ def test_data_covers_the_set():
 
 
 def test_ci_subset_covers_every_family():
+    """Every record of the log is a case (of each GPU and strategy); the CI subset takes a record of every kernel
+    family, of every strategy the log holds records for, and not every case."""
     all_cases = cases()
-    fams = {_family(kn, spec) for n, (spec, _, _, kn) in all_cases.items() if n.startswith("rec|")}
-    picked = {_family(all_cases[n][3], all_cases[n][0]) for n in ci_cases(all_cases) if n.startswith("rec|")}
-    assert picked == fams and len(ci_cases(all_cases)) < len(all_cases)
+    recs = {n: c for n, c in all_cases.items() if n.startswith("rec|")}
+    log = _records()
+    assert len(recs) == len(log) and {st for _, _, st, _ in recs.values()} == {r.strategy for r in log}
+    fams = {_family(st, kn, spec) for spec, _, st, kn in recs.values()}
+    picked = {_family(recs[n][2], recs[n][3], recs[n][0]) for n in ci_cases(all_cases) if n in recs}
+    assert picked == fams and {f[0] for f in picked} == {r.strategy for r in log}
+    assert len(ci_cases(all_cases)) < len(all_cases)
 
 
 if __name__ == "__main__":

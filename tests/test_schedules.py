@@ -1161,24 +1161,31 @@ def test_no_function_over_300_lines():
 
 
 def _record_specs():
+    """(strategy, spec as compiled models run it, knobs) of every record of the shipped log (every GPU's)."""
     import pathlib
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     from test_kernel_identity import _records, _spec_from_key
 
-    return [(_spec_from_key(r.key), r.knobs) for r in _records()]
+    return [(r.strategy, _spec_from_key(r.key), r.knobs) for r in _records()]
 
 
 def test_space_legal_is_the_builders_check():
-    """``legal`` is the plan's decision: every shipped record is legal in its space and of a family the sampler
-    draws from; a point the plan refuses is refused by the builder with the same reason, without TIR."""
+    """``legal`` is the plan's decision: every shipped record (of every strategy) is legal in its strategy's space,
+    and drawable by its sampler (implicit_gemm: of a family the sampler draws from; the others: every knob a value of
+    the space's dimensions); a point the plan refuses is refused by the builder with the same reason, without TIR."""
     from qcompile.schedules.space import SPACES, gemm_families, gemm_family
 
+    recs = _record_specs()
+    assert {st for st, _, _ in recs} == {"implicit_gemm", "implicit_gemm_t", "direct_halo"}
+    for strategy, spec, kn in recs:
+        assert SPACES[strategy].legal(spec, "sm_90", kn) is None, (strategy, spec, kn)
+        if strategy == "implicit_gemm":
+            assert gemm_family(kn, spec.x_bits) in gemm_families(spec, "sm_90")
+        else:
+            assert all(getattr(kn, f) in vals for f, vals in SPACES[strategy].dims.items()), (strategy, kn)
     sp = SPACES["implicit_gemm"]
-    for spec, kn in _record_specs():
-        assert sp.legal(spec, "sm_90", kn) is None, (spec, kn)
-        assert gemm_family(kn, spec.x_bits) in gemm_families(spec, "sm_90")
     spec = ConvSpec(N=8, H=14, W=14, C=256, K=256, R=3, S=3, padding=1, x_dtype="uint8")
     bad = GemmKnobs(mma="wgmma", BM=128, BN=128, WM=2, WN=1, BK=256, stages=8, pipe=-1)  # 8 x 64 KiB of stages
     why = sp.legal(spec, "sm_90", bad)
@@ -1275,14 +1282,17 @@ def test_sms_reaches_every_entry_point():
 
 def test_records_of_every_strategy_reach_compiled_models(tmp_path):
     """implicit_gemm_t and direct_halo records are looked up like the implicit GEMM's (``knobs_for`` with the
-    strategy): the kernel is built with the record's knobs, the source says where they came from; packed 4-bit
-    weights change GemmKnobs only."""
+    strategy): the kernel is built with the record's knobs, the source says where they came from -- a --tuning-log's
+    records and the shipped log's; packed 4-bit weights change GemmKnobs only."""
+    import json
+
     from qcompile.schedules import plan_conv, tuning_key
     from qcompile.schedules.igemm_t import KtKnobs
     from qcompile.schedules.igemm_t import resolve_knobs as kt_resolve
     from qcompile.schedules.spec import space_to_depth
     from qcompile.schedules.stem import HaloKnobs
-    from qcompile.schedules.tuning import clear_cache, format_record, make_record
+    from qcompile.schedules.space import SPACES
+    from qcompile.schedules.tuning import clear_cache, format_record, log_path, make_record
 
     dev = "NVIDIA H100 80GB HBM3"
     u8 = dict(x_dtype="uint8", out_dtype="uint8", lo=0, hi=255)
@@ -1301,8 +1311,21 @@ def test_records_of_every_strategy_reach_compiled_models(tmp_path):
         assert (pk.source, pk.knobs) == (source, halok)
     f = conv2d_int_kernel(kt, "sm_90", "implicit_gemm_t", tuning_logs=[str(log)])
     assert f.attrs["qcompile.knobs_source"] == "arch"
-    assert plan_conv(kt, "sm_90", "implicit_gemm_t").source == "default"  # (the shipped log: implicit_gemm only)
     assert plan_conv(kt.replace(N=32), "sm_90", "implicit_gemm_t", tuning_logs=[log]).source == "nearest"
+    # the shipped log's own implicit_gemm_t and direct_halo records (each GPU's; batch 64 / 8) reach plan_conv; a
+    # layer it has no implicit_gemm_t record of at any batch size (the 4-bit form of kt) gets the defaults
+    shipped = {(r["strategy"], r["device"], r["key"]): r["knobs"]
+               for r in map(json.loads, log_path("sm_90").read_text().splitlines())}
+    for device, source in ((None, "arch"), (dev, "device"), ("NVIDIA H200", "device")):
+        want = shipped[("implicit_gemm_t", device or dev, tuning_key(kt))]
+        pk = plan_conv(kt, "sm_90", device=device)
+        assert (pk.strategy, pk.source, pk.knobs) == ("implicit_gemm_t", source,
+                                                     kt_resolve(kt, "sm_90", KtKnobs(**want)))
+        want = shipped[("direct_halo", device or dev, tuning_key(stem))]
+        pk = plan_conv(stem, "sm_90", "direct_halo", packed_weights=True, device=device)
+        assert (pk.source, pk.knobs) == (source, SPACES["direct_halo"].effective(stem, "sm_90", HaloKnobs(**want)))
+    u4 = dict(x_dtype="uint4", w_bits=4, out_dtype="uint4", lo=0, hi=15)
+    assert plan_conv(kt.replace(**u4), "sm_90", "implicit_gemm_t").source == "default"
 
 
 def test_kt_and_halo_spaces():

@@ -23,12 +23,16 @@ def _fresh_cache(monkeypatch):
     TU.clear_cache()
 
 
+BATCHES = (1, 8, 64, 256)  # (the batch sizes the shipped log was tuned at)
+
+
 def _specs():
-    """The shapes the shipped log records (ResNet-18/50 at batch 64/256, ResNet-50 at 1, 8, 16, 32, 128; INT8, INT4
-    NHWC; the RGB stem also as compiled models run it: padded to 4 channels, and in its space-to-depth form)."""
+    """The shapes the shipped log records (ResNet-18/50 at batch 1, 8, 64, 256; INT8, INT4 NHWC; the RGB stem also as
+    compiled models run it: padded to 4 channels, and in its space-to-depth form; the convs that carry a residual add
+    also with it)."""
     from qcompile.schedules.spec import space_to_depth
 
-    for N in (1, 8, 16, 32, 64, 128, 256):
+    for N in BATCHES:
         for (_, C, H, K, R, st, pd) in ALL_RESNET:
             yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
                            out_dtype="uint8", lo=0, hi=255)
@@ -41,6 +45,8 @@ def _specs():
                 yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint4", w_bits=4,
                                out_dtype="uint4", lo=0, hi=15)
             if R == 3 and st == 1 and C == K:  # (ResNet-18's second 3x3 of a block carries its residual add)
+                yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint8",
+                               out_dtype="uint8", has_residual=True, res_dtype="uint8")
                 yield ConvSpec(N=N, H=H, W=H, C=C, K=K, R=R, S=R, stride=st, padding=pd, x_dtype="uint4", w_bits=4,
                                out_dtype="uint4", lo=-8, hi=7, has_residual=True, res_dtype="uint4")
             if R == 1:  # (the 1x1 expansions carry ResNet-50's residual add: tuned with it, key ...|res)
@@ -50,13 +56,28 @@ def _specs():
                                out_dtype="uint4", lo=-8, hi=7, has_residual=True, res_dtype="uint4")
 
 
-H100 = "NVIDIA H100 80GB HBM3"
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"  # (the GPUs the shipped log was measured on)
 
 
-def _raw(path=None):
-    """The shipped log's records as written, by key (one device: the H100 they were measured on)."""
-    lines = (path or TU.log_path("sm_90")).read_text().splitlines()
-    return {r["key"]: r for r in map(json.loads, lines)}
+def _all():
+    """The shipped log's records as written, in file order."""
+    return [json.loads(ln) for ln in TU.log_path("sm_90").read_text().splitlines()]
+
+
+def _raw(device=H100):
+    """The shipped log's records of one GPU as written, by key (every strategy; the log has one strategy a key). The
+    H100's by default: a lookup that names no GPU prefers it (``test_log_loads``)."""
+    out = {}
+    for r in _all():
+        if r["device"] == device:
+            assert r["key"] not in out, r["key"]
+            out[r["key"]] = r
+    return out
+
+
+def _gemm(recs):
+    """The implicit_gemm records of ``recs`` (GemmKnobs: what ``tuned_knobs`` / ``knobs_for`` look up by default)."""
+    return {k: r for k, r in recs.items() if r["strategy"] == "implicit_gemm"}
 
 
 def _write(path, recs):
@@ -66,9 +87,12 @@ def _write(path, recs):
 
 
 def _tuned_spec():
-    """A tuned spec whose knobs differ from the defaults (a 3x3 layer if there is one)."""
-    recs = _raw()
-    found = [s for s in _specs() if tuning_key(s) in recs and recs[tuning_key(s)]["variant"] != "default"]
+    """A tuned spec (an implicit GEMM conv without a residual add) whose knobs differ from the defaults (a 3x3 layer
+    if there is one)."""
+    recs = _gemm(_raw())
+    found = [s for s in _specs() if not s.has_residual and tuning_key(s) in recs
+             and recs[tuning_key(s)]["variant"] != "default"
+             and TU.knobs_from_dict(recs[tuning_key(s)]["knobs"]) != default_knobs(s, "sm_90")]
     assert found, "the sm_90 log records no non-default knobs"
     return next((s for s in found if s.R == 3), found[0])
 
@@ -82,22 +106,44 @@ def _no_warnings(fn, *a):
 
 
 def test_log_loads():
-    """The shipped log: one record a line, sorted by key, each naming arch, GPU, SM count, key and strategy, its knobs
-    valid GemmKnobs; every record loads without a warning."""
+    """The shipped log: one record a line, one per key, GPU and strategy family (qtune's fastest OK record of each),
+    sorted by (key, GPU, strategy); each names arch, GPU, SM count, key, strategy and status "ok", its knobs legal in
+    its strategy's space for its shape (GemmKnobs also valid), its time at most the defaults' (equal for the default
+    variant); every key a shape of the ResNets (``_specs``), recorded on both GPUs -- an H100 and an H200, 132 SMs
+    each -- in the strategy ``select_strategy`` gives the shape (no record a compiled model never reads); every record
+    loads without a warning, a lookup naming no GPU preferring the H100's."""
+    from qcompile.schedules import GemmKnobs, select_strategy
+    from qcompile.schedules.space import SPACES
+
     lines = TU.log_path("sm_90").read_text().splitlines()
-    assert TU.log_path("sm_90").name == "sm_90.jsonl" and len(lines) == 412
+    assert TU.log_path("sm_90").name == "sm_90.jsonl" and len(lines) == 552
     recs = [json.loads(ln) for ln in lines]
-    assert [r["key"] for r in recs] == sorted({r["key"] for r in recs})  # (sorted, one record per key)
+    ids = [(r["key"], r["device"], r["strategy"]) for r in recs]
+    assert ids == sorted(ids)
+    assert len({(r["key"], r["device"], TU.family(r["strategy"])) for r in recs}) == len(recs)  # (one per family)
     keys = {tuning_key(s) for s in _specs()}
     for rec in recs:
-        assert list(rec)[:6] == ["arch", "device", "sms", "key", "strategy", "knobs"], rec
-        assert (rec["arch"], rec["device"], rec["sms"], rec["strategy"]) == ("sm_90", H100, 132, "implicit_gemm")
+        assert list(rec)[:7] == ["arch", "device", "sms", "key", "strategy", "knobs", "status"], rec
+        assert (rec["arch"], rec["sms"], rec["status"]) == ("sm_90", 132, "ok") and rec["device"] in (H100, H200), rec
+        assert rec["strategy"] in ("implicit_gemm", "implicit_gemm_t", "direct_halo"), rec
         assert rec["key"] in keys, rec["key"]
+        assert select_strategy(TU.spec_from_key(rec["key"]), "sm_90") == rec["strategy"], rec
         parsed, why = TU.parse_record(json.dumps(rec))
-        assert parsed is not None and parsed.knobs.valid() and not why, (rec, why)
+        assert parsed is not None and not why, (rec, why)
+        assert SPACES[rec["strategy"]].legal(TU.spec_from_key(rec["key"]), "sm_90", parsed.knobs, rec["sms"]) is None
+        assert not isinstance(parsed.knobs, GemmKnobs) or parsed.knobs.valid(), rec
         assert rec["ms"] > 0 and rec["default_ms"] > 0 and rec["ms"] <= rec["default_ms"]
+        assert rec["variant"] in ("default", "planned", "trial") and (rec["variant"] == "default") == (
+            rec["ms"] == rec["default_ms"]), rec
+    by_dev = {d: {(r["key"], r["strategy"]) for r in recs if r["device"] == d} for d in (H100, H200)}
+    assert by_dev[H100] == by_dev[H200] and len(by_dev[H100]) == 276
     log = _no_warnings(TU.load_log, "sm_90")
-    assert log["devices"] == [H100] and len(log["records"]) == 412
+    assert log["devices"] == [H100, H200]  # (as many keys each: the GPU the log names first)
+    for strategy in ("implicit_gemm", "implicit_gemm_t", "direct_halo"):
+        got = TU.load_log("sm_90", strategy=strategy)["records"]
+        assert set(got) == {r["key"] for r in recs if r["strategy"] == strategy}, strategy
+        assert got == {k: TU.knobs_from_dict(r["knobs"], strategy) for k, r in _raw(H100).items()
+                       if r["strategy"] == strategy}
 
 
 def test_log_is_package_data():
@@ -126,8 +172,14 @@ def test_residual_conv_prefers_its_own_record(tmp_path, monkeypatch):
     spec = _tuned_spec()
     res = spec.replace(has_residual=True, res_dtype="uint8")
     plain_kn = _no_warnings(tuned_knobs, spec, "sm_90")
-    recs = _raw()
-    assert tuning_key(res) not in recs or tuned_knobs(res, "sm_90") != plain_kn
+    recs = _raw()  # (the H100's records: the log written below has one GPU's)
+    # every residual conv the shipped log records gets its own record, the plain conv its own
+    pairs = [(s, s.replace(has_residual=False)) for s in _specs() if s.has_residual and tuning_key(s) in _gemm(recs)]
+    assert pairs and any(recs[tuning_key(r)]["knobs"] != recs[tuning_key(p)]["knobs"] for r, p in pairs)
+    for r, p in pairs:  # (a plain conv without an implicit_gemm record of its own: none)
+        assert tuned_knobs(r, "sm_90") == TU.knobs_from_dict(recs[tuning_key(r)]["knobs"])
+        plain = _gemm(recs).get(tuning_key(p))
+        assert tuned_knobs(p, "sm_90") == (plain and TU.knobs_from_dict(plain["knobs"]))
     recs.pop(tuning_key(res), None)
     for n in (spec.N, spec.N * 2):  # (N * 2: no record of its own in either form -- the nearest batch decides)
         recs.pop(tuning_key(res.replace(N=n * 2)), None)
@@ -158,6 +210,10 @@ def test_tuned_spec_gets_its_knobs():
     assert str(f.attrs["qcompile.knobs_source"]) == "arch" and str(f.attrs["qcompile.knobs"]) == str(kn)
     f = conv2d_int_kernel(spec, "sm_90", device=H100)  # (the GPU the records were measured on)
     assert str(f.attrs["qcompile.knobs_source"]) == "device" and str(f.attrs["qcompile.knobs"]) == str(kn)
+    k200 = TU.knobs_from_dict(_raw(H200)[tuning_key(spec)]["knobs"])  # (the other GPU: its own record)
+    assert _no_warnings(tuned_knobs, spec, "sm_90", H200) == k200
+    f = conv2d_int_kernel(spec, "sm_90", device=H200)
+    assert str(f.attrs["qcompile.knobs_source"]) == "device" and str(f.attrs["qcompile.knobs"]) == str(k200)
     # an explicit knobs argument still wins
     f = conv2d_int_kernel(spec, "sm_90", knobs=DEFAULT_KNOBS["sm_90"])
     assert str(f.attrs["qcompile.knobs_source"]) == "user"
@@ -198,7 +254,7 @@ def test_stale_record_is_skipped_with_one_warning(tmp_path, monkeypatch, how):
     and the line; so is a line that is not JSON, or whose key, strategy or status does not fit. The other records
     still apply."""
     spec = _tuned_spec()
-    recs = _raw()
+    recs = _raw()  # (one GPU's records: no other GPU's record of the shape stands in for the stale one)
     lines = [json.dumps(r) for r in recs.values()]
     at = list(recs).index(tuning_key(spec))
     rec = dict(recs[tuning_key(spec)], knobs=dict(recs[tuning_key(spec)]["knobs"]))
@@ -233,15 +289,16 @@ def test_stale_record_is_skipped_with_one_warning(tmp_path, monkeypatch, how):
 
 def test_untuned_batch_takes_the_nearest_batch_record():
     """A ResNet layer at a batch size the log has no record for gets the same layer's record at the batch size
-    nearest in ratio (48 -> 64, 12 -> 16, 24 -> 32, 2 -> 1, 96 -> 128, 192 -> 256), its K-split left to the
+    nearest in ratio (the log's 1, 8, 64, 256: 2 -> 1, 4 -> 8, 12 -> 8, 16 -> 8, 24 -> 64, 32 -> 64, 48 -> 64,
+    192 -> 256, and 128 -> 256: a tie, the larger), of the GPU a lookup naming none prefers, its K-split left to the
     automatic rule, while that record's tile still makes a wave of blocks over the SMs; else the arch's defaults. The
     source says which."""
     from qcompile.schedules import arch_info
 
-    recs = _raw()
+    recs = _gemm(_raw())  # (the H100's implicit_gemm records: what an implicit_gemm lookup naming no GPU takes)
     seen = set()
     for spec64 in (s for s in _specs() if s.N == 64 and s.R == 3 and tuning_key(s) in recs):
-        for n, near in ((48, 64), (12, 16), (24, 32), (2, 1), (96, 128), (192, 256)):
+        for n, near in ((2, 1), (4, 8), (12, 8), (16, 8), (24, 64), (32, 64), (48, 64), (128, 256), (192, 256)):
             spec = spec64.replace(N=n)
             if tuning_key(spec64.replace(N=near)) not in recs:
                 continue
@@ -281,8 +338,11 @@ def test_default_knobs_table():
     assert default_knobs(big, "sm_86") == DEFAULT_KNOBS["sm_86"]
     for kn in WGMMA_DEFAULT_KNOBS.values():
         assert kn.valid() and packed_weight_knobs(kn).valid() and not packed_weight_knobs(kn).w8
-    # --packed-int4-weights: every 4-bit w8 record of the log has a valid packed-weight form
-    for rec in _raw().values():
+    # --packed-int4-weights: every 4-bit w8 record of the log (GemmKnobs: both GPUs' implicit_gemm records) has a
+    # valid packed-weight form
+    gemm = [r for r in _all() if r["strategy"] == "implicit_gemm"]
+    assert {r["device"] for r in gemm} == {H100, H200} and any(r["knobs"]["w8"] for r in gemm)
+    for rec in gemm:
         kn = TU.knobs_from_dict(rec["knobs"])
         if kn.w8:
             assert packed_weight_knobs(kn).valid() and not packed_weight_knobs(kn).w8, kn
@@ -299,8 +359,8 @@ def test_tuned_kernel_builds_for_cuda():
         assert "wgmma.mma_async.sync.aligned.m64n" in src and "mma.sync" not in src
     else:
         assert "mma.sync.aligned.m16n8k32.row.col.s32" in src and "ldmatrix" in src
-    # both paths are in the log (mma.sync where it measures faster than wgmma)
-    kinds = {r["knobs"]["mma"] for r in _raw().values()}
+    # both paths are in the log's implicit_gemm records (mma.sync where it measures faster than wgmma)
+    kinds = {r["knobs"]["mma"] for r in _all() if r["strategy"] == "implicit_gemm"}
     assert kinds == {"sync", "wgmma"}
 
 
