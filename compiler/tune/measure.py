@@ -852,11 +852,40 @@ def shape_seed(base: int, entry: dict) -> int:
 AHEAD = 3  # shapes whose problems a GPU worker draws ahead of the one it measures, in parallel
 
 
+def problem_bytes(entry: dict) -> int:
+    """About the most memory drawing ``entry``'s shape's problem takes at once (the padded input, the patch and the
+    accumulator in 8-byte form, the reference)."""
+    sp = Spec(entry["spec"])
+    pt, pl, pb, pr = sp.pads
+    npq = sp.N * sp.P * sp.Q
+    return 8 * (sp.N * (sp.H + pt + pb) * (sp.W + pl + pr) * sp.C + npq * sp.C + 2 * npq * sp.K)
+
+
+def available_bytes() -> int | None:
+    """This host's available memory (Linux), or None where it cannot tell."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def ahead(entries: list, room: int | None) -> list:
+    """The first of ``entries`` (the next shapes, at most ``AHEAD``) whose problems fit ``room`` bytes together
+    (None: no limit)."""
+    out, used = [], 0
+    for e in entries[:AHEAD]:
+        used += problem_bytes(e)
+        if room is not None and used > room:
+            break
+        out.append(e)
+    return out
+
+
 def worker(args) -> int:
     """Measure the candidates of ``args.ids`` (all without) in this process, one JSON line per event to
     ``args.progress``: {"start": id} before a candidate, then its result record. The candidates of one shape run in a
     row on device buffers they share; the next ``AHEAD`` shapes' problems are drawn in the background meanwhile, in
-    parallel (on a GPU; on the CPU the timed kernels would share the cores with them: there each problem is drawn
+    parallel, as far as half the available memory holds them (on a GPU; on the CPU the timed kernels would share the cores with them: there each problem is drawn
     when its turn comes).
     Returns 3 after a run_error (the device context may be lost: the supervisor starts a new worker for the rest)."""
     import tvm
@@ -864,7 +893,7 @@ def worker(args) -> int:
     man, root = read_manifest(args.batch)
     todo = set(args.ids) if args.ids else None
     dev = get_device(args.device, args.device_id)
-    problems = Problems(args.cache_dir, workers=AHEAD)
+    problems = Problems(args.cache_dir, workers=AHEAD if args.device == "cuda" else 1)
     entries = [e for e in sorted(man["candidates"], key=spec_key) if todo is None or e["id"] in todo]
     firsts = {}  # shape -> its first entry (prefetching)
     for e in entries:
@@ -884,8 +913,9 @@ def worker(args) -> int:
                 shared, shared_key = {}, key
                 i = order.index(key)
                 # (on a CPU the kernels being timed and a reference drawn meanwhile share the cores: no prefetch)
-                if args.device == "cuda":
-                    for nxt in (firsts[k] for k in order[i + 1:i + 1 + AHEAD]):
+                if args.device == "cuda":  # (at most half the available memory in drawings ahead)
+                    avail = available_bytes()
+                    for nxt in ahead([firsts[k] for k in order[i + 1:]], avail // 2 if avail else None):
                         problems.prefetch(nxt, shape_seed(args.seed, nxt))
             try:
                 t0 = time.perf_counter()

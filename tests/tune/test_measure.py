@@ -92,12 +92,13 @@ def test_prefetches_are_drawn_in_parallel(monkeypatch):
     import threading
     import time
 
-    running, peak, lock = [0], [0], threading.Lock()
+    running, peak, made, lock = [0], [0], [], threading.Lock()
 
     def slow(self, entry, seed):
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
+            made.append(entry["k"])
         time.sleep(0.3)
         with lock:
             running[0] -= 1
@@ -110,11 +111,30 @@ def test_prefetches_are_drawn_in_parallel(monkeypatch):
     for k in range(3):
         ps.prefetch(dict(k=k), 1)
     assert [ps.get(dict(k=k), 1) for k in range(3)] == [(0, 1), (1, 1), (2, 1)] and peak[0] == 3
+    assert sorted(made) == [0, 1, 2]  # (each drawn once: the gets took the prefetches' results)
     peak[0] = 0
     one = M.Problems()
     for k in range(2):
         one.prefetch(dict(k=k), 1)
     assert one.get(dict(k=1), 1) == (1, 1) and peak[0] == 1
+
+
+def test_draws_ahead_fit_half_the_memory():
+    """The worker draws up to ``AHEAD`` next shapes' problems ahead, fewer where their memory would pass its room;
+    the estimate covers the padded input, patch and accumulators in 8-byte form."""
+    import dataclasses
+
+    small, big = (dict(spec=dataclasses.asdict(SPECS[1].replace(N=n))) for n in (1, 64))
+    assert M.problem_bytes(big) > 50 * M.problem_bytes(small) > 0
+    sp = M.Spec(big["spec"])
+    assert M.problem_bytes(big) >= 8 * sp.N * sp.P * sp.Q * (sp.C + 2 * sp.K)
+    nxt = [small, big, small, big, small]
+    assert M.ahead(nxt, None) == nxt[:M.AHEAD] and M.AHEAD == 3
+    room = 2 * M.problem_bytes(small) + M.problem_bytes(big) // 2
+    assert M.ahead(nxt, room) == [small]  # (the big one would pass the room: it and the rest wait their turn)
+    assert M.ahead(nxt, 0) == []
+    avail = M.available_bytes()
+    assert avail is None or avail > 0
 
 
 def test_problem_cache_that_cannot_be_written_is_skipped(tmp_path, capsys):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 from fakes import fresh_logs  # noqa: F401  (the fixture)
-from fakes import FakeBuilder, FakeRunner, cost_ms, fake_space, is_build_error, is_mismatch, make_task
+from fakes import FakeBuilder, FakeRunner, Pending, cost_ms, fake_space, is_build_error, is_mismatch, make_task
 
 from qcompile.schedules import tuning as TU
 from qcompile.tune.scheduler import Tuner, format_summary
@@ -214,6 +214,14 @@ def test_time_is_split_between_building_and_measuring(tmp_path):
     ran = sum(r["status"] != "build_error" for r in recs)
     assert s.spent["built"] == len(recs) == 20
     assert s.spent["build"] == pytest.approx(2.0 * 20) and s.spent["measure"] == pytest.approx(0.5 * ran)
+    class DeferringRunner(SlowRunner):  # (the offline runner's export: the batch goes elsewhere, its time counts)
+        def measure(self, built):
+            now[0] += 1.5
+            raise Pending("exported")
+
+    d = _tuner([make_task(N=8, H=14, C=256, K=256)], tmp_path / "d.jsonl", DeferringRunner(), SlowBuilder(),
+               clock=lambda: now[0], pending=(Pending,)).run(trials=20)
+    assert d.deferred and d.spent["measure"] == pytest.approx(1.5) and d.spent["built"] == 1
     line = format_time(s.spent, [dict(setup=1.0, check=0.5), dict(setup=3.0, check=0.5, time=0.25)])
     assert line == ("time: building 40 s (20 candidates, 2.00 s each), measuring "
                     f"{0.5 * ran:.0f} s (2 candidates; per candidate, s: setup 2.000, check 0.500, time 0.125)")
