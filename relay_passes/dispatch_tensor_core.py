@@ -607,11 +607,13 @@ class _Dispatcher(PyExprMutator):
         """The planned kernel of a grouped layer (``spec.groups`` > 1) on its strategy (``schedules.grouped_gemm.
         grouped_kernel``: ``depthwise``, the tensor-core ``grouped_gemm`` where it takes the layer, else
         ``grouped``), with its knobs from the tuning logs (``schedules.tuning.knobs_for``: this device's record, the
-        arch's, the nearest batch's, else the kernel's default, "default"); a record's knobs the kernel refuses for
-        the layer's own epilogue give way to the default; a layer ``grouped_gemm`` cannot plan at all runs on
-        ``grouped``."""
+        arch's, the nearest batch's, else the kernel's default, "default"); a record's knobs that the kernel's space
+        refuses for the layer (``KernelSpace.legal``, the builder's check: e.g. for its own epilogue) give way to the
+        default, and an error while planning legal knobs is raised; a layer ``grouped_gemm`` cannot plan at all runs
+        on ``grouped``."""
         from qcompile.schedules.grouped import plan_grouped
         from qcompile.schedules.grouped_gemm import grouped_kernel
+        from qcompile.schedules.space import SPACES
         from qcompile.schedules.tuning import knobs_for
 
         from qcompile.schedules.gemm.plan import NotApplicable
@@ -623,12 +625,9 @@ class _Dispatcher(PyExprMutator):
             except NotApplicable:  # (no tile of the kernel plans for this layer on this arch: the CUDA-core kernel)
                 strategy = "grouped"
         kn, source = knobs_for(spec, self.arch, self.device, self.tuning_logs, strategy)
-        if source != "default":
-            try:
-                return plan_grouped(spec, spec.groups, self.arch, kn, source=source)
-            except ValueError:
-                pass
-        return plan_grouped(spec, spec.groups, self.arch)
+        if source != "default" and SPACES[strategy].legal(spec, self.arch, kn) is None:
+            return plan_grouped(spec, spec.groups, self.arch, kn, source=source)
+        return plan_grouped(spec, spec.groups, self.arch)  # (no record, or knobs the kernel's space refuses here)
 
     def _grouped_gemm(self, spec):
         """The ``grouped_gemm`` PlannedKernel of a grouped layer (``gemm_spec``: 4-bit weight values one per byte)

@@ -192,3 +192,44 @@ def test_grouped_model_gpu_equals_reference():
     equals the NumPy integer reference."""
     gpu_equals_reference(_grouped_model(), [np.random.default_rng(20 + seed).standard_normal((2, 16, 9, 9))
                                             .astype("float32") for seed in range(2)])
+
+
+def test_grouped_record_refused_by_its_space_takes_the_default_and_build_errors_surface(monkeypatch):
+    """A grouped layer's record whose knobs the kernel's space refuses for the layer gives way to the default knobs
+    (source "default"); an error while planning knobs the space takes is raised, not turned into the default."""
+    from qcompile.errors import run_pass
+    from qcompile.pipeline import lower_to_integer
+    from qcompile.relay_passes import DispatchTensorCore
+    from qcompile.schedules import grouped as G
+    from qcompile.schedules import tuning as TU
+    from qcompile.schedules.grouped import GroupedConfig
+
+    mi = lower_to_integer(_grouped_model(), "NHWC", pack_int4=False)
+    real = TU.knobs_for
+
+    def record(kn):
+        return lambda spec, arch, device, logs, strategy: ((kn, "device") if strategy == "grouped"
+                                                            else real(spec, arch, device, logs, strategy))
+
+    def grouped_plan(p):
+        [pk] = [pk for _, pk in p.planned if pk.strategy == "grouped"]
+        return pk
+
+    monkeypatch.setattr(TU, "knobs_for", record(GroupedConfig(kt=3)))  # (kt must be 8, 4, 2 or 1)
+    p = DispatchTensorCore("sm_90")
+    run_pass(p, mi)
+    assert grouped_plan(p).source == "default"
+    monkeypatch.setattr(TU, "knobs_for", record(GroupedConfig(kt=1, qt=1)))
+    p = DispatchTensorCore("sm_90")
+    run_pass(p, mi)
+    assert grouped_plan(p).source == "device" and grouped_plan(p).knobs.kt == 1
+    make = G.make_grouped
+
+    def broken(spec, groups, cfg=None, *a, **k):
+        if cfg is not None and cfg.kt == 1:
+            raise ValueError("planning broke")
+        return make(spec, groups, cfg, *a, **k)
+
+    monkeypatch.setattr(G, "make_grouped", broken)
+    with pytest.raises(Exception, match="planning broke"):
+        run_pass(DispatchTensorCore("sm_90"), mi)
