@@ -1,7 +1,7 @@
 """The ``qtune`` command: tune a model's tensor-core kernels for a GPU, or its CPU kernels for this machine's CPU, and
 write the measurements to a tuning log.
 
-    qtune MODEL --target cuda --arch sm_XX [--batch N ...] [--layout NHWC|HWNC] [--bits ...]
+    qtune MODEL [MODEL ...] --target cuda --arch sm_XX [--batch N ...] [--layout NHWC|HWNC] [--bits ...]
           [--trials N | --minutes M] [--runner local|rpc|offline ...] [--jobs J] [--export DIR | --import RESULTS]
           [--tuning-log PATH ...] -o LOG
     qtune MODEL --target llvm [--batch N ...] [--trials N | --minutes M] [--jobs J] [--tuning-log PATH ...] -o LOG
@@ -12,7 +12,8 @@ target and measured by the local runner on this CPU; the records name the CPU in
 (``cpu_direct_vnni``, ``cpu_direct_avxvnni``, ``cpu_direct_avx2``: ``--arch`` may name it, nothing else) and the CPU
 model (``/proc/cpuinfo``) as ``device``.
 
-The tasks come from the model as ``qcompile`` compiles it (``tasks.extract_tasks``), the search and the schedule across
+The tasks come from the model as ``qcompile`` compiles it (``tasks.extract_tasks``; several models: one task list,
+a task several of them have tuned once, ``tasks.merge_models``), the search and the schedule across
 tasks from ``scheduler.Tuner``, the builds and the measurements from the builder and runner the options choose
 (``qcompile.tune.build.make_builder`` / ``qcompile.tune.runners.make_runner``, each with its ``add_arguments``).
 ``-o LOG`` is appended to (JSON lines, ``schedules.tuning``); rerunning with the same LOG resumes. Errors in the
@@ -58,7 +59,9 @@ def _parser(factories=None) -> argparse.ArgumentParser:
         epilog=f"Exit status: 0 success, 2 a problem with the model, a file or the options (one 'qtune: error:' "
                f"line), 1 an internal error (set {DEBUG_ENV}=1 for its stack trace). See docs/TUNING.md.",
     )
-    ap.add_argument("model", help="model file, as qcompile takes it: .onnx, .pt2, or a HAWQ checkpoint (with --net)")
+    ap.add_argument("model", nargs="+",
+                    help="model file, as qcompile takes it: .onnx, .pt2, or a HAWQ checkpoint (with --net); several: "
+                         "one run for all, a layer they share tuned once, each model's time weighing the same")
     ap.add_argument("-o", "--output", required=True, metavar="LOG",
                     help="tuning log to append to (.jsonl); rerunning with the same LOG resumes")
     ap.add_argument("--target", default="cuda",
@@ -102,12 +105,16 @@ def _parser(factories=None) -> argparse.ArgumentParser:
 def _check_args(a) -> None:
     from qcompile.checks import check_input_file, check_output_path, check_tuning_logs
 
-    check_input_file(a.model, "model file")
-    try:
-        fmt = format_of(a.model)
-    except ValueError:
-        known = ", ".join(s for f in FORMATS.values() for s in f.suffixes)
-        raise QCompileError(f"cannot tell the format of '{a.model}' from its suffix (known: {known})") from None
+    fmts = {}
+    for m in a.model:
+        check_input_file(m, "model file")
+        try:
+            fmts[m] = format_of(m)
+        except ValueError:
+            known = ", ".join(s for f in FORMATS.values() for s in f.suffixes)
+            raise QCompileError(f"cannot tell the format of '{m}' from its suffix (known: {known})") from None
+    if len(fmts) != len(a.model):
+        raise QCompileError(f"a model file is named twice: {' '.join(a.model)}")
     if a.target not in TUNE_TARGETS:
         raise QCompileError(f"--target {a.target}: qtune tunes --target cuda (tensor-core kernels) or llvm (the CPU "
                             f"kernels, on this machine)")
@@ -129,14 +136,15 @@ def _check_args(a) -> None:
         raise QCompileError(f"--batch must be positive integers, got {bad[0]}")
     if len(set(a.batch)) != len(a.batch):
         raise QCompileError(f"--batch names a batch size twice: {' '.join(map(str, a.batch))}")
-    if fmt != "hawq":
-        for flag, v in (("--net", a.net), ("--input-size", a.input_size)):
-            if v is not None:
-                raise QCompileError(f"{flag} applies to HAWQ checkpoints only; '{a.model}' is {fmt.upper()}")
+    for m, fmt in fmts.items():
+        if fmt != "hawq":
+            for flag, v in (("--net", a.net), ("--input-size", a.input_size)):
+                if v is not None:
+                    raise QCompileError(f"{flag} applies to HAWQ checkpoints only; '{m}' is {fmt.upper()}")
     if a.calibrate:
         check_input_file(a.calibrate, "calibration file")
     check_tuning_logs(a.tuning_log, None, a.target)
-    check_output_path(a.output, "-o", [("input model", a.model), ("calibration data", a.calibrate)]
+    check_output_path(a.output, "-o", [("input model", m) for m in a.model] + [("calibration data", a.calibrate)]
                       + [("--tuning-log", p) for p in a.tuning_log], suffixes=(".jsonl",),
                       why="(a JSON-lines tuning log)")
 
@@ -223,18 +231,24 @@ def _run(a, log, factories) -> int:
     from qcompile.cli import _import_driver_without_torch
 
     _import_driver_without_torch()
-    from .tasks import extract_tasks
+    from .tasks import extract_tasks, members, merge_models
 
     log(f"      done in {time.time() - t0:.1f} s")
-    log(f"extracting the tuning tasks of {a.model} for {a.arch} ({a.layout}, batch {' '.join(map(str, a.batch))}) ...")
+    log(f"extracting the tuning tasks of {' '.join(a.model)} for {a.arch} ({a.layout}, batch "
+        f"{' '.join(map(str, a.batch))}) ...")
     t1 = time.time()
-    tasks = extract_tasks(a.model, a.arch, a.batch, a.layout, a.bits, a.net, a.input_size, a.calibrate,
-                          tuple(a.tuning_log), None, lambda s: None, target=a.target)
-    if not tasks:
-        what = "CPU-kernel" if a.target == "llvm" else "tensor-core"
-        raise QCompileError(f"'{a.model}' has no {what} layer to tune for {a.arch} in {a.layout}")
+    per_model = [extract_tasks(m, a.arch, a.batch, a.layout, a.bits, a.net, a.input_size, a.calibrate,
+                               tuple(a.tuning_log), None, lambda s: None, target=a.target) for m in a.model]
+    what = "CPU-kernel" if a.target == "llvm" else "tensor-core"
+    for m, got in zip(a.model, per_model):
+        if not got:
+            raise QCompileError(f"'{m}' has no {what} layer to tune for {a.arch} in {a.layout}")
+    tasks = merge_models(per_model, a.model) if len(a.model) > 1 else per_model[0]
+    shared = sum(len(t.extra.get("others", ())) > 0 for t in tasks)
     log(f"      done in {time.time() - t1:.1f} s — {len(tasks)} tasks, "
-        f"{sum(t.weight for t in tasks)} layers")
+        f"{sum(m.weight for t in tasks for m in members(t))} layers"
+        + (f" ({sum(map(len, per_model))} tasks in the {len(a.model)} models; {shared} shared)"
+           if len(a.model) > 1 else ""))
     from .scheduler import Tuner, format_summary, format_time
 
     pending = tuple(e for e in (getattr(runners_mod, "OfflineBatchPending", None),) if e is not None)

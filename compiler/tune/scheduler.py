@@ -47,7 +47,7 @@ from qcompile.errors import QCompileError
 
 from .common import BUILD_ERROR, OK, Candidate, Measured
 from .search import TaskState, baseline, propose, searched, starts
-from .tasks import set_shares
+from .tasks import members, set_shares
 
 WINDOW = 2
 OPTIMISM = 0.2
@@ -225,7 +225,8 @@ class Tuner:
 
     def first_round(self, st: TaskState) -> bool:
         """Whether ``st`` is owed its first round (module docstring, step 3)."""
-        return (self.configs and st.rounds == 0 and st.task.share >= FIRST_SHARE and st.tunable
+        share = max(m.extra.get("model_share", m.share) for m in members(st.task))  # (of the model it weighs most in)
+        return (self.configs and st.rounds == 0 and share >= FIRST_SHARE and st.tunable
                 and not st.exhausted and not searched(st) and bool(starts(st)))
 
     def _priority(self, st: TaskState) -> tuple:
@@ -340,19 +341,26 @@ class Tuner:
                  f"{len(st.measured):>3} measured, best {_ms(best)}, default {_ms(dflt)}, gain {gain}")
 
     def table(self) -> tuple:
+        """(rows, gains): a row per task; the estimated whole-model gain per batch size (several models, per
+        (model, batch size))."""
         rows, gains = [], {}
         by_batch: dict = {}
+        several = len({m.extra.get("model") for st in self.states for m in members(st.task)}) > 1
         for st in self.states:
             t = st.task
             b = t.extra.get("model_batch", t.spec.N)
             best, dflt = st.best_ms, st.default_ms
             best_entry = st.best
-            rows.append(dict(label=t.label, key=t.key, strategy=t.strategy, batch=b, share=t.share, default_ms=dflt,
+            n = len(members(t))
+            rows.append(dict(label=t.label + (f" ({n} models)" if n > 1 else ""), key=t.key, strategy=t.strategy,
+                             batch=b, share=t.share, default_ms=dflt,
                              best_ms=best, gain=(dflt / best) if best and dflt else None,
                              measured=len(st.measured), failed=sum(e.status != OK for e in st.measured.values()),
                              best_knobs=best_entry.knobs if best_entry else None, tunable=st.tunable))
             ratio = best / dflt if best and dflt else 1.0
-            by_batch.setdefault(b, []).append((t.share, ratio))
+            for m in members(t) if several else [t]:
+                by_batch.setdefault((m.extra.get("model"), b) if several else b, []).append(
+                    (m.extra.get("model_share", m.share) if several else t.share, ratio))
         for b, parts in by_batch.items():
             total = sum(s * r for s, r in parts)
             gains[b] = 1.0 / total if total > 0 else 1.0
@@ -384,7 +392,8 @@ def format_summary(summary: Summary) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     for b, g in sorted(summary.model_gain.items()):
-        lines.append(f"batch {b}: estimated whole-model gain {g:.2f}x (the tuned kernels: "
+        what = f"{b[0]} batch {b[1]}" if isinstance(b, tuple) else f"batch {b}"
+        lines.append(f"{what}: estimated whole-model gain {g:.2f}x (the tuned kernels: "
                      f"sum of share x best / default = {1 / g:.3f})")
     return "\n".join(lines)
 

@@ -116,12 +116,39 @@ def estimate_ms(spec: ConvSpec, arch: str, strategy: Optional[str] = None) -> fl
     return max(2 * spec.macs() // spec.groups / (peak * 1e9), (x + w + out + res) / (bw * 1e6)) + LAUNCH_MS
 
 
+def merge_models(per_model: list, names: list) -> list:
+    """One task list for several models (``per_model[i]``: the tasks of model ``names[i]``, :func:`extract_tasks`):
+    a task of the same key and strategy in several models is one task, measured once -- the first model's, with the
+    others' in ``extra["others"]`` (each task carries its model's name in ``extra["model"]``)."""
+    out, seen = [], {}
+    for name, tasks in zip(names, per_model):
+        for t in tasks:
+            t.extra["model"] = name
+            first = seen.get((t.key, t.strategy))
+            if first is None:
+                seen[(t.key, t.strategy)] = t
+                out.append(t)
+            else:
+                first.extra.setdefault("others", []).append(t)
+    return out
+
+
+def members(t: Task) -> list:
+    """The task as each model that runs it has it: ``t`` and its ``merge_models`` others."""
+    return [t, *t.extra.get("others", ())]
+
+
 def set_shares(tasks: list, measured: bool = True) -> None:
     """Each task's share of the model's tensor-core time: weight x (measured default time where known and
-    ``measured``, else the estimate), over the sum; shares of one batch size sum to 1."""
+    ``measured``, else the estimate), over the sum; shares of one batch size sum to 1. Tasks of several models
+    (``merge_models``): each model's own share in ``extra["model_share"]``, and ``share`` the mean over the models of
+    that batch size (a task one model lacks counts 0 there), so each model's time weighs the same."""
     by_batch: dict = {}
     for t in tasks:
-        by_batch.setdefault(t.extra.get("model_batch", t.spec.N), []).append(t)
+        for m in members(t):
+            if m is not t:
+                m.default_ms = t.default_ms  # (the same kernel on the same GPU)
+            by_batch.setdefault((m.extra.get("model"), m.extra.get("model_batch", m.spec.N)), []).append(m)
     for group in by_batch.values():
         def cost(t):
             ms = t.default_ms if measured and t.default_ms else None
@@ -132,7 +159,12 @@ def set_shares(tasks: list, measured: bool = True) -> None:
             return t.weight * (ms if ms is not None else t.est_ms)
         total = sum(cost(t) for t in group) or 1.0
         for t in group:
-            t.share = cost(t) / total
+            t.share = t.extra["model_share"] = cost(t) / total
+    models: dict = {}  # batch -> the models that have tasks at it
+    for model, batch in by_batch:
+        models.setdefault(batch, set()).add(model)
+    for t in tasks:
+        t.share = sum(m.extra["model_share"] for m in members(t)) / len(models[t.extra.get("model_batch", t.spec.N)])
 
 
 def tasks_from_planned(planned: list, arch: str) -> list:

@@ -119,3 +119,28 @@ def _have_xgboost() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_several_models_in_one_run(fakes, tmp_path, capsys, monkeypatch):
+    """qtune A B: each model's tasks extracted, a task both have tuned once, a gain line per model; a model named
+    twice is one clear error."""
+    import qcompile.tune.tasks as T
+
+    model, _ = fakes
+    other = tmp_path / "n.onnx"
+    other.write_bytes(b"x")
+    by_model = {str(model): [make_task(N=8, H=28, C=128, K=128, layers=("m2a", "m2b")),
+                             make_task(N=8, H=14, C=256, K=256, layers=("m3",))],
+                str(other): [make_task(N=8, H=28, C=128, K=128, layers=("n2",)),
+                             make_task(N=8, H=7, C=512, K=512, layers=("n4",))]}
+    monkeypatch.setattr(T, "extract_tasks", lambda m, *a, **k: by_model[m])
+    log = tmp_path / "t.jsonl"
+    assert cli.qtune_main([str(model), str(other), "-o", str(log), "--trials", "12", "--search", "random"]) == 0
+    out = capsys.readouterr().out
+    assert "3 tasks, 5 layers (4 tasks in the 2 models; 1 shared)" in out
+    assert f"{model} batch 8: estimated whole-model gain" in out and f"{other} batch 8: estimated" in out
+    assert "m2a +1 b8 (2 models)" in out
+    recs = [json.loads(ln) for ln in log.read_text().splitlines()]
+    assert sum(r["variant"] == "default" for r in recs) == 3
+    assert cli.qtune_main([str(model), str(model), "-o", str(tmp_path / "u.jsonl")]) == 2
+    assert "named twice" in _err(capsys)

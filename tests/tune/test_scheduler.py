@@ -225,3 +225,24 @@ def test_time_is_split_between_building_and_measuring(tmp_path):
     line = format_time(s.spent, [dict(setup=1.0, check=0.5), dict(setup=3.0, check=0.5, time=0.25)])
     assert line == ("time: building 40 s (20 candidates, 2.00 s each), measuring "
                     f"{0.5 * ran:.0f} s (2 candidates; per candidate, s: setup 2.000, check 0.500, time 0.125)")
+
+
+def test_several_models_tune_a_shared_task_once(tmp_path):
+    """Tasks of two models (merge_models): the shared task's baseline is measured once; the summary gives the
+    estimated gain of each model at its batch size, each from its own shares."""
+    from qcompile.tune.tasks import merge_models
+
+    a = [make_task(N=8, H=28, C=128, K=128, layers=("a2",)), make_task(N=8, H=14, C=256, K=256, layers=("a3",))]
+    b = [make_task(N=8, H=28, C=128, K=128, layers=("b2",)), make_task(N=8, H=7, C=512, K=512, layers=("b4",))]
+    tasks = merge_models([a, b], ["A", "B"])
+    s = _tuner(tasks, tmp_path / "t.jsonl", eps=0.5).run(trials=120)
+    recs = _lines(tmp_path / "t.jsonl")
+    base = [r["key"] for r in recs if r["variant"] == "default"]
+    assert sorted(base) == sorted({t.key for t in tasks}) and len(base) == 3
+    assert set(s.model_gain) == {("A", 8), ("B", 8)}
+    ratio = {r["key"]: r["best_ms"] / r["default_ms"] for r in s.rows}
+    assert min(ratio.values()) < 1  # (something was gained)
+    for m, ts in (("A", a), ("B", b)):
+        want = 1 / sum(t.extra["model_share"] * ratio[t.key] for t in ts)
+        assert s.model_gain[(m, 8)] == pytest.approx(want)
+    assert "(2 models)" in format_summary(s) and "A batch 8: estimated whole-model gain" in format_summary(s)

@@ -52,3 +52,34 @@ def test_shares_use_measured_defaults_once_known():
     assert estimate_ms(a.replace(N=128), "sm_90") > estimate_ms(a, "sm_90")
     for arch in ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90"):
         assert estimate_ms(a.replace(x_dtype="uint4", w_bits=4), arch) <= estimate_ms(a, arch)
+
+
+def test_several_models_share_a_task_and_weigh_the_same():
+    """merge_models: a task of the same key and strategy in two models is one task (the first model's, the other's
+    in ``others``); set_shares gives each model's own share (``model_share``, as that model alone would get) and as
+    ``share`` the mean over the models of the batch size, so the shares of a batch size still sum to 1."""
+    import copy
+
+    from fakes import make_task
+
+    from qcompile.tune.tasks import members, merge_models
+
+    a = [make_task(N=8, H=28, C=128, K=128, layers=("a2", "a2b")), make_task(N=8, H=14, C=256, K=256, layers=("a3",))]
+    b = [make_task(N=8, H=28, C=128, K=128, layers=("b2",)), make_task(N=8, H=7, C=512, K=512, layers=("b4",))]
+    alone = [copy.deepcopy(a), copy.deepcopy(b)]
+    for ts in alone:
+        set_shares(ts, measured=False)
+    tasks = merge_models([a, b], ["A.onnx", "B.onnx"])
+    assert [t.layers for t in tasks] == [["a2", "a2b"], ["a3"], ["b4"]]
+    assert tasks[0].extra["others"] == [b[0]] and members(tasks[1]) == [a[1]]
+    assert [t.extra["model"] for t in tasks] == ["A.onnx", "A.onnx", "B.onnx"]
+    tasks[0].default_ms = 0.5
+    set_shares(tasks, measured=False)
+    assert b[0].default_ms == 0.5  # (the shared kernel's measured time is every model's)
+    for got, ref in ((a[0], alone[0][0]), (a[1], alone[0][1]), (b[0], alone[1][0]), (b[1], alone[1][1])):
+        assert got.extra["model_share"] == pytest.approx(ref.share)
+    assert tasks[0].share == pytest.approx((alone[0][0].share + alone[1][0].share) / 2)
+    assert tasks[1].share == pytest.approx(alone[0][1].share / 2) and sum(t.share for t in tasks) == pytest.approx(1)
+    one = copy.deepcopy(alone[0])
+    set_shares(one, measured=False)
+    assert [t.share for t in one] == [t.share for t in alone[0]]  # (one model: as before)
