@@ -4,7 +4,8 @@ write the measurements to a tuning log.
     qtune MODEL [MODEL ...] --target cuda --arch sm_XX [--batch N ...] [--layout NHWC|HWNC] [--bits ...]
           [--trials N | --minutes M] [--runner local|rpc|offline ...] [--jobs J] [--export DIR | --import RESULTS]
           [--tuning-log PATH ...] -o LOG
-    qtune MODEL --target llvm [--batch N ...] [--trials N | --minutes M] [--jobs J] [--tuning-log PATH ...] -o LOG
+    qtune MODEL [MODEL ...] --target llvm [--batch N ...] [--trials N | --minutes M] [--jobs J]
+          [--tuning-log PATH ...] -o LOG
 
 ``--target llvm`` tunes the register tiles of the CPU kernels (strategy ``cpu_direct``) that ``qcompile --target
 llvm`` runs on this host: the tasks are the llvm build's NHWC layers, the candidates are built for this host's build
@@ -22,6 +23,7 @@ model, files or options are one ``qtune: error: ...`` line and exit status 2, as
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -113,7 +115,7 @@ def _check_args(a) -> None:
         except ValueError:
             known = ", ".join(s for f in FORMATS.values() for s in f.suffixes)
             raise QCompileError(f"cannot tell the format of '{m}' from its suffix (known: {known})") from None
-    if len(fmts) != len(a.model):
+    if len({os.path.realpath(m) for m in a.model}) != len(a.model):
         raise QCompileError(f"a model file is named twice: {' '.join(a.model)}")
     if a.target not in TUNE_TARGETS:
         raise QCompileError(f"--target {a.target}: qtune tunes --target cuda (tensor-core kernels) or llvm (the CPU "

@@ -57,7 +57,7 @@ FIRST_SHARE = 0.01  # tasks below this share of their model's time get no first 
 @dataclass
 class Summary:
     rows: list = field(default_factory=list)  # per task: dict(label, key, strategy, batch, share, default_ms, best_ms, ...)
-    model_gain: dict = field(default_factory=dict)  # batch -> estimated whole-model gain (tensor-core time)
+    model_gain: dict = field(default_factory=dict)  # batch (several models: (model, batch)) -> estimated gain
     trials: int = 0
     deferred: bool = False
     stop: str = ""
@@ -198,7 +198,8 @@ class Tuner:
             st.add(kn, status, ms, variant)
             st.trials += 1
             self.trials += 1
-            extra = dict(variant=variant, date=date, layers=st.task.weight, elapsed_s=elapsed)
+            extra = dict(variant=variant, date=date, layers=sum(u.weight for u in members(st.task)),
+                         elapsed_s=elapsed)
             if m.detail and status != OK:
                 extra["detail"] = m.detail[:300]
             lines.append(_format(make_record(st.arch, self.device.name, self.device.sms, st.task.key,
@@ -359,7 +360,8 @@ class Tuner:
                              best_knobs=best_entry.knobs if best_entry else None, tunable=st.tunable))
             ratio = best / dflt if best and dflt else 1.0
             for m in members(t) if several else [t]:
-                by_batch.setdefault((m.extra.get("model"), b) if several else b, []).append(
+                mb = m.extra.get("model_batch", m.spec.N)
+                by_batch.setdefault((m.extra.get("model"), mb) if several else b, []).append(
                     (m.extra.get("model_share", m.share) if several else t.share, ratio))
         for b, parts in by_batch.items():
             total = sum(s * r for s, r in parts)
@@ -379,7 +381,7 @@ def _format(rec: dict) -> str:
 
 def format_summary(summary: Summary) -> str:
     """The final table: task, strategy, share of the model's tensor-core time, default -> best, gain; then the
-    estimated whole-model gain per batch size."""
+    estimated whole-model gain per batch size (several models: per model and batch size)."""
     head = ("task", "strategy", "share", "default ms", "best ms", "gain", "measured")
     rows = [head]
     for r in sorted(summary.rows, key=lambda r: (r["batch"], -r["share"])):

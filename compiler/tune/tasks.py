@@ -147,7 +147,7 @@ def set_shares(tasks: list, measured: bool = True) -> None:
     for t in tasks:
         for m in members(t):
             if m is not t:
-                m.default_ms = t.default_ms  # (the same kernel on the same GPU)
+                m.default_ms = t.default_ms  # (the same record: one key, one GPU)
             by_batch.setdefault((m.extra.get("model"), m.extra.get("model_batch", m.spec.N)), []).append(m)
     for group in by_batch.values():
         def cost(t):
@@ -248,7 +248,7 @@ def extract_tasks(model: str, arch: str, batches=(1,), layout: str = "NHWC", bit
         mod_qdq, info = import_model(model, opts, log)
         found = model_bits(mod_qdq)
         if bits is not None and bits != found and info.get("format") != "float":
-            raise QCompileError(f"--bits {bits} conflicts with the model, which is quantized as '{found}' "
+            raise QCompileError(f"--bits {bits} conflicts with '{model}', which is quantized as '{found}' "
                                 f"(omit --bits for an already-quantized model)")
         got = tasks_from_module(mod_qdq, arch, layout, tuning_logs, gpu, target, build)
         for t in got:

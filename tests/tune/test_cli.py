@@ -142,5 +142,6 @@ def test_several_models_in_one_run(fakes, tmp_path, capsys, monkeypatch):
     assert "m2a +1 b8 (2 models)" in out
     recs = [json.loads(ln) for ln in log.read_text().splitlines()]
     assert sum(r["variant"] == "default" for r in recs) == 3
-    assert cli.qtune_main([str(model), str(model), "-o", str(tmp_path / "u.jsonl")]) == 2
-    assert "named twice" in _err(capsys)
+    for twice in (str(model), str(tmp_path / "." / model.name)):
+        assert cli.qtune_main([str(model), twice, "-o", str(tmp_path / "u.jsonl")]) == 2
+        assert "named twice" in _err(capsys)

@@ -242,7 +242,25 @@ def test_several_models_tune_a_shared_task_once(tmp_path):
     assert set(s.model_gain) == {("A", 8), ("B", 8)}
     ratio = {r["key"]: r["best_ms"] / r["default_ms"] for r in s.rows}
     assert min(ratio.values()) < 1  # (something was gained)
-    for m, ts in (("A", a), ("B", b)):
-        want = 1 / sum(t.extra["model_share"] * ratio[t.key] for t in ts)
+    dflt = {t.key: cost_ms(t.spec, fake_space().default(t.spec, t.arch)) for t in a + b}  # (the fake GPU's times)
+    for m, ts in (("A", a), ("B", b)):  # (each model alone: its layers' default times, its own shares)
+        total = sum(t.weight * dflt[t.key] for t in ts)
+        want = 1 / sum(t.weight * dflt[t.key] / total * ratio[t.key] for t in ts)
         assert s.model_gain[(m, 8)] == pytest.approx(want)
+    assert [r["layers"] for r in recs if r["key"] == tasks[0].key][0] == 2  # (the shared task: both models' layers)
     assert "(2 models)" in format_summary(s) and "A batch 8: estimated whole-model gain" in format_summary(s)
+
+
+def test_first_round_goes_by_the_share_in_the_model_it_weighs_most_in(tmp_path):
+    """With several models a task gets its first round where its share of one model is at least FIRST_SHARE, even
+    where its mean over the models is below it."""
+    from qcompile.tune import scheduler as S
+
+    t = make_task(N=8, H=28, C=128, K=128)
+    spaces = {"implicit_gemm": fake_space(configs=True)}
+    tu = Tuner([t], FakeBuilder(), FakeRunner(), tmp_path / "t.jsonl", spaces=spaces, log=lambda s: None)
+    st = tu.states[0]
+    t.share, t.extra["model_share"] = S.FIRST_SHARE / 2, S.FIRST_SHARE * 1.5
+    assert tu.first_round(st)
+    t.extra["model_share"] = S.FIRST_SHARE / 2
+    assert not tu.first_round(st)

@@ -82,4 +82,5 @@ def test_several_models_share_a_task_and_weigh_the_same():
     assert tasks[1].share == pytest.approx(alone[0][1].share / 2) and sum(t.share for t in tasks) == pytest.approx(1)
     one = copy.deepcopy(alone[0])
     set_shares(one, measured=False)
-    assert [t.share for t in one] == [t.share for t in alone[0]]  # (one model: as before)
+    assert [t.share for t in one] == [t.share for t in alone[0]]  # (one model: the same again; fixed numbers:
+    # test_shares_use_measured_defaults_once_known)
