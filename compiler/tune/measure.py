@@ -885,8 +885,8 @@ def worker(args) -> int:
     """Measure the candidates of ``args.ids`` (all without) in this process, one JSON line per event to
     ``args.progress``: {"start": id} before a candidate, then its result record. The candidates of one shape run in a
     row on device buffers they share; the next ``AHEAD`` shapes' problems are drawn in the background meanwhile, in
-    parallel, as far as half the available memory holds them (on a GPU; on the CPU the timed kernels would share the cores with them: there each problem is drawn
-    when its turn comes).
+    parallel, as far as half the available memory holds them (on a GPU; on the CPU the timed kernels would share the
+    cores with them: there each problem is drawn when its turn comes).
     Returns 3 after a run_error (the device context may be lost: the supervisor starts a new worker for the rest)."""
     import tvm
 

@@ -359,10 +359,10 @@ class Tuner:
                              measured=len(st.measured), failed=sum(e.status != OK for e in st.measured.values()),
                              best_knobs=best_entry.knobs if best_entry else None, tunable=st.tunable))
             ratio = best / dflt if best and dflt else 1.0
-            for m in members(t) if several else [t]:
+            for m in members(t):  # (each model's copy, with its share of that model)
                 mb = m.extra.get("model_batch", m.spec.N)
-                by_batch.setdefault((m.extra.get("model"), mb) if several else b, []).append(
-                    (m.extra.get("model_share", m.share) if several else t.share, ratio))
+                by_batch.setdefault((m.extra.get("model"), mb) if several else mb, []).append(
+                    (m.extra.get("model_share", m.share), ratio))
         for b, parts in by_batch.items():
             total = sum(s * r for s, r in parts)
             gains[b] = 1.0 / total if total > 0 else 1.0
