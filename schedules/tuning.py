@@ -34,6 +34,7 @@ Default logs, first hit wins: ``$QCOMPILE_TUNING_DIR`` (when set, the only folde
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
 import os
@@ -41,6 +42,7 @@ import pathlib
 import re
 import threading
 import warnings
+import zlib
 
 from .spec import ConvSpec, GemmKnobs
 
@@ -53,6 +55,7 @@ KEY_FIELDS = ("layout", "N", "H", "W", "C", "K", "R", "S", "stride", "padding", 
               "groups", "has_residual")  # (groups: ``|gG`` where G > 1)
 KNOB_FIELDS = tuple(f.name for f in dataclasses.fields(GemmKnobs))
 LOG_SUFFIX = ".jsonl"
+TRAIN_SUFFIX = ".train.jsonl.gz"  # the cost model's packaged training measurements (``train_log_path``)
 # the strategy of a record that names none (logs written before records named their strategy)
 RECORD_STRATEGY = "implicit_gemm"
 # the kernel strategies records hold knobs for, and the module / class of each one's knobs (``knobs_type``)
@@ -290,6 +293,17 @@ def log_path(arch: str) -> pathlib.Path:
     return cands[0]
 
 
+def train_log_path(arch: str) -> pathlib.Path | None:
+    """The packaged measurements that train ``qtune``'s cost model first for ``arch`` (``ARCH.train.jsonl.gz`` in
+    the first of ``log_dirs`` holding one; ``scripts/make_train_log.py`` writes it); None where there is none. Never
+    read for knobs: lookups read ``ARCH.jsonl`` only."""
+    for d in log_dirs():
+        p = d / f"{arch}{TRAIN_SUFFIX}"
+        if p.is_file():
+            return p
+    return None
+
+
 def log_files(arch: str, logs=()) -> list[pathlib.Path]:
     """The files searched for ``arch``, in order: each of ``logs`` (a file, or a folder: its ``*.jsonl``, sorted),
     then the default log (``log_path``) where it exists."""
@@ -316,8 +330,12 @@ def _warn_once(path: pathlib.Path, why: str):
         if key in _WARNED:
             return
         _WARNED.add(key)
-    warnings.warn(f"qcompile.schedules: {why} ({path}); those layers take other records or the default knobs. "
-                  f"Regenerate it with qtune (see docs/TUNING.md).", TuningLogWarning, stacklevel=3)
+    if path.name.endswith(TRAIN_SUFFIX):  # (the cost model's training file: no layer reads it)
+        then = ("the cost model trains without those measurements. Regenerate it with scripts/make_train_log.py "
+                "(see tuning_logs/README.md).")
+    else:
+        then = "those layers take other records or the default knobs. Regenerate it with qtune (see docs/TUNING.md)."
+    warnings.warn(f"qcompile.schedules: {why} ({path}); {then}", TuningLogWarning, stacklevel=3)
 
 
 def read_log(path) -> list[Record]:
@@ -335,8 +353,8 @@ def read_log(path) -> list[Record]:
             return _CACHE[key][1]
     recs, bad = [], []
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    except (OSError, UnicodeDecodeError, EOFError, zlib.error) as e:  # (a damaged .gz: any of the last three)
         text, bad = "", [(0, f"unreadable ({type(e).__name__})")]
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():

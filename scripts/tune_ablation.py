@@ -3,7 +3,8 @@
 Two steps:
 
 1. ``pool`` (on a GPU host with the compiler): ``--per-task`` random legal points (the default knobs first) of the
-   ``--tasks`` largest implicit-GEMM tasks of a model (by the roofline estimate of their share), built in parallel and
+   ``--tasks`` largest implicit-GEMM tasks of a model (by the roofline estimate of their share; or the tasks of
+   ``--keys FILE`` among the models' tasks at the ``--batch`` sizes), built in parallel and
    measured on this host's GPU by qtune's local runner (every candidate checked bit for bit against the NumPy
    reference, then timed); written as tuning-log records.
 
@@ -15,15 +16,18 @@ Two steps:
 
    * ``model``: qtune's ranking without start points (``qtune --no-configs``; ``search.propose``'s rule) -- an
      XGBoost ``CostModel`` trained on what has been measured so far ranks the rest of the pool, the best
-     ``per_round - ceil(eps * per_round)`` are taken and the rest of the round at random; ``--warm``: the model is
-     also trained first on the other tasks' pools, less the points the task's own pool holds (what a run has
-     measured of its other tasks, or a transfer log);
+     ``per_round - ceil(eps * per_round)`` are taken and the rest of the round at random; ``--pretrained FILE``: the
+     model is first trained on qtune's packaged measurements (``tuning_logs/sm_90.train.jsonl.gz``, what ``qtune``
+     trains on by default) less every record of the task's conv geometry (at any batch size, bit width or
+     epilogue); ``--warm``: on the other tasks' pools, less those of the task's conv geometry and the points the
+     task's own pool holds (what a run has measured of its other tasks); one of the two (the packaged file holds the
+     pools);
    * ``random``: the pool in random order.
 
-   Reported per task: trials (the default included) until the best time so far is within ``--level`` of the pool's
-   best throughput (``ms <= best / level``), counted in whole rounds as qtune builds and measures them (``--count
-   rounds``, the default) or candidate by candidate; median and mean over the seeds, and how often the model needs at
-   most half the random trials.
+   Reported per task (a task: one key measured on one GPU): trials (the default included) until the best time so
+   far is within ``--level`` of the pool's best throughput (``ms <= best / level``), counted in whole rounds as
+   qtune builds and measures them and (``candidates``) candidate by candidate; median and mean over the seeds, and
+   how often the model needs at most half the random trials. Tasks replay in parallel processes (``--jobs``).
 
        python scripts/tune_ablation.py replay pool0.jsonl pool1.jsonl --seeds 200 -o ablation.json
 
@@ -38,6 +42,7 @@ import datetime
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import time
@@ -59,9 +64,20 @@ def pool(a) -> int:
     from qcompile.tune.tasks import extract_tasks, set_shares
 
     t0 = time.time()
-    tasks = extract_tasks(a.model, a.arch, (a.batch,), "NHWC", None, None, None, None, (), None, lambda s: None)
-    set_shares(tasks, measured=False)
-    tasks = sorted((t for t in tasks if t.strategy == "implicit_gemm"), key=lambda t: -t.share)[:a.tasks]
+    found: dict = {}
+    for model in a.models:
+        got = extract_tasks(model, a.arch, tuple(a.batch), "NHWC", None, None, None, None, (), None, lambda s: None)
+        set_shares(got, measured=False)
+        for t in got:
+            found.setdefault(t.key, t)
+    if a.keys:  # (the tasks named, in the file's order)
+        want = [ln.split()[0] for ln in open(a.keys) if ln.strip() and not ln.startswith("#")]
+        missing = [k for k in want if k not in found]
+        if missing:
+            raise SystemExit(f"{a.keys}: no task of the models at batch {a.batch} has key {missing[0]}")
+        tasks = [found[k] for k in want]
+    else:
+        tasks = sorted((t for t in found.values() if t.strategy == "implicit_gemm"), key=lambda t: -t.share)[:a.tasks]
     k, n = (int(x) for x in a.part.split("/"))
     mine = tasks[k::n]
     print(f"{len(tasks)} tasks, this part {len(mine)}: " + ", ".join(f"{t.key} ({100 * t.share:.1f}%)" for t in mine)
@@ -86,6 +102,8 @@ def pool(a) -> int:
     built = LocalBuilder(jobs=a.jobs, build_dir=a.build_dir, timeout=a.build_timeout).build(cands)
     print(f"built {sum(1 for b in built if b.error is None and b.path)} of {len(cands)} candidates in "
           f"{time.time() - t1:.0f} s", flush=True)
+    if a.build_only:  # (the kernels are in the kernel cache now: a later run of the same pool builds faster)
+        return 0
     runner = LocalRunner("cuda", a.device_id, seed=a.seed, log=None if a.quiet else (lambda s: print("  " + s, flush=True)))
     dev = runner.device()
     status: dict = {}
@@ -129,6 +147,12 @@ def _same_point(space, spec, r, own: set) -> bool:
         return r.strategy == space.strategy and kid(space, spec, r.arch, r.knobs) in own
     except Exception:  # noqa: BLE001  (knobs the shape's space cannot normalise: not one of its points)
         return False
+
+
+def _conv(key: str) -> str:
+    """A task key's conv geometry: the key without its batch size, bit widths and residual flag (the same conv at any
+    batch size, precision or epilogue)."""
+    return "|".join(f for f in key.split("|") if not re.fullmatch(r"N\d+|[xw]\d+|res", f))
 
 
 def trials_to_level(order_fn, ms: list, target: float) -> int:
@@ -186,8 +210,33 @@ def replay_task(space, spec, arch: str, knobs: list, ms: list, sms, seed: int, p
     return trials_to_level(model_order, ms, target), trials_to_level(random_order, ms, target)
 
 
-def replay(a) -> int:
+def _replay_one(job):
+    """One task's replay over every seed (a process of ``--jobs``): the trials, candidate by candidate, of the
+    model's order and of random order per seed."""
+    from qcompile.cli import _import_driver_without_torch
+
+    _import_driver_without_torch()
+    from qcompile.schedules.space import SPACES
+    from qcompile.schedules.tuning import spec_from_key
+
+    key, strategy, arch, sms, knobs, ms, warm, seeds, per_round, eps, level = job
+    warm = [(SPACES[st], spec_from_key(k), kn, t, g) for st, k, kn, t, g in warm] if warm is not None else None
+    return [replay_task(SPACES[strategy], spec_from_key(key), arch, knobs, ms, sms, s, per_round, eps, level, warm)
+            for s in range(seeds)]
+
+
+def _stats(pairs) -> dict:
     import numpy as np
+
+    m, rnd = np.array([x for x, _ in pairs]), np.array([y for _, y in pairs])
+    return dict(model_median=float(np.median(m)), model_mean=round(float(m.mean()), 2),
+                random_median=float(np.median(rnd)), random_mean=round(float(rnd.mean()), 2),
+                ratio_of_means=round(float(m.mean() / rnd.mean()), 3),
+                model_at_most_half=round(float(np.mean(m <= rnd / 2)), 3))
+
+
+def replay(a) -> int:
+    from concurrent.futures import ProcessPoolExecutor
 
     from qcompile.cli import _import_driver_without_torch
 
@@ -199,56 +248,60 @@ def replay(a) -> int:
     for p in a.pools:
         recs += read_log(p)
     tasks: dict = {}
-    for r in recs:
-        tasks.setdefault(r.key, []).append(r)
+    for r in recs:  # (a task: one key measured on one GPU)
+        tasks.setdefault((r.device, r.key), []).append(r)
     out = dict(date=datetime.date.today().isoformat(), command="python scripts/tune_ablation.py replay "
                + " ".join(map(shlex.quote, sys.argv[2:] if a.argv is None else a.argv)),
-               level=a.level, per_round=a.per_round, eps=a.eps, seeds=a.seeds, warm=a.warm, count=a.count, tasks=[])
-    ok_of = {key: [r for r in rs if r.ok and r.ms] for key, rs in tasks.items()}
-    for key, rs in tasks.items():
-        ok = ok_of[key]
+               level=a.level, per_round=a.per_round, eps=a.eps, seeds=a.seeds, warm=a.warm,
+               pretrained=a.pretrained, tasks=[])
+    ok_of = {t: [r for r in rs if r.ok and r.ms] for t, rs in tasks.items()}
+    train = read_log(a.pretrained) if a.pretrained else []
+    jobs, rows = [], []
+    for (device, key), rs in tasks.items():
+        ok = ok_of[(device, key)]
         space = SPACES.get(rs[0].strategy)
         spec = spec_from_key(key)
         if (space is None or len(ok) < 2 or ok[0].knobs != rs[0].knobs
                 or kid(space, spec, rs[0].arch, rs[0].knobs) != kid(space, spec, rs[0].arch,
                                                                      space.default(spec, rs[0].arch))):
-            print(f"{key}: skipped ({len(ok)} OK records, or its first record is not the default, OK)", flush=True)
+            print(f"{device} {key}: skipped ({len(ok)} OK records, or its first record is not the default, OK)",
+                  flush=True)
             continue
-        knobs, ms = [r.knobs for r in ok], [r.ms for r in ok]
         warm = None
-        if a.warm:  # (the other pools' points, less those this task's pool holds too: no peeking at its own)
+        if a.warm:  # (the other pools, less those of this conv's geometry and the points this task's pool holds)
             own = {kid(space, spec, r.arch, r.knobs) for r in rs}  # (another pool's point as this shape builds it)
-            warm = [(SPACES[r.strategy], spec_from_key(k), r.knobs, r.ms, k) for k, o in ok_of.items() if k != key
+            warm = [(r.strategy, t[1], r.knobs, r.ms, t) for t, o in ok_of.items() if _conv(t[1]) != _conv(key)
                     for r in o if r.strategy in SPACES and not _same_point(space, spec, r, own)]
-        res = [replay_task(space, spec, ok[0].arch, knobs, ms, ok[0].sms, s, a.per_round, a.eps, a.level, warm)
-               for s in range(a.seeds)]
-        if a.count == "rounds":
-            res = [(whole_rounds(x, a.per_round), whole_rounds(y, a.per_round)) for x, y in res]
-        m = np.array([x[0] for x in res])
-        rnd = np.array([x[1] for x in res])
+        if a.pretrained:  # (the packaged training measurements, less every record of this conv's geometry)
+            warm = (warm or []) + [(r.strategy, r.key, r.knobs, r.ms, ("train", r.device, r.key)) for r in train
+                                   if r.ok and r.ms and r.strategy in SPACES and _conv(r.key) != _conv(key)]
+        ms = [r.ms for r in ok]
+        jobs.append((key, rs[0].strategy, ok[0].arch, ok[0].sms, [r.knobs for r in ok], ms, warm, a.seeds,
+                     a.per_round, a.eps, a.level))
         target = min(ms) / a.level
-        row = dict(key=key, device=ok[0].device, pool=len(rs), ok=len(ok), not_ok=len(rs) - len(ok),
-                   default_ms=ms[0], best_ms=min(ms), within_level=int(sum(t <= target for t in ms)),
-                   model_median=float(np.median(m)), model_mean=round(float(m.mean()), 2),
-                   random_median=float(np.median(rnd)), random_mean=round(float(rnd.mean()), 2),
-                   ratio_of_means=round(float(m.mean() / rnd.mean()), 3),
-                   model_at_most_half=round(float(np.mean(m <= rnd / 2)), 3))
+        rows.append(dict(key=key, device=device, pool=len(rs), ok=len(ok), not_ok=len(rs) - len(ok),
+                         default_ms=ms[0], best_ms=min(ms), within_level=int(sum(t <= target for t in ms))))
+    with ProcessPoolExecutor(max(1, a.jobs)) as ex:
+        results = list(ex.map(_replay_one, jobs))
+    for row, res in zip(rows, results):
+        row.update(_stats([(whole_rounds(x, a.per_round), whole_rounds(y, a.per_round)) for x, y in res]))
+        row["candidates"] = _stats(res)
         out["tasks"].append(row)
-        print(f"{key}: pool {row['pool']} ({row['ok']} OK, {row['within_level']} within {a.level:.0%} of the best "
-              f"{row['best_ms']} ms, default {row['default_ms']} ms); trials to reach it, median / mean over "
-              f"{a.seeds} seeds: model {row['model_median']:g} / {row['model_mean']}, random "
-              f"{row['random_median']:g} / {row['random_mean']}; model <= half of random in "
-              f"{100 * row['model_at_most_half']:.0f}% of seeds", flush=True)
+        print(f"{row['device']} {row['key']}: pool {row['pool']} ({row['ok']} OK, {row['within_level']} within "
+              f"{a.level:.0%} of the best {row['best_ms']} ms, default {row['default_ms']} ms); trials to reach it "
+              f"(whole rounds), median / mean over {a.seeds} seeds: model {row['model_median']:g} / "
+              f"{row['model_mean']}, random {row['random_median']:g} / {row['random_mean']}; model <= half of "
+              f"random in {100 * row['model_at_most_half']:.0f}% of seeds", flush=True)
     # (a task whose default already reaches the level says nothing about the search: left out of the sums)
     searched = [r for r in out["tasks"] if r["default_ms"] > r["best_ms"] / a.level]
     if searched:
-        mm = sum(r["model_mean"] for r in searched)
-        rm = sum(r["random_mean"] for r in searched)
         out["searched_tasks"] = len(searched)
-        out["sum_model_mean"], out["sum_random_mean"] = round(mm, 2), round(rm, 2)
-        out["ratio"] = round(mm / rm, 3)
-        print(f"{len(searched)} tasks whose default is below the level: mean trials to reach it, summed: model "
-              f"{mm:.1f}, random {rm:.1f} (ratio {mm / rm:.2f})")
+        for name, get in (("rounds", lambda r: r), ("candidates", lambda r: r["candidates"])):
+            mm = sum(get(r)["model_mean"] for r in searched)
+            rm = sum(get(r)["random_mean"] for r in searched)
+            out[name] = dict(sum_model_mean=round(mm, 2), sum_random_mean=round(rm, 2), ratio=round(mm / rm, 3))
+            print(f"{len(searched)} tasks whose default is below the level: mean trials to reach it ({name}), "
+                  f"summed: model {mm:.1f}, random {rm:.1f} (ratio {mm / rm:.2f})")
     if a.output:
         with open(a.output, "w") as f:
             json.dump(out, f, indent=1)
@@ -259,10 +312,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pool", help="build and measure random pools of a model's largest tasks (GPU host)")
-    p.add_argument("model")
+    p.add_argument("models", nargs="+", metavar="model")
     p.add_argument("--arch", default="sm_90")
-    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--batch", type=int, nargs="+", default=[256])
     p.add_argument("--tasks", type=int, default=6, help="the largest implicit-GEMM tasks (roofline share)")
+    p.add_argument("--keys", help="a file of task keys, one a line ('#' comments): these tasks, in this order, "
+                   "instead of the largest")
+    p.add_argument("--build-only", action="store_true", help="build the candidates (filling the kernel cache), "
+                   "measure nothing")
     p.add_argument("--part", default="0/1", help="K/N: this process takes tasks K, K+N, ... (one GPU each)")
     p.add_argument("--per-task", type=int, default=100, help="candidates per task, the default first")
     p.add_argument("--seed", type=int, default=0)
@@ -278,10 +335,12 @@ def main(argv=None) -> int:
     r.add_argument("--per-round", type=int, default=8, help="candidates per round (qtune's --per-round)")
     r.add_argument("--eps", type=float, default=0.1, help="share of a round taken at random (qtune's)")
     r.add_argument("--level", type=float, default=0.95, help="the fraction of the pool's best throughput to reach")
-    r.add_argument("--warm", action="store_true", help="train the model on the other tasks' pools first (less the "
-                   "points of the task's own pool)")
-    r.add_argument("--count", choices=("candidates", "rounds"), default="rounds",
-                   help="trials counted per candidate, or per whole round as qtune spends them (default)")
+    r.add_argument("--warm", action="store_true", help="train the model on the other tasks' pools first (less "
+                   "those of the task's conv geometry and the points of the task's own pool)")
+    r.add_argument("--pretrained", metavar="TRAIN.jsonl.gz", help="train the model first on these measurements (qtune's "
+                   "packaged ones: tuning_logs/sm_90.train.jsonl.gz), less every record of the task's conv "
+                   "geometry (any batch size, bit width or residual add)")
+    r.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (tasks replayed in parallel)")
     r.add_argument("-o", "--output")
     a = ap.parse_args(argv)
     a.argv = argv

@@ -157,6 +157,43 @@ def test_log_is_package_data():
     assert TU.log_path("sm_90").is_file() and not TU.log_path("sm_90").with_suffix(".json").exists()
 
 
+def test_packaged_training_measurements(tmp_path):
+    """tuning_logs/sm_90.train.jsonl.gz (qtune's cost model trains on it first): package data, gzip JSON lines that
+    load without a warning, OK timed sm_90 records of the strategies with a space, one per GPU, task, strategy and
+    effective knobs; never read by lookups; exactly what scripts/make_train_log.py writes from the committed
+    measurement logs. A damaged .gz file is skipped with a warning naming the script that writes it."""
+    import gzip
+    import pathlib
+    import subprocess
+    import sys
+    import tomllib
+
+    from qcompile.schedules.space import SPACES
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    pp = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "*.train.jsonl.gz" in pp["package-data"]["qcompile.tuning_logs"]
+    path = TU.train_log_path("sm_90")
+    assert path is not None and path.name == "sm_90.train.jsonl.gz" and TU.train_log_path("sm_75") is None
+    assert path not in TU.log_files("sm_90", [path.parent])  # (a folder given to qcompile: its *.jsonl only)
+    recs = _no_warnings(TU.read_log, path)
+    assert len(recs) > 5000 and len(recs) == len(gzip.decompress(path.read_bytes()).decode().splitlines())
+    assert {r.arch for r in recs} == {"sm_90"} and all(r.ok and r.ms > 0 and r.strategy in SPACES for r in recs)
+    ids = {(r.device, r.key, r.strategy, json.dumps(SPACES[r.strategy].to_dict(SPACES[r.strategy].effective(
+        TU.spec_from_key(r.key), r.arch, r.knobs)), sort_keys=True, default=str)) for r in recs}
+    assert len(ids) == len(recs) and len({r.device for r in recs}) == 2
+    out = tmp_path / "again.jsonl.gz"
+    subprocess.run([sys.executable, str(root / "scripts" / "make_train_log.py"), "--arch", "sm_90", "-o", str(out)],
+                   check=True, capture_output=True)
+    assert gzip.decompress(out.read_bytes()) == gzip.decompress(path.read_bytes())
+    good = gzip.compress(b"\n".join(gzip.decompress(path.read_bytes()).splitlines()[:50]) + b"\n")
+    for i, data in enumerate((b"not gzip", good[:len(good) // 2], good[:12] + bytes(len(good) - 12))):
+        bad = tmp_path / f"bad{i}.train.jsonl.gz"  # (not gzip, cut short, damaged after its header)
+        bad.write_bytes(data)
+        with pytest.warns(TU.TuningLogWarning, match="unreadable.*scripts/make_train_log.py"):
+            assert TU.read_log(bad) == []
+
+
 def test_key_is_stable_and_ignores_the_epilogue_but_the_residual():
     a = ConvSpec(N=64, H=14, W=14, C=256, K=256, R=3, S=3, stride=1, padding=1, x_dtype="uint8", out_dtype="uint8")
     b = a.replace(stride=(1, 1), padding=(1, 1, 1, 1), x_dtype="int8", out_dtype="int32", zo=5, lo=-3)

@@ -92,6 +92,9 @@ def _parser(factories=None) -> argparse.ArgumentParser:
     ap.add_argument("--tuning-log", action="append", default=[], metavar="PATH",
                     help="other tuning logs (files or folders) whose records warm-start the cost model (other "
                          "shapes, batch sizes, GPUs) and whose knobs are measured as a starting point; repeatable")
+    ap.add_argument("--no-pretrained", dest="pretrained", action="store_false",
+                    help="start the cost model empty: not trained first on the packaged measurements of --arch "
+                         "(tuning_logs/ARCH.train.jsonl.gz, other shapes measured on other GPUs)")
     ap.add_argument("--no-configs", dest="configs", action="store_false",
                     help="no start points: each task's first round comes from the sampled pool, and the scheduler's "
                          "gradient picks tasks from the first round on")
@@ -253,8 +256,20 @@ def _run(a, log, factories) -> int:
            if len(a.model) > 1 else ""))
     from .scheduler import Tuner, format_summary, format_time
 
+    transfer = tuple(a.tuning_log)
+    if model is not None and a.pretrained:
+        from qcompile.schedules.tuning import read_log, train_log_path
+
+        train = train_log_path(a.arch)
+        n = len(read_log(train)) if train is not None else 0  # (a damaged file: a warning names it, and 0 records)
+        if n:
+            transfer += (str(train),)
+            log(f"cost model: trained first on {n} packaged measurements of {a.arch} ({train.name}; --no-pretrained: "
+                f"start empty)")
+        elif train is not None:
+            log(f"cost model: {train} holds no measurement it can read; the model starts empty")
     pending = tuple(e for e in (getattr(runners_mod, "OfflineBatchPending", None),) if e is not None)
-    tuner = Tuner(tasks, builder, runner, a.output, model=model, transfer=tuple(a.tuning_log), seed=a.seed,
+    tuner = Tuner(tasks, builder, runner, a.output, model=model, transfer=transfer, seed=a.seed,
                   batch=a.per_round, log=log, pending=pending, tasks_per_round=a.tasks_per_round,
                   configs=a.configs)
     summary = tuner.run(trials=trials, minutes=a.minutes)

@@ -61,7 +61,7 @@ class Summary:
     trials: int = 0
     deferred: bool = False
     stop: str = ""
-    spent: dict = field(default_factory=dict)  # wall seconds: build, measure (and built: candidates built)
+    spent: dict = field(default_factory=dict)  # wall seconds: build, measure, model (and built: candidates built)
 
 
 class Tuner:
@@ -86,7 +86,14 @@ class Tuner:
         self.device = None
         self.trials = 0
         self._t0 = clock()  # (each record's ``elapsed_s``: seconds since this run started when it was measured)
-        self.spent = dict(build=0.0, measure=0.0, built=0)  # (wall seconds in the builder / the runner; candidates)
+        # (wall seconds in the builder / the runner / training the cost model; candidates built)
+        self.spent = dict(build=0.0, measure=0.0, model=0.0, built=0)
+
+    def _fit(self) -> None:
+        """Retrain the cost model (its wall time counted in ``spent["model"]``)."""
+        t = self.clock()
+        self.model.fit()
+        self.spent["model"] = self.spent.get("model", 0.0) + self.clock() - t
 
     # ---- the log ------------------------------------------------------------------------------------------------
     def _read(self, path) -> list:
@@ -117,7 +124,7 @@ class Tuner:
             for p in self.transfer:
                 recs += self._read(p)
             self.model.add_records(recs, self.spaces, spec_from_key)
-            self.model.fit()
+            self._fit()
         return found
 
     def _append(self, lines: list) -> None:
@@ -274,7 +281,7 @@ class Tuner:
             if merged:
                 self.log(f"{merged} measurements merged from the imported results")
                 if self.model is not None:
-                    self.model.fit()
+                    self._fit()
         untunable = sorted({st.task.strategy for st in self.states if not st.tunable})
         units = "cores" if self.device.arch.startswith("cpu") else "SMs"
         self.log(f"tuning {sum(st.tunable for st in self.states)} tasks on {self.device.name} ({self.device.arch}, "
@@ -295,7 +302,7 @@ class Tuner:
                 todo = todo[n:]
             self._shares()
             if self.model is not None:
-                self.model.fit()
+                self._fit()
             for st in self.states:
                 if st.default_ms:
                     self._progress(st, "baseline")
@@ -317,7 +324,7 @@ class Tuner:
                     st.rounds += 1
                     st.gains.append(max(0.0, (b - st.best_ms) / b) if b and st.best_ms else 0.0)
                 if self.model is not None:
-                    self.model.fit()
+                    self._fit()
                 for st, _ in picked:
                     self._progress(st)
             else:
@@ -401,12 +408,15 @@ def format_summary(summary: Summary) -> str:
 
 
 def format_time(spent: dict, phases=()) -> str:
-    """Where a run's time went: wall seconds in the builder and in the runner (``Summary.spent``) and, where the
-    runner reports them (``phases``: one dict per measured candidate, ``measure.measure_entry``'s), the mean seconds
-    per candidate of each phase (``setup`` includes waiting for the shape's inputs and reference)."""
+    """Where a run's time went: wall seconds in the builder, in the runner and training the cost model
+    (``Summary.spent``) and, where the runner reports them (``phases``: one dict per measured candidate,
+    ``measure.measure_entry``'s), the mean seconds per candidate of each phase (``setup`` includes waiting for the
+    shape's inputs and reference)."""
     n = spent.get("built", 0)
     line = (f"time: building {spent.get('build', 0.0):.0f} s ({n} candidates"
             + (f", {spent['build'] / n:.2f} s each" if n else "") + f"), measuring {spent.get('measure', 0.0):.0f} s")
+    if spent.get("model", 0.0) >= 0.5:
+        line += f", training the cost model {spent['model']:.0f} s"
     phases = list(phases)
     if phases:
         names = list(dict.fromkeys(k for p in phases for k in p))

@@ -145,3 +145,43 @@ def test_several_models_in_one_run(fakes, tmp_path, capsys, monkeypatch):
     for twice in (str(model), str(tmp_path / "." / model.name)):
         assert cli.qtune_main([str(model), twice, "-o", str(tmp_path / "u.jsonl")]) == 2
         assert "named twice" in _err(capsys)
+
+
+def test_the_cost_model_is_pretrained_on_the_packaged_measurements(fakes, tmp_path, capsys, monkeypatch):
+    """With the cost model, qtune trains it first on ARCH.train.jsonl.gz of the tuning folder (one line says how
+    many measurements); --no-pretrained, or random search, does not read it."""
+    import gzip
+    import pathlib
+
+    if not _have_xgboost():
+        pytest.skip("xgboost not installed")
+    import qcompile.tune.scheduler as S
+
+    model, _ = fakes
+    src = pathlib.Path(__file__).resolve().parents[2] / "tuning_logs" / "sm_90.train.jsonl.gz"
+    lines = gzip.decompress(src.read_bytes()).decode().splitlines()[:40]
+    folder = tmp_path / "no_default_logs"
+    folder.mkdir()
+    (folder / "sm_90.train.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    seen = []
+
+    class Spy(S.Tuner):
+        def __init__(self, *a, **k):
+            seen.append(k.get("transfer"))
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(S, "Tuner", Spy)
+    log = tmp_path / "t.jsonl"
+    assert cli.qtune_main([str(model), "-o", str(log), "--trials", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "cost model: trained first on 40 packaged measurements of sm_90 (sm_90.train.jsonl.gz" in out
+    assert seen[-1] == (str(folder / "sm_90.train.jsonl.gz"),)
+    for flags in (["--no-pretrained"], ["--search", "random"]):
+        assert cli.qtune_main([str(model), "-o", str(tmp_path / f"{flags[-1]}.jsonl"), "--trials", "4"] + flags) == 0
+        assert "packaged measurements" not in capsys.readouterr().out and seen[-1] == ()
+    (folder / "sm_90.train.jsonl.gz").write_bytes(b"damaged")  # (a warning names it; the model starts empty)
+    TU.clear_cache()
+    assert cli.qtune_main([str(model), "-o", str(tmp_path / "d.jsonl"), "--trials", "4"]) == 0
+    got = capsys.readouterr()
+    assert "holds no measurement it can read; the model starts empty" in got.out and seen[-1] == ()
+    assert "qtune: warning:" in got.err and "unreadable" in got.err and "make_train_log.py" in got.err

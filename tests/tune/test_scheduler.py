@@ -192,8 +192,8 @@ def test_every_task_gets_its_start_points_before_the_gradient(tmp_path, monkeypa
 
 
 def test_time_is_split_between_building_and_measuring(tmp_path):
-    """The summary's ``spent``: the builder's and the runner's wall seconds and the candidates built, from the
-    tuner's clock; ``format_time`` states them with the runner's per-candidate phases."""
+    """The summary's ``spent``: the builder's and the runner's wall seconds, the cost model's training and the
+    candidates built, from the tuner's clock; ``format_time`` states them with the runner's per-candidate phases."""
     from qcompile.tune.scheduler import format_time
 
     now = [0.0]
@@ -225,6 +225,32 @@ def test_time_is_split_between_building_and_measuring(tmp_path):
     line = format_time(s.spent, [dict(setup=1.0, check=0.5), dict(setup=3.0, check=0.5, time=0.25)])
     assert line == ("time: building 40 s (20 candidates, 2.00 s each), measuring "
                     f"{0.5 * ran:.0f} s (2 candidates; per candidate, s: setup 2.000, check 0.500, time 0.125)")
+
+    class SlowModel:  # (the cost model's retraining, once after the baseline and once a round: its own time)
+        fits = 0
+
+        def fit(self):
+            now[0] += 3.0
+            self.fits += 1
+
+        def add_records(self, *a, **k):
+            return 0
+
+        def add(self, *a, **k):
+            pass
+
+        def trained(self, strategy):
+            return False
+
+        def score(self, space, spec, arch, knobs_list, sms=None):
+            return [0.0] * len(knobs_list)
+
+    model = SlowModel()
+    m = _tuner([make_task(N=8, H=7, C=512, K=512)], tmp_path / "m.jsonl", SlowRunner(), SlowBuilder(),
+               clock=lambda: now[0], model=model).run(trials=20)
+    assert model.fits >= 3 and m.spent["model"] == pytest.approx(3.0 * model.fits)
+    assert m.spent["build"] == pytest.approx(2.0 * 20) and m.spent["built"] == 20
+    assert format_time(m.spent).endswith(f", training the cost model {3.0 * model.fits:.0f} s")
 
 
 def test_several_models_tune_a_shared_task_once(tmp_path):
