@@ -20,8 +20,8 @@ Two steps:
      model is first trained on qtune's packaged measurements (``tuning_logs/sm_90.train.jsonl.gz``, what ``qtune``
      trains on by default) less every record of the task's conv geometry (at any batch size, bit width or
      epilogue); ``--warm``: on the other tasks' pools, less those of the task's conv geometry and the points the
-     task's own pool holds (what a run has measured of its other tasks); one of the two (the packaged file holds the
-     pools);
+     task's own pool holds (what a run has measured of its other tasks); given both, the pools count twice (the
+     packaged file holds them);
    * ``random``: the pool in random order.
 
    Reported per task (a task: one key measured on one GPU): trials (the default included) until the best time so
