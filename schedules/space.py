@@ -42,6 +42,7 @@ the builders refuse the points it refuses with the same reason before building a
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -128,6 +129,11 @@ class KernelSpace:
 
     def feature_names(self) -> list[str]:
         return list(SHAPE_FEATURES) + list(self.dims) + list(self.derived_names)
+
+    def point_id(self, spec: ConvSpec, arch: str, knobs) -> str:
+        """A point's identity for ``spec``: its effective knobs (``effective``) as sorted JSON -- two points the
+        builder turns into one kernel have one id."""
+        return json.dumps(self.to_dict(self.effective(spec, arch, knobs)), sort_keys=True, default=str)
 
     def to_dict(self, knobs) -> dict:
         return {f.name: getattr(knobs, f.name) for f in dataclasses.fields(knobs)}

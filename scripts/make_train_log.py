@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import glob
 import gzip
-import json
 import os
 import sys
 
@@ -40,10 +39,9 @@ def main(argv=None) -> int:
             if r.arch != a.arch or not r.ok or not r.ms or sp is None:
                 continue
             try:
-                eff = sp.effective(spec_from_key(r.key), r.arch, r.knobs)
+                ident = (r.device, r.key, r.strategy, sp.point_id(spec_from_key(r.key), r.arch, r.knobs))
             except Exception:  # noqa: BLE001  (knobs the shape's space cannot normalise: not a point it builds)
                 continue
-            ident = (r.device, r.key, r.strategy, json.dumps(sp.to_dict(eff), sort_keys=True, default=str))
             if ident not in best or r.ms < best[ident].ms:
                 best[ident] = r
     lines = sorted(format_record(make_record(r.arch, r.device, r.sms, r.key, r.strategy, r.knobs, r.status, r.ms))
@@ -52,7 +50,7 @@ def main(argv=None) -> int:
     with open(out, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", filename="", mtime=0) as g:
         g.write(("\n".join(lines) + "\n").encode())
     devices = sorted({r.device for r in best.values()})
-    print(f"wrote {out}: {len(lines)} records of {len({r.key for r in best.values()})} tasks on "
+    print(f"wrote {out}: {len(lines)} records of {len({r.key for r in best.values()})} keys on "
           f"{', '.join(devices)}, from {len(paths)} logs ({os.path.getsize(out) // 1024} KiB)")
     return 0
 

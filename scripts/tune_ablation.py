@@ -137,7 +137,7 @@ def pool(a) -> int:
 # ---- 2. replay ------------------------------------------------------------------------------------------------------
 def kid(space, spec, arch: str, knobs) -> str:
     """A point's identity: its effective knobs (``TaskState.knobs_id``: two points of one kernel are one)."""
-    return json.dumps(space.to_dict(space.effective(spec, arch, knobs)), sort_keys=True, default=str)
+    return space.point_id(spec, arch, knobs)
 
 
 def _same_point(space, spec, r, own: set) -> bool:

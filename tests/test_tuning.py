@@ -179,8 +179,8 @@ def test_packaged_training_measurements(tmp_path):
     recs = _no_warnings(TU.read_log, path)
     assert len(recs) > 5000 and len(recs) == len(gzip.decompress(path.read_bytes()).decode().splitlines())
     assert {r.arch for r in recs} == {"sm_90"} and all(r.ok and r.ms > 0 and r.strategy in SPACES for r in recs)
-    ids = {(r.device, r.key, r.strategy, json.dumps(SPACES[r.strategy].to_dict(SPACES[r.strategy].effective(
-        TU.spec_from_key(r.key), r.arch, r.knobs)), sort_keys=True, default=str)) for r in recs}
+    ids = {(r.device, r.key, r.strategy, SPACES[r.strategy].point_id(TU.spec_from_key(r.key), r.arch, r.knobs))
+           for r in recs}
     assert len(ids) == len(recs) and len({r.device for r in recs}) == 2
     out = tmp_path / "again.jsonl.gz"
     subprocess.run([sys.executable, str(root / "scripts" / "make_train_log.py"), "--arch", "sm_90", "-o", str(out)],

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -65,8 +64,7 @@ class TaskState:
         return self.task.arch
 
     def knobs_id(self, knobs) -> str:
-        eff = self.space.effective(self.spec, self.arch, knobs)
-        return json.dumps(self.space.to_dict(eff), sort_keys=True, default=str)
+        return self.space.point_id(self.spec, self.arch, knobs)
 
     def add(self, knobs, status: str, ms: Optional[float], variant: str = "") -> str:
         kid = self.knobs_id(knobs)
